@@ -1,0 +1,59 @@
+// What a user asks for: the attention problem (AttentionSpec) and how it is split over ranks (ParallelSpec),
+// and the rules that say whether the pair can run (validate). Every rule is in DESIGN.md "Validation".
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cpattn/error.hpp"
+#include "cpattn/tensor.hpp"
+
+namespace cpattn {
+
+enum class Strategy { all_gather, ulysses };
+// How the caller's sequence shards are laid out: contiguous (rank r holds [r*S/cp, (r+1)*S/cp)) or
+// dual_chunk_swap (2*cp chunks; rank r holds chunks r and 2*cp-1-r).
+enum class ShardLayout { contiguous, dual_chunk_swap };
+
+const char* to_string(Strategy strategy);
+const char* to_string(ShardLayout layout);
+Strategy parse_strategy(const std::string& text, const std::string& field = "strategy");
+ShardLayout parse_layout(const std::string& text, const std::string& field = "layout");
+
+// The largest head dim the kernels take (their accumulators live on the stack per row).
+inline constexpr std::int64_t kMaxHeadDim = 512;
+
+struct AttentionSpec {
+  std::int64_t batch = 1;
+  std::int64_t seq_len = 0;  // S: tokens of one whole (packed) row, over all ranks
+  std::int64_t num_q_heads = 0;
+  std::int64_t num_kv_heads = 0;
+  std::int64_t head_dim = 0;
+  bool causal = true;
+  DType dtype = DType::f32;
+  std::optional<double> softmax_scale;  // default 1/sqrt(head_dim)
+
+  double scale() const;
+  std::int64_t group_size() const { return num_q_heads / num_kv_heads; }  // G = Hq / Hkv
+};
+
+struct ParallelSpec {
+  std::int64_t cp = 1;
+  Strategy strategy = Strategy::all_gather;
+  bool load_balance = false;
+  std::optional<ShardLayout> layout;  // default: dual_chunk_swap with load balance, else contiguous
+  std::int64_t tp = 1;                // tensor parallel degree over heads
+
+  ShardLayout effective_layout() const {
+    return layout.value_or(load_balance ? ShardLayout::dual_chunk_swap : ShardLayout::contiguous);
+  }
+};
+
+// Every rule the pair breaks, all at once (empty when valid).
+std::vector<ErrorItem> validation_errors(const AttentionSpec& attention, const ParallelSpec& parallel);
+// Throws Error(invalid_config) with every broken rule.
+void validate(const AttentionSpec& attention, const ParallelSpec& parallel);
+
+}  // namespace cpattn

@@ -1,0 +1,45 @@
+// Errors: one mechanism for the whole library. Everything that rejects input throws cpattn::Error, which
+// carries one or more ErrorItems, each naming the field(s), the offending value and what would be valid.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace cpattn {
+
+enum class ErrorKind {
+  invalid_config,   // a spec or flag that breaks a rule (validation)
+  invalid_input,    // tensors, files or configs whose content is wrong
+  communication,    // a collective failed: a peer rank failed, a mismatch, a timeout, an MPI error
+  internal,         // an invariant inside cpattn broke (a bug)
+};
+
+const char* to_string(ErrorKind kind);
+
+struct ErrorItem {
+  std::vector<std::string> fields;  // the offending field(s); first is the main one
+  std::string value;                // the offending value(s), as text
+  std::string message;              // the whole sentence, with the valid range
+};
+
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorKind kind, std::vector<ErrorItem> items);
+  Error(ErrorKind kind, std::string field, std::string value, std::string message);
+
+  ErrorKind kind() const { return kind_; }
+  const std::vector<ErrorItem>& items() const { return items_; }
+
+ private:
+  ErrorKind kind_;
+  std::vector<ErrorItem> items_;
+};
+
+// Throws Error(internal) with file:line when an internal invariant fails.
+[[noreturn]] void fail_invariant(const char* expr, const char* file, int line);
+
+}  // namespace cpattn
+
+#define CPATTN_ASSERT(cond) \
+  ((cond) ? static_cast<void>(0) : ::cpattn::fail_invariant(#cond, __FILE__, __LINE__))

@@ -1,0 +1,26 @@
+// The naive single-device attention, accumulating in float64: the oracle every other path is tested against.
+// It materializes each row's scores (O(Skv) memory per row, O(B*H*Sq*Skv*D) time); use it on small problems.
+#pragma once
+
+#include <vector>
+
+#include "cpattn/mask.hpp"
+#include "cpattn/tensor.hpp"
+
+namespace cpattn {
+
+struct ReferenceResult {
+  std::vector<double> o;    // [B, Sq, Hq, D]
+  std::vector<double> lse;  // [B, Hq, Sq], natural log; -inf for a row that sees no key
+  std::vector<double> dq;   // [B, Sq, Hq, D]   (empty unless d_out was given)
+  std::vector<double> dk;   // [B, Skv, Hkv, D]
+  std::vector<double> dv;   // [B, Skv, Hkv, D]
+};
+
+// q: [B, Sq, Hq, D]; k, v: [B, Skv, Hkv, D]; d_out: [B, Sq, Hq, D] or nullptr for forward only.
+// Tensors are read as the values they hold (a bf16 tensor gives its bf16-rounded values).
+// Query head h reads kv head h / (Hq / Hkv).
+ReferenceResult reference_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor* d_out,
+                                    const AttentionMask& mask, double scale);
+
+}  // namespace cpattn

@@ -1,0 +1,165 @@
+#include "cpattn/config.hpp"
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <utility>
+
+namespace cpattn {
+
+const char* to_string(Strategy strategy) { return strategy == Strategy::ulysses ? "ulysses" : "all_gather"; }
+
+const char* to_string(ShardLayout layout) {
+  return layout == ShardLayout::dual_chunk_swap ? "dual_chunk_swap" : "contiguous";
+}
+
+Strategy parse_strategy(const std::string& text, const std::string& field) {
+  if (text == "all_gather") return Strategy::all_gather;
+  if (text == "ulysses") return Strategy::ulysses;
+  throw Error(ErrorKind::invalid_config, field, text,
+              field + " '" + text + "' is not a strategy; valid: all_gather or ulysses");
+}
+
+ShardLayout parse_layout(const std::string& text, const std::string& field) {
+  if (text == "contiguous") return ShardLayout::contiguous;
+  if (text == "dual_chunk_swap") return ShardLayout::dual_chunk_swap;
+  throw Error(ErrorKind::invalid_config, field, text,
+              field + " '" + text + "' is not a layout; valid: contiguous or dual_chunk_swap");
+}
+
+double AttentionSpec::scale() const {
+  return softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)));
+}
+
+namespace {
+
+// Collects broken rules; each names its field(s), the value(s) and what would be valid.
+class Rules {
+ public:
+  void add(std::vector<std::string> fields, std::string value, std::string message) {
+    items_.push_back({std::move(fields), std::move(value), std::move(message)});
+  }
+  bool positive(const std::string& field, std::int64_t value) {
+    if (value > 0) return true;
+    add({field}, std::to_string(value), field + " (" + std::to_string(value) + ") must be a positive integer");
+    return false;
+  }
+  std::vector<ErrorItem> take() { return std::move(items_); }
+
+ private:
+  std::vector<ErrorItem> items_;
+};
+
+std::string str(std::int64_t v) { return std::to_string(v); }
+
+}  // namespace
+
+std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelSpec& p) {
+  Rules rules;
+  bool sizes_ok = true;
+  for (const auto& [field, value] : {std::pair<const char*, std::int64_t>{"batch", a.batch},
+                                     {"seq_len", a.seq_len},
+                                     {"num_q_heads", a.num_q_heads},
+                                     {"num_kv_heads", a.num_kv_heads},
+                                     {"head_dim", a.head_dim}}) {
+    sizes_ok = rules.positive(field, value) && sizes_ok;
+  }
+  const bool cp_ok = rules.positive("cp", p.cp);
+  const bool tp_ok = rules.positive("tp", p.tp);
+
+  if (a.seq_len > std::numeric_limits<std::int32_t>::max()) {
+    rules.add({"seq_len"}, str(a.seq_len),
+              "seq_len (" + str(a.seq_len) + ") is too long; token positions are int32, valid: 1..2147483647");
+  }
+  if (a.head_dim > kMaxHeadDim) {
+    rules.add({"head_dim"}, str(a.head_dim),
+              "head_dim (" + str(a.head_dim) + ") is larger than the kernels support; valid: 1.." +
+                  str(kMaxHeadDim));
+  }
+  if (a.softmax_scale && !(std::isfinite(*a.softmax_scale) && *a.softmax_scale > 0)) {
+    std::ostringstream v;
+    v << *a.softmax_scale;
+    rules.add({"softmax_scale"}, v.str(), "softmax_scale (" + v.str() + ") must be finite and positive");
+  }
+  if (sizes_ok) {
+    // The largest tensor, [B, S, max(Hq, Hkv), D], must be addressable (elements and bytes).
+    std::int64_t n = 0;
+    const std::int64_t bytes_max = std::numeric_limits<std::int64_t>::max() / 8;
+    if (__builtin_mul_overflow(a.batch, a.seq_len, &n) || __builtin_mul_overflow(n, a.num_q_heads, &n) ||
+        __builtin_mul_overflow(n, a.head_dim, &n) || n > bytes_max) {
+      rules.add({"batch", "seq_len", "num_q_heads", "head_dim"},
+                str(a.batch) + "x" + str(a.seq_len) + "x" + str(a.num_q_heads) + "x" + str(a.head_dim),
+                "batch*seq_len*num_q_heads*head_dim (" + str(a.batch) + "*" + str(a.seq_len) + "*" +
+                    str(a.num_q_heads) + "*" + str(a.head_dim) + ") overflows; the product must stay below " +
+                    str(bytes_max));
+    }
+    if (a.num_q_heads % a.num_kv_heads != 0) {
+      rules.add({"num_q_heads", "num_kv_heads"}, str(a.num_q_heads) + "," + str(a.num_kv_heads),
+                "num_kv_heads (" + str(a.num_kv_heads) + ") must divide num_q_heads (" + str(a.num_q_heads) +
+                    ") for grouped-query attention");
+    }
+  }
+  if (!(sizes_ok && cp_ok && tp_ok)) return rules.take();
+
+  const ShardLayout layout = p.effective_layout();
+  const bool ulysses = p.strategy == Strategy::ulysses;
+  if (ulysses && p.load_balance) {
+    rules.add({"load_balance", "strategy"}, "true",
+              "load_balance (true) is for all_gather only; ulysses gives every rank the same work, set "
+              "load_balance to false");
+  } else if (layout == ShardLayout::dual_chunk_swap && !p.load_balance) {
+    rules.add({"layout", "load_balance"}, "dual_chunk_swap",
+              "layout dual_chunk_swap needs all_gather with load_balance true; valid layout here: contiguous");
+  } else if (layout == ShardLayout::contiguous && p.load_balance) {
+    rules.add({"layout", "load_balance"}, "contiguous",
+              "load_balance (true) needs layout dual_chunk_swap (chunks r and 2*cp-1-r on rank r)");
+  }
+
+  if (p.load_balance && !ulysses) {
+    if (a.seq_len % (2 * p.cp) != 0) {
+      rules.add({"seq_len", "cp"}, str(a.seq_len),
+                "seq_len (" + str(a.seq_len) + ") must be divisible by 2*cp (" + str(2 * p.cp) +
+                    ") for all_gather with load balance (dual chunk swap cuts it into 2*cp chunks)");
+    }
+  } else if (a.seq_len % p.cp != 0) {
+    rules.add({"seq_len", "cp"}, str(a.seq_len),
+              "seq_len (" + str(a.seq_len) + ") must be divisible by cp (" + str(p.cp) + ")");
+  }
+
+  bool tp_divides = true;
+  if (a.num_q_heads % p.tp != 0) {
+    tp_divides = false;
+    rules.add({"tp", "num_q_heads"}, str(p.tp),
+              "tp (" + str(p.tp) + ") must divide num_q_heads (" + str(a.num_q_heads) + ")");
+  }
+  if (a.num_kv_heads % p.tp != 0) {
+    tp_divides = false;
+    rules.add({"tp", "num_kv_heads"}, str(p.tp),
+              "tp (" + str(p.tp) + ") must divide num_kv_heads (" + str(a.num_kv_heads) + ")");
+  }
+
+  if (ulysses && tp_divides) {
+    // With tensor parallelism the ulysses rules apply to the heads one tp rank holds.
+    const std::int64_t hq = a.num_q_heads / p.tp;
+    const std::int64_t hkv = a.num_kv_heads / p.tp;
+    const std::string local = p.tp > 1 ? " per tp rank (heads / tp, tp=" + str(p.tp) + ")" : "";
+    if (hq % p.cp != 0) {
+      rules.add({"num_q_heads", "cp"}, str(hq),
+                "ulysses needs num_q_heads" + local + " (" + str(hq) + ") to be divisible by cp (" + str(p.cp) +
+                    ")");
+    }
+    if (hkv % p.cp != 0 && p.cp % hkv != 0) {
+      rules.add({"num_kv_heads", "cp"}, str(hkv),
+                "ulysses needs num_kv_heads" + local + " (" + str(hkv) + ") to divide cp (" + str(p.cp) +
+                    ") or be divisible by it");
+    }
+  }
+  return rules.take();
+}
+
+void validate(const AttentionSpec& attention, const ParallelSpec& parallel) {
+  auto items = validation_errors(attention, parallel);
+  if (!items.empty()) throw Error(ErrorKind::invalid_config, std::move(items));
+}
+
+}  // namespace cpattn

@@ -1,0 +1,123 @@
+// The program as a user runs it: exit codes, messages on stderr, and the JSON that scripts read.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace {
+
+struct Result {
+  int exit_code = -1;
+  std::string out;  // stdout
+  std::string err;  // stderr
+};
+
+Result run(const std::string& args) {
+  const auto err_path = std::filesystem::temp_directory_path() / ("cpattn_cli_err_" + std::to_string(::getpid()));
+  const std::string cmd = std::string(CPATTN_EXE) + " " + args + " 2>" + err_path.string();
+  Result r;
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return r;
+  std::array<char, 4096> buf{};
+  std::size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
+  const int status = ::pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  std::ifstream err(err_path);
+  r.err.assign(std::istreambuf_iterator<char>(err), {});
+  std::filesystem::remove(err_path);
+  return r;
+}
+
+std::string write_temp(const std::string& name, const std::string& text) {
+  const auto path = std::filesystem::temp_directory_path() / name;
+  std::ofstream(path) << text;
+  return path.string();
+}
+
+const char* kSeed = "--q-heads 32 --kv-heads 2 --head-dim 256 --seq 65536";
+
+TEST(CliValidate, SeedUlyssesCp4PrintsThePlacement) {
+  const Result r = run(std::string("validate --strategy ulysses --cp 4 ") + kSeed);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("replication: 2"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[kv0, kv0, kv1, kv1]"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("rank 1 -> q heads 8..15, kv head 0"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("rank 3 -> q heads 24..31, kv head 1"), std::string::npos) << r.out;
+}
+
+TEST(CliValidate, SeedUlyssesCp8Json) {
+  const Result r = run(std::string("validate --json --strategy ulysses --cp 8 ") + kSeed);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_TRUE(j["valid"].get<bool>());
+  EXPECT_EQ(j["replication"], 4);
+  ASSERT_EQ(j["ranks"].size(), 8u);
+  for (int rank = 0; rank < 8; ++rank) {
+    const auto& entry = j["ranks"][rank];
+    EXPECT_EQ(entry["rank"], rank);
+    EXPECT_EQ(entry["q_heads"], (std::vector<int>{4 * rank, 4 * rank + 1, 4 * rank + 2, 4 * rank + 3}));
+    EXPECT_EQ(entry["kv_heads"], (std::vector<int>{rank / 4}));
+  }
+}
+
+TEST(CliValidate, InvalidConfigListsEveryErrorAsJsonAndExits2) {
+  const Result r =
+      run("validate --json --strategy ulysses --cp 4 --q-heads 30 --kv-heads 3 --head-dim 64 --seq 1001");
+  EXPECT_EQ(r.exit_code, 2);
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_FALSE(j["valid"].get<bool>());
+  ASSERT_EQ(j["errors"].size(), 3u);
+  EXPECT_EQ(j["errors"][0]["field"], "seq_len");
+  EXPECT_EQ(j["errors"][0]["value"], 1001);
+  EXPECT_EQ(j["errors"][2]["field"], "num_kv_heads");
+  EXPECT_EQ(j["errors"][2]["fields"], (std::vector<std::string>{"num_kv_heads", "cp"}));
+  EXPECT_NE(r.err.find("ulysses needs num_kv_heads (3) to divide cp (4) or be divisible by it"), std::string::npos)
+      << r.err;
+}
+
+TEST(CliValidate, ReadsSeedYamlAndFlagsWin) {
+  const std::string model = write_temp("cpattn_model.yml",
+                                       "base_num_query_heads: 32\nbase_num_kv_heads: 2\nhead_dim: 256\n"
+                                       "base_emb_dim: 4096\nbase_num_decoder_layers: 60\n");
+  const std::string run_cfg = write_temp("cpattn_run.yml",
+                                         "context_parallel_strategy: \"ulysses\"\nici_context_parallelism: 4\n"
+                                         "max_target_length: 65536\ncontext_parallel_load_balance: false\n");
+  Result r = run("validate --json --config " + model + " --config " + run_cfg);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["replication"], 2);
+  r = run("validate --json --config " + model + " --config " + run_cfg + " --cp 8");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["replication"], 4);
+}
+
+TEST(CliValidate, BadInputExits2WithAMessage) {
+  const std::string bad_type = write_temp("cpattn_bad_type.yml", "ici_context_parallelism: four\n");
+  const std::string not_yaml = write_temp("cpattn_not_yaml.yml", "a: [unclosed\n");
+  const std::pair<std::string, std::string> cases[] = {
+      {"validate --cp abc --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8", "--cp"},
+      {"validate --no-such-flag", "no-such-flag"},
+      {"validate --strategy ring --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8", "'ring' is not a strategy"},
+      {"validate --config " + bad_type + " --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8", "ici_context_parallelism"},
+      {"validate --config " + not_yaml, "not valid YAML"},
+      {"validate --config /nonexistent.yml", "nonexistent.yml"},
+      {"validate --q-heads 8", "seq_len is not set"},
+      {"validate --dtype fp16 --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8", "fp16"},
+      {"no-such-command", "no-such-command"},
+      {"", "subcommand"},
+  };
+  for (const auto& [args, phrase] : cases) {
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
+    EXPECT_NE(r.err.find(phrase), std::string::npos) << args << "\nstderr: " << r.err;
+  }
+}
+
+TEST(CliValidate, HelpExits0) { EXPECT_EQ(run("validate --help").exit_code, 0); }
+
+}  // namespace

@@ -1,0 +1,248 @@
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "cpattn/config.hpp"
+#include "cpattn/config_file.hpp"
+
+namespace cpattn {
+namespace {
+
+AttentionSpec seed_attention() {
+  AttentionSpec a;
+  a.batch = 1;
+  a.seq_len = 65536;
+  a.num_q_heads = 32;
+  a.num_kv_heads = 2;
+  a.head_dim = 256;
+  a.dtype = DType::bf16;
+  return a;
+}
+
+ParallelSpec ulysses(std::int64_t cp) {
+  ParallelSpec p;
+  p.cp = cp;
+  p.strategy = Strategy::ulysses;
+  return p;
+}
+
+TEST(Validation, SeedConfigurationsAreValid) {
+  EXPECT_TRUE(validation_errors(seed_attention(), ulysses(4)).empty());
+  EXPECT_TRUE(validation_errors(seed_attention(), ulysses(8)).empty());
+  ParallelSpec ag;
+  ag.cp = 4;
+  ag.load_balance = true;
+  EXPECT_TRUE(validation_errors(seed_attention(), ag).empty());
+  EXPECT_EQ(ag.effective_layout(), ShardLayout::dual_chunk_swap);
+}
+
+TEST(Validation, UlyssesAcceptsMqaAndKvHeadsDividedByCp) {
+  AttentionSpec a = seed_attention();
+  a.num_kv_heads = 1;
+  EXPECT_TRUE(validation_errors(a, ulysses(8)).empty());
+  a.num_kv_heads = 16;
+  EXPECT_TRUE(validation_errors(a, ulysses(4)).empty());
+}
+
+struct BadCase {
+  const char* name;
+  AttentionSpec attention;
+  ParallelSpec parallel;
+  std::vector<std::string> fields;   // the main field of each expected error, in order
+  std::vector<std::string> phrases;  // one phrase each message must contain
+};
+
+std::vector<BadCase> bad_cases() {
+  std::vector<BadCase> cases;
+  auto add = [&](const char* name, auto&& edit, std::vector<std::string> fields, std::vector<std::string> phrases) {
+    BadCase c{name, seed_attention(), ulysses(4), std::move(fields), std::move(phrases)};
+    edit(c.attention, c.parallel);
+    cases.push_back(std::move(c));
+  };
+  add("zero_batch", [](AttentionSpec& a, ParallelSpec&) { a.batch = 0; }, {"batch"}, {"batch (0) must be a positive"});
+  add("negative_seq", [](AttentionSpec& a, ParallelSpec&) { a.seq_len = -4; }, {"seq_len"}, {"seq_len (-4)"});
+  add("zero_heads_and_dim",
+      [](AttentionSpec& a, ParallelSpec&) {
+        a.num_q_heads = 0;
+        a.head_dim = 0;
+      },
+      {"num_q_heads", "head_dim"}, {"num_q_heads (0)", "head_dim (0)"});
+  add("zero_cp", [](AttentionSpec&, ParallelSpec& p) { p.cp = 0; }, {"cp"}, {"cp (0)"});
+  add("head_dim_too_large", [](AttentionSpec& a, ParallelSpec&) { a.head_dim = 513; }, {"head_dim"}, {"1..512"});
+  add("gqa_indivisible", [](AttentionSpec& a, ParallelSpec& p) {
+        a.num_kv_heads = 3;
+        p.strategy = Strategy::all_gather;
+      },
+      {"num_q_heads"}, {"num_kv_heads (3) must divide num_q_heads (32)"});
+  add("seq_not_divisible", [](AttentionSpec& a, ParallelSpec&) { a.seq_len = 65537; }, {"seq_len"},
+      {"seq_len (65537) must be divisible by cp (4)"});
+  add("load_balance_needs_2cp",
+      [](AttentionSpec& a, ParallelSpec& p) {
+        a.seq_len = 12;
+        p.strategy = Strategy::all_gather;
+        p.load_balance = true;
+      },
+      {"seq_len"}, {"divisible by 2*cp (8)"});
+  add("ulysses_kv_heads_neither", [](AttentionSpec& a, ParallelSpec&) {
+        a.num_q_heads = 24;
+        a.num_kv_heads = 3;
+      },
+      {"num_kv_heads"}, {"ulysses needs num_kv_heads (3) to divide cp (4) or be divisible by it"});
+  add("ulysses_q_heads", [](AttentionSpec& a, ParallelSpec& p) {
+        a.num_q_heads = 6;
+        a.num_kv_heads = 2;
+        p.cp = 4;
+      },
+      {"num_q_heads"}, {"ulysses needs num_q_heads (6) to be divisible by cp (4)"});
+  add("ulysses_load_balance", [](AttentionSpec&, ParallelSpec& p) { p.load_balance = true; }, {"load_balance"},
+      {"for all_gather only"});
+  add("tp_does_not_divide", [](AttentionSpec&, ParallelSpec& p) { p.tp = 3; }, {"tp", "tp"},
+      {"tp (3) must divide num_q_heads (32)", "tp (3) must divide num_kv_heads (2)"});
+  add("tp_local_heads_break_ulysses", [](AttentionSpec& a, ParallelSpec& p) {
+        a.num_q_heads = 8;
+        p.tp = 2;
+        p.cp = 8;
+      },
+      {"num_q_heads"}, {"num_q_heads per tp rank (heads / tp, tp=2) (4) to be divisible by cp (8)"});
+  add("layout_without_load_balance",
+      [](AttentionSpec&, ParallelSpec& p) {
+        p.strategy = Strategy::all_gather;
+        p.layout = ShardLayout::dual_chunk_swap;
+      },
+      {"layout"}, {"dual_chunk_swap needs all_gather with load_balance"});
+  add("bad_scale", [](AttentionSpec& a, ParallelSpec&) { a.softmax_scale = -1.0; }, {"softmax_scale"},
+      {"finite and positive"});
+  add("overflowing_sizes",
+      [](AttentionSpec& a, ParallelSpec& p) {
+        a.batch = 1 << 20;
+        a.seq_len = 1 << 30;
+        a.num_q_heads = 1 << 10;
+        a.num_kv_heads = 1 << 10;
+        p.cp = 1;
+      },
+      {"batch"}, {"overflows"});
+  add("seq_too_long_for_int32_positions",
+      [](AttentionSpec& a, ParallelSpec& p) {
+        a.seq_len = 1ll << 32;
+        a.num_q_heads = 4;
+        a.head_dim = 1;
+        p.cp = 4;
+      },
+      {"seq_len"}, {"int32"});
+  return cases;
+}
+
+TEST(Validation, BadConfigsNameTheFieldAndTheFix) {
+  for (const auto& c : bad_cases()) {
+    SCOPED_TRACE(c.name);
+    const auto errors = validation_errors(c.attention, c.parallel);
+    ASSERT_EQ(errors.size(), c.fields.size());
+    for (std::size_t i = 0; i < errors.size(); ++i) {
+      EXPECT_EQ(errors[i].fields.at(0), c.fields[i]) << errors[i].message;
+      EXPECT_NE(errors[i].message.find(c.phrases[i]), std::string::npos) << errors[i].message;
+    }
+    EXPECT_THROW(validate(c.attention, c.parallel), Error);
+  }
+}
+
+TEST(Validation, ReportsEveryBrokenRuleAtOnce) {
+  AttentionSpec a = seed_attention();
+  a.num_q_heads = 30;
+  a.num_kv_heads = 3;
+  a.seq_len = 65537;
+  const auto errors = validation_errors(a, ulysses(4));
+  ASSERT_EQ(errors.size(), 3u);
+  try {
+    validate(a, ulysses(4));
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::invalid_config);
+    EXPECT_EQ(e.items().size(), 3u);
+  }
+}
+
+TEST(ConfigFile, ReadsTheSeedKeysAndBothSpellings) {
+  const auto v = parse_config_yaml(R"(
+context_parallel_strategy: "ulysses"
+ici_context_parallelism: 4
+base_num_query_heads: 32
+base_num_kv_heads: 2
+head_dim: 256
+max_target_length: 65536
+per_device_batch_size: 1.0
+context_parallel_load_balance: false
+base_emb_dim: 4096
+base_num_decoder_layers: 60
+inhomogeneous_layer_cycle_interval: 4
+dtype: bfloat16
+some_unknown_key: {nested: [1, 2]}
+)",
+                                   "test.yml");
+  EXPECT_EQ(v.strategy.value(), "ulysses");
+  EXPECT_EQ(v.cp.value(), 4);
+  EXPECT_EQ(v.num_q_heads.value(), 32);
+  EXPECT_EQ(v.num_kv_heads.value(), 2);
+  EXPECT_EQ(v.batch.value(), 1);
+  EXPECT_EQ(v.emb_dim.value(), 4096);
+  EXPECT_EQ(v.attention_every.value(), 4);
+  std::vector<ErrorItem> errors;
+  const Specs s = to_specs(v, errors);
+  EXPECT_TRUE(errors.empty());
+  EXPECT_EQ(s.attention.dtype, DType::bf16);
+  EXPECT_EQ(s.parallel.strategy, Strategy::ulysses);
+  EXPECT_TRUE(validation_errors(s.attention, s.parallel).empty());
+}
+
+TEST(ConfigFile, EitherLoadBalanceKeyMeansLoadBalance) {
+  auto v = parse_config_yaml("context_parallel_attention_load_balance: true\n", "a.yml");
+  EXPECT_TRUE(v.any_load_balance());
+  v = parse_config_yaml("context_parallel_load_balance: true\ncontext_parallel_attention_load_balance: false\n",
+                        "a.yml");
+  EXPECT_TRUE(v.any_load_balance());
+  v = parse_config_yaml("context_parallel_load_balance: false\n", "a.yml");
+  EXPECT_FALSE(v.any_load_balance());
+}
+
+TEST(ConfigFile, LaterSourcesWin) {
+  auto base = parse_config_yaml("ici_context_parallelism: 4\nnum_query_heads: 32\n", "a.yml");
+  base.merge_from(parse_config_yaml("ici_context_parallelism: 8\n", "b.yml"));
+  EXPECT_EQ(base.cp.value(), 8);
+  EXPECT_EQ(base.num_q_heads.value(), 32);
+}
+
+TEST(ConfigFile, WrongTypesNameTheKeyAndFile) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"ici_context_parallelism: four\n", "ici_context_parallelism"},
+      {"num_kv_heads: [1, 2]\n", "num_kv_heads"},
+      {"context_parallel_load_balance: maybe\n", "context_parallel_load_balance"},
+      {"head_dim: 2.5\n", "head_dim"},
+      {"context_parallel_strategy: {a: 1}\n", "context_parallel_strategy"},
+  };
+  for (const auto& [text, key] : cases) {
+    try {
+      parse_config_yaml(text, "bad.yml");
+      ADD_FAILURE() << text;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::invalid_input);
+      EXPECT_EQ(e.items().at(0).fields.at(0), key);
+      EXPECT_NE(std::string(e.what()).find("bad.yml"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(key), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(parse_config_yaml("- just\n- a list\n", "list.yml"), Error);
+  EXPECT_THROW(parse_config_yaml("key: [unclosed\n", "broken.yml"), Error);
+}
+
+TEST(ConfigFile, MissingSizesAndBadStringsAreReportedTogether) {
+  ConfigValues v;
+  v.strategy = "ring";
+  v.num_q_heads = 8;
+  Specs specs;
+  const auto errors = all_config_errors(v, specs);
+  ASSERT_EQ(errors.size(), 4u);  // seq_len, num_kv_heads, head_dim unset; strategy unknown
+  EXPECT_EQ(errors[0].fields[0], "seq_len");
+  EXPECT_NE(errors[3].message.find("'ring' is not a strategy"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace cpattn

@@ -1,0 +1,129 @@
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "cpattn/placement.hpp"
+#include "cpattn/sequence_layout.hpp"
+
+namespace cpattn {
+namespace {
+
+using V = std::vector<std::int64_t>;
+
+TEST(Placement, ReplicationFactor) {
+  EXPECT_EQ(kv_replication_factor(2, 4), 2);
+  EXPECT_EQ(kv_replication_factor(2, 8), 4);
+  EXPECT_EQ(kv_replication_factor(1, 8), 8);
+  EXPECT_EQ(kv_replication_factor(8, 4), 1);
+  EXPECT_EQ(kv_replication_factor(4, 4), 1);
+  EXPECT_THROW(kv_replication_factor(3, 4), Error);
+}
+
+TEST(Placement, GroupedOrderIsTheSeedsAndTiledDiffers) {
+  EXPECT_EQ(grouped_repeat_heads(2, 2), (V{0, 0, 1, 1}));
+  EXPECT_EQ(grouped_repeat_heads(2, 4), (V{0, 0, 0, 0, 1, 1, 1, 1}));
+  EXPECT_EQ(tiled_repeat_heads(2, 2), (V{0, 1, 0, 1}));
+  EXPECT_EQ(tiled_repeat_heads(2, 4), (V{0, 1, 0, 1, 0, 1, 0, 1}));
+  // With one kv head both orders agree, so a tiled-order negative control needs Hkv >= 2.
+  EXPECT_EQ(grouped_repeat_heads(1, 4), tiled_repeat_heads(1, 4));
+}
+
+AttentionSpec qwen() {
+  AttentionSpec a;
+  a.seq_len = 65536;
+  a.num_q_heads = 32;
+  a.num_kv_heads = 2;
+  a.head_dim = 256;
+  return a;
+}
+
+TEST(Placement, SeedPairingAtCp4AndCp8) {
+  for (std::int64_t cp : {4, 8}) {
+    ParallelSpec p;
+    p.cp = cp;
+    p.strategy = Strategy::ulysses;
+    const auto ranks = head_placement(qwen(), p);
+    ASSERT_EQ(static_cast<std::int64_t>(ranks.size()), cp);
+    const std::int64_t per = 32 / cp, rep = cp / 2;
+    for (std::int64_t r = 0; r < cp; ++r) {
+      EXPECT_EQ(ranks[r].q_heads, (HeadRange{per * r, per * r + per})) << "cp " << cp << " rank " << r;
+      EXPECT_EQ(ranks[r].kv_heads, (V{r / rep})) << "cp " << cp << " rank " << r;
+      // Every q head on the rank reads exactly the kv head the rank holds.
+      for (std::int64_t h = ranks[r].q_heads.begin; h < ranks[r].q_heads.end; ++h) {
+        EXPECT_EQ(kv_head_of_q_head(h, 32, 2), ranks[r].kv_heads[0]);
+      }
+    }
+  }
+}
+
+TEST(Placement, TiledOrderWouldPairRankOneWithTheWrongHead) {
+  // cp=4: rank 1 holds q heads 8..15, which read kv head 0; the tiled list puts kv head 1 in slot 1.
+  const V tiled = tiled_repeat_heads(2, 2);
+  EXPECT_EQ(kv_head_of_q_head(8, 32, 2), 0);
+  EXPECT_EQ(tiled[1], 1);
+}
+
+TEST(Placement, NoReplicationWhenKvHeadsAtLeastCp) {
+  AttentionSpec a = qwen();
+  a.num_kv_heads = 8;
+  ParallelSpec p;
+  p.cp = 4;
+  p.strategy = Strategy::ulysses;
+  const auto ranks = head_placement(a, p);
+  EXPECT_EQ(ranks[1].q_heads, (HeadRange{8, 16}));
+  EXPECT_EQ(ranks[1].kv_heads, (V{2, 3}));
+  EXPECT_EQ(ranks[1].kv_slots, (HeadRange{2, 4}));
+}
+
+TEST(Placement, AllGatherRanksHoldEveryHead) {
+  ParallelSpec p;
+  p.cp = 4;
+  const auto ranks = head_placement(qwen(), p);
+  for (const auto& r : ranks) {
+    EXPECT_EQ(r.q_heads, (HeadRange{0, 32}));
+    EXPECT_EQ(r.kv_heads, (V{0, 1}));
+  }
+}
+
+TEST(Placement, TensorParallelUsesLocalHeads) {
+  AttentionSpec a = qwen();
+  a.num_kv_heads = 4;
+  ParallelSpec p;
+  p.cp = 4;
+  p.tp = 2;
+  p.strategy = Strategy::ulysses;
+  const auto ranks = head_placement(a, p);  // local: 16 q heads, 2 kv heads, rep 2
+  EXPECT_EQ(ranks[3].q_heads, (HeadRange{12, 16}));
+  EXPECT_EQ(ranks[3].kv_heads, (V{1}));
+}
+
+TEST(SequenceLayout, DualChunkSwapAtCp2On8Tokens) {
+  EXPECT_EQ(dual_chunk_swap_order(8, 2), (V{0, 1, 6, 7, 2, 3, 4, 5}));
+  EXPECT_EQ(local_positions(ShardLayout::dual_chunk_swap, 8, 2, 0), (V{0, 1, 6, 7}));
+  EXPECT_EQ(local_positions(ShardLayout::dual_chunk_swap, 8, 2, 1), (V{2, 3, 4, 5}));
+  EXPECT_EQ(local_positions(ShardLayout::contiguous, 8, 2, 1), (V{4, 5, 6, 7}));
+}
+
+TEST(SequenceLayout, EveryPermutationRoundTrips) {
+  for (std::int64_t cp : {1, 2, 3, 4, 8}) {
+    for (std::int64_t s : {2 * cp, 6 * cp, 64 * cp}) {
+      for (ShardLayout layout : {ShardLayout::contiguous, ShardLayout::dual_chunk_swap}) {
+        const V order = layout_order(layout, s, cp);
+        const V inverse = inverse_permutation(order);
+        V sorted = order;
+        std::sort(sorted.begin(), sorted.end());
+        V iota(static_cast<std::size_t>(s));
+        std::iota(iota.begin(), iota.end(), 0);
+        EXPECT_EQ(sorted, iota) << "a permutation of 0..S-1";
+        for (std::int64_t i = 0; i < s; ++i) {
+          EXPECT_EQ(order[inverse[i]], i);
+          EXPECT_EQ(inverse[order[i]], i);
+        }
+      }
+    }
+  }
+  EXPECT_THROW(inverse_permutation({0, 0, 1}), Error);
+}
+
+}  // namespace
+}  // namespace cpattn

@@ -1,0 +1,70 @@
+#include "problem_flags.hpp"
+
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+namespace cpattn::cli {
+
+void ProblemFlags::add_to(CLI::App& app) {
+  app.add_option("--config", config_files, "YAML config file(s) with the seed framework's keys; later wins")
+      ->check(CLI::ExistingFile);
+  app.add_option("--strategy", values.strategy, "all_gather or ulysses");
+  app.add_option("--cp", values.cp, "context-parallel ranks");
+  app.add_option("--tp", values.tp, "tensor-parallel degree over heads");
+  app.add_option("--q-heads", values.num_q_heads, "query heads");
+  app.add_option("--kv-heads", values.num_kv_heads, "key/value heads");
+  app.add_option("--head-dim", values.head_dim, "head dimension");
+  app.add_option("--seq", values.seq_len, "sequence length (tokens of one packed row)");
+  app.add_option("--batch", values.batch, "batch size");
+  app.add_option("--dtype", values.dtype, "fp32 or bf16");
+  app.add_flag("--load-balance", load_balance, "all_gather with dual-chunk-swap load balance");
+  app.add_flag("--causal", causal, "causal mask (the default)");
+  app.add_flag("--no-causal", no_causal, "no causal mask");
+}
+
+ConfigValues ProblemFlags::resolve(const CLI::App& app) const {
+  ConfigValues merged;
+  for (const auto& path : config_files) merged.merge_from(read_config_file(path));
+  ConfigValues flags = values;
+  if (app.count("--load-balance") > 0) {
+    flags.load_balance = load_balance;
+    flags.attention_load_balance = load_balance;
+  }
+  if (app.count("--causal") > 0) flags.causal = true;
+  if (app.count("--no-causal") > 0) flags.causal = false;
+  merged.merge_from(flags);
+  return merged;
+}
+
+namespace {
+
+nlohmann::json value_json(const std::string& v) {
+  if (!v.empty() && v.size() < 19 && v.find_first_not_of("-0123456789") == std::string::npos &&
+      v.find('-', 1) == std::string::npos && v != "-") {
+    return std::stoll(v);
+  }
+  if (v == "true") return true;
+  if (v == "false") return false;
+  return v;
+}
+
+}  // namespace
+
+std::string errors_to_json(const std::vector<ErrorItem>& errors) {
+  nlohmann::json list = nlohmann::json::array();
+  for (const auto& e : errors) {
+    nlohmann::json item;
+    item["field"] = e.fields.empty() ? "" : e.fields.front();
+    if (e.fields.size() > 1) item["fields"] = e.fields;
+    item["value"] = value_json(e.value);
+    item["message"] = e.message;
+    list.push_back(item);
+  }
+  return list.dump();
+}
+
+void print_errors(const std::vector<ErrorItem>& errors) {
+  for (const auto& e : errors) std::cerr << "error: " << e.message << "\n";
+}
+
+}  // namespace cpattn::cli

@@ -1,0 +1,31 @@
+// The flags that describe an attention problem, shared by the subcommands (validate, run, plan, bench).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <string>
+#include <vector>
+
+#include "cpattn/config_file.hpp"
+
+namespace cpattn::cli {
+
+struct ProblemFlags {
+  ConfigValues values;                    // what the flags set
+  std::vector<std::string> config_files;  // --config, in order
+  bool load_balance = false;
+  bool causal = false;
+  bool no_causal = false;
+
+  // Adds --strategy --cp --q-heads --kv-heads --head-dim --seq --batch --tp --load-balance --dtype --causal
+  // --no-causal --config.
+  void add_to(CLI::App& app);
+  // Files merged in order, then the flags on top.
+  ConfigValues resolve(const CLI::App& app) const;
+};
+
+// JSON for a list of errors: [{"field", "fields"?, "value", "message"}].
+std::string errors_to_json(const std::vector<ErrorItem>& errors);
+void print_errors(const std::vector<ErrorItem>& errors);
+
+}  // namespace cpattn::cli

@@ -1,0 +1,89 @@
+#include "validate_command.hpp"
+
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "cpattn/placement.hpp"
+#include "problem_flags.hpp"
+
+namespace cpattn::cli {
+namespace {
+
+struct ValidateOptions {
+  ProblemFlags problem;
+  bool json = false;
+};
+
+std::string range_text(const HeadRange& r) {
+  return r.size() == 1 ? std::to_string(r.begin) : std::to_string(r.begin) + ".." + std::to_string(r.end - 1);
+}
+
+int run_validate(const CLI::App& app, const ValidateOptions& opt) {
+  Specs specs;
+  const std::vector<ErrorItem> errors = all_config_errors(opt.problem.resolve(app), specs);
+  if (!errors.empty()) {
+    if (opt.json) {
+      std::cout << "{\"valid\": false, \"errors\": " << errors_to_json(errors) << "}\n";
+    }
+    print_errors(errors);
+    return 2;
+  }
+  const AttentionSpec& a = specs.attention;
+  const ParallelSpec& p = specs.parallel;
+  const auto placement = head_placement(a, p);
+  const std::int64_t local_kv = a.num_kv_heads / p.tp;
+  const std::int64_t rep = p.strategy == Strategy::ulysses ? kv_replication_factor(local_kv, p.cp) : 1;
+
+  if (opt.json) {
+    nlohmann::json out;
+    out["valid"] = true;
+    out["strategy"] = to_string(p.strategy);
+    out["cp"] = p.cp;
+    out["tp"] = p.tp;
+    out["load_balance"] = p.load_balance;
+    out["layout"] = to_string(p.effective_layout());
+    out["replication"] = rep;
+    if (p.strategy == Strategy::ulysses) out["kv_head_order"] = grouped_repeat_heads(local_kv, rep);
+    out["ranks"] = nlohmann::json::array();
+    for (const auto& r : placement) {
+      std::vector<std::int64_t> q;
+      for (std::int64_t h = r.q_heads.begin; h < r.q_heads.end; ++h) q.push_back(h);
+      out["ranks"].push_back({{"rank", r.rank}, {"q_heads", q}, {"kv_heads", r.kv_heads}});
+    }
+    std::cout << out.dump() << "\n";
+    return 0;
+  }
+  std::cout << "valid: " << to_string(p.strategy) << ", cp=" << p.cp << ", tp=" << p.tp << ", q heads "
+            << a.num_q_heads << ", kv heads " << a.num_kv_heads << ", head dim " << a.head_dim << ", seq "
+            << a.seq_len << ", batch " << a.batch << ", " << to_string(a.dtype)
+            << (p.load_balance ? ", load balance (dual chunk swap)" : "") << "\n";
+  if (p.tp > 1) std::cout << "heads below are local to one tp rank (heads / tp)\n";
+  if (p.strategy == Strategy::ulysses) {
+    std::cout << "replication: " << rep << " (kv head order before the all-to-all: [";
+    const auto order = grouped_repeat_heads(local_kv, rep);
+    for (std::size_t i = 0; i < order.size(); ++i) std::cout << (i ? ", " : "") << "kv" << order[i];
+    std::cout << "])\n";
+  } else {
+    std::cout << "replication: 1 (all_gather: every rank holds every head for its sequence shard)\n";
+  }
+  for (const auto& r : placement) {
+    std::cout << "rank " << r.rank << " -> q heads " << range_text(r.q_heads) << ", kv head"
+              << (r.kv_heads.size() > 1 ? "s " : " ");
+    for (std::size_t i = 0; i < r.kv_heads.size(); ++i) std::cout << (i ? "," : "") << r.kv_heads[i];
+    std::cout << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_validate_command(CLI::App& app, int& exit_code) {
+  auto opt = std::make_shared<ValidateOptions>();
+  CLI::App* sub = app.add_subcommand("validate", "check a configuration and print the head placement");
+  opt->problem.add_to(*sub);
+  sub->add_flag("--json", opt->json, "print JSON");
+  sub->callback([sub, opt, &exit_code] { exit_code = run_validate(*sub, *opt); });
+}
+
+}  // namespace cpattn::cli
