@@ -1,0 +1,104 @@
+// Flash attention on the CPU: what each rank runs locally. Online softmax over a fixed grid of kv blocks,
+// GQA without materializing repeated K/V, causal and packed-segment masks from token metadata (mask.hpp),
+// fp32 and bf16 inputs with fp32 accumulation. The kernels know nothing of ranks.
+//
+// Determinism (DESIGN.md "Invariants"): the forward O and LSE of a query row, and its dQ, depend only on that
+// row, the keys it may see and their positions, never on which rows share its block, the thread count or where
+// it sits in a shard. The kv grid starts at kv index 0 with a fixed block size; tail rows and keys are padded
+// with zeros and run the same vector code; masks are applied by selection; fully masked tiles are exact no-ops.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "cpattn/mask.hpp"
+#include "cpattn/tensor.hpp"
+
+namespace cpattn {
+
+// A strided, dtype-tagged view (the last axis must be contiguous). Lets a strategy hand the kernel a head
+// slice of a larger tensor without copying.
+template <class Ptr>
+struct BasicTensorRef {
+  Ptr ptr = nullptr;
+  DType dtype = DType::f32;
+  Shape4 shape;
+  std::array<std::int64_t, 4> stride{};  // in elements
+
+  std::int64_t offset(std::int64_t b, std::int64_t s, std::int64_t h) const {
+    return b * stride[0] + s * stride[1] + h * stride[2];
+  }
+  BasicTensorRef heads(std::int64_t h0, std::int64_t count) const {
+    BasicTensorRef r = *this;
+    r.ptr = static_cast<Ptr>(static_cast<std::conditional_t<std::is_const_v<std::remove_pointer_t<Ptr>>,
+                                                            const char*, char*>>(ptr) +
+                             h0 * stride[2] * static_cast<std::int64_t>(dtype_size(dtype)));
+    r.shape.h = count;
+    return r;
+  }
+};
+using TensorRef = BasicTensorRef<void*>;
+using ConstTensorRef = BasicTensorRef<const void*>;
+
+inline TensorRef ref(Tensor& t) {
+  const Shape4 s = t.shape();
+  return {t.raw(), t.dtype(), s, {s.s * s.h * s.d, s.h * s.d, s.d, 1}};
+}
+inline ConstTensorRef cref(const Tensor& t) {
+  const Shape4 s = t.shape();
+  return {t.raw(), t.dtype(), s, {s.s * s.h * s.d, s.h * s.d, s.d, 1}};
+}
+
+struct FlashConfig {
+  int threads = 1;
+  std::int64_t block_q = 64;   // Bq: a multiple of 4
+  std::int64_t block_kv = 64;  // Bk: a multiple of 64
+};
+
+// Tiles the kernel computed, counted on its own (Bq, Bk) grid. For one causal document of S tokens at
+// positions 0..S-1, q block a (rows [a*Bq, min((a+1)*Bq, S))) computes kv blocks 0..floor((min((a+1)*Bq, S) - 1)
+// / Bk), so the count per head is sum_a (floor((min((a+1)*Bq, S) - 1) / Bk) + 1); with Bq = Bk and S = T*B
+// that is T(T+1)/2. Non-causal: ceil(S/Bq) * ceil(S/Bk). Segments can only remove tiles.
+struct TileCounts {
+  std::vector<std::int64_t> per_head;  // [B * Hq]: tiles computed for (batch row, q head)
+  std::int64_t full = 0;               // computed without mask arithmetic
+  std::int64_t partial = 0;            // computed with the mask applied by selection
+  std::int64_t total() const { return full + partial; }
+};
+
+// q: [B, Sq, Hq, D]; k, v: [B, Skv, Hkv, D]; o: [B, Sq, Hq, D] (q's dtype); lse: [B, Hq, Sq] fp32 natural log,
+// or nullptr when not needed. Rows that see no key get O = 0 and LSE = -inf. The kernel keeps no state:
+// forward-only use simply skips the backward.
+void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
+                   const AttentionMask& mask, double scale, const FlashConfig& config, const TensorRef& o,
+                   float* lse, TileCounts* tiles = nullptr);
+
+// FA2 backward: P recomputed from LSE, D_i = rowsum(dO * O). dq: q's shape; dk, dv: k's shape, in the inputs'
+// dtype or fp32 (a bf16 backward can hand fp32 partials to a reduce-scatter). Two passes: dK/dV parallel over
+// (batch, kv head, kv block), dQ parallel over (batch, q head, q block), each a deterministic ordered sum.
+void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
+                    const ConstTensorRef& o, const float* lse, const ConstTensorRef& d_out,
+                    const AttentionMask& mask, double scale, const FlashConfig& config, const TensorRef& dq,
+                    const TensorRef& dk, const TensorRef& dv, TileCounts* tiles = nullptr);
+
+// Owning conveniences over the two calls above.
+struct FlashForwardResult {
+  Tensor o;
+  std::vector<float> lse;  // [B, Hq, Sq]
+  TileCounts tiles;
+};
+FlashForwardResult flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                           const AttentionMask& mask, double scale, const FlashConfig& config);
+
+struct FlashBackwardResult {
+  Tensor dq, dk, dv;
+  TileCounts tiles;
+};
+FlashBackwardResult flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
+                                             const std::vector<float>& lse, const Tensor& d_out,
+                                             const AttentionMask& mask, double scale, const FlashConfig& config,
+                                             DType kv_grad_dtype);
+
+}  // namespace cpattn

@@ -1,0 +1,42 @@
+// Runs fn(task, worker) for task in [0, n) on `threads` workers (the calling thread is worker 0). Tasks are
+// taken in order from a shared counter; results must not depend on which worker ran a task.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace cpattn {
+
+template <class Fn>
+void parallel_for(std::int64_t n, int threads, Fn&& fn) {
+  const int workers = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(threads, n)));
+  if (workers <= 1) {
+    for (std::int64_t t = 0; t < n; ++t) fn(t, 0);
+    return;
+  }
+  std::atomic<std::int64_t> next{0};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  auto work = [&](int worker) {
+    try {
+      for (std::int64_t t = next++; t < n; t = next++) fn(t, worker);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+      next = n;
+    }
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<std::size_t>(workers - 1));
+  for (int w = 1; w < workers; ++w) pool.emplace_back(work, w);
+  work(0);
+  for (auto& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace cpattn

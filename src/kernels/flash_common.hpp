@@ -1,0 +1,94 @@
+// What the forward and backward flash kernels share: argument checks, row loads/stores with dtype
+// conversion, block packing and the mask applied by selection.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "cpattn/error.hpp"
+#include "cpattn/flash.hpp"
+#include "flash_simd.hpp"
+#include "tile_map.hpp"
+
+namespace cpattn::kernels {
+
+// D values of row (b, s, h) as floats times `factor` into out[0, width), zero-padded past D.
+inline void load_row(const ConstTensorRef& t, std::int64_t b, std::int64_t s, std::int64_t h, float factor,
+                     std::int64_t width, float* out) {
+  const std::int64_t d = t.shape.d;
+  const std::int64_t off = t.offset(b, s, h);
+  if (t.dtype == DType::f32) {
+    const float* src = static_cast<const float*>(t.ptr) + off;
+    for (std::int64_t i = 0; i < d; ++i) out[i] = src[i] * factor;
+  } else {
+    const bf16* src = static_cast<const bf16*>(t.ptr) + off;
+    for (std::int64_t i = 0; i < d; ++i) out[i] = bf16_to_float(src[i]) * factor;
+  }
+  for (std::int64_t i = d; i < width; ++i) out[i] = 0.0f;
+}
+
+inline void store_row(const TensorRef& t, std::int64_t b, std::int64_t s, std::int64_t h, const float* in,
+                      float factor) {
+  const std::int64_t d = t.shape.d;
+  const std::int64_t off = t.offset(b, s, h);
+  if (t.dtype == DType::f32) {
+    float* dst = static_cast<float*>(t.ptr) + off;
+    for (std::int64_t i = 0; i < d; ++i) dst[i] = in[i] * factor;
+  } else {
+    bf16* dst = static_cast<bf16*>(t.ptr) + off;
+    for (std::int64_t i = 0; i < d; ++i) dst[i] = float_to_bf16(in[i] * factor);
+  }
+}
+
+// Block rows as [rows_padded][width] (row-major), zeros past `length` rows.
+inline void pack_rows(const ConstTensorRef& t, std::int64_t b, std::int64_t h, const BlockMeta& blk,
+                      std::int64_t rows_padded, std::int64_t width, float factor, float* out) {
+  for (std::int64_t r = 0; r < rows_padded; ++r) {
+    if (r < blk.length) {
+      load_row(t, b, blk.begin + r, h, factor, width, out + r * width);
+    } else {
+      std::memset(out + r * width, 0, static_cast<std::size_t>(width) * sizeof(float));
+    }
+  }
+}
+
+// Block rows transposed as [D][cols] (keys along the vector axis), zeros past `length` keys.
+inline void pack_transposed(const ConstTensorRef& t, std::int64_t b, std::int64_t h, const BlockMeta& blk,
+                            std::int64_t cols, float* row_buffer, float* out) {
+  const std::int64_t d = t.shape.d;
+  std::memset(out, 0, static_cast<std::size_t>(d * cols) * sizeof(float));
+  for (std::int64_t j = 0; j < blk.length; ++j) {
+    load_row(t, b, blk.begin + j, h, 1.0f, d, row_buffer);
+    for (std::int64_t i = 0; i < d; ++i) out[i * cols + j] = row_buffer[i];
+  }
+}
+
+// Scores of keys a row may not see become `fill`; padded rows and keys too.
+inline void apply_mask(float* s, std::int64_t rows_padded, std::int64_t cols, const BlockMeta& qb,
+                       const BlockMeta& kb, std::int64_t b, const AttentionMask& mask, std::int64_t sq,
+                       std::int64_t skv, float fill) {
+  for (std::int64_t r = 0; r < rows_padded; ++r) {
+    float* row = s + r * cols;
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const bool seen = r < qb.length && j < kb.length && mask.visible(b, qb.begin + r, kb.begin + j, sq, skv);
+      row[j] = seen ? row[j] : fill;
+    }
+  }
+}
+
+// Shapes and sizes agree; throws Error(invalid_input) naming the tensor otherwise.
+void check_forward_args(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
+                        const AttentionMask& mask, const FlashConfig& config);
+void check_same_shape(const char* name, const Shape4& got, const Shape4& want);
+
+// Per batch row, the q and kv block metadata.
+struct BlockGrid {
+  std::vector<std::vector<BlockMeta>> q, kv;  // [B][blocks]
+};
+BlockGrid make_block_grid(const AttentionMask& mask, std::int64_t batch, std::int64_t sq, std::int64_t skv,
+                          const FlashConfig& config);
+
+}  // namespace cpattn::kernels

@@ -1,0 +1,157 @@
+// The vector building blocks of the flash kernels (Highway, compiled for the build's target). Every row of a
+// tile runs the same instructions whatever its position, so a row's result does not depend on its lane or on
+// which rows share its tile.
+#pragma once
+
+#include <hwy/highway.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace cpattn::kernels {
+
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+inline constexpr int kTileRows = 4;  // rows of a register tile; blocks are padded to a multiple of it
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+inline std::int64_t lanes() { return static_cast<std::int64_t>(hn::Lanes(DF())); }
+inline std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+
+// 2^x for x <= ~0 (the softmax's s - m). Inputs below -126, -inf among them, give exactly 0; x = 0 gives
+// exactly 1, so a rescale by exp2(m - m) is an exact no-op. Taylor polynomial of degree 7 on the reduced
+// argument f in [-0.5, 0.5]: relative error below 1e-8 before float rounding.
+HWY_INLINE VF exp2_approx(VF x) {
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const auto tiny = hn::Lt(x, hn::Set(df, -126.0f));
+  x = hn::Max(x, hn::Set(df, -126.0f));
+  const VF xi = hn::Round(x);
+  const VF f = hn::Sub(x, xi);
+  VF p = hn::Set(df, 1.525273380405984e-05f);
+  p = hn::MulAdd(p, f, hn::Set(df, 1.5403530393381606e-04f));
+  p = hn::MulAdd(p, f, hn::Set(df, 1.3333558146428443e-03f));
+  p = hn::MulAdd(p, f, hn::Set(df, 9.618129107628477e-03f));
+  p = hn::MulAdd(p, f, hn::Set(df, 5.550410866482158e-02f));
+  p = hn::MulAdd(p, f, hn::Set(df, 2.402265069591007e-01f));
+  p = hn::MulAdd(p, f, hn::Set(df, 6.931471805599453e-01f));
+  p = hn::MulAdd(p, f, hn::Set(df, 1.0f));
+  const auto exponent = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, xi), hn::Set(di, 127)));
+  return hn::IfThenZeroElse(tiny, hn::Mul(p, hn::BitCast(df, exponent)));
+}
+
+inline float exp2_scalar(float x) {
+  const DF df;
+  return hn::GetLane(exp2_approx(hn::Set(df, x)));
+}
+
+// out[r][j] = sum_{d < depth} a[r*as + d] * bt[d*bs + j] for r < kTileRows and j < C vectors of lanes:
+// the score tile S = Q K^T (bt = K^T) and dP = dO V^T (bt = V^T). The sum over d runs in order.
+template <int C>
+HWY_INLINE void dot_tile(const float* HWY_RESTRICT a, std::int64_t as, const float* HWY_RESTRICT bt,
+                         std::int64_t bs, std::int64_t depth, float* HWY_RESTRICT out, std::int64_t os) {
+  const DF df;
+  const std::int64_t n = lanes();
+  VF acc[kTileRows][C];
+  for (int r = 0; r < kTileRows; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = hn::Zero(df);
+  }
+  for (std::int64_t d = 0; d < depth; ++d) {
+    VF b[C];
+    for (int c = 0; c < C; ++c) b[c] = hn::LoadU(df, bt + d * bs + c * n);
+    for (int r = 0; r < kTileRows; ++r) {
+      const VF av = hn::Set(df, a[r * as + d]);
+      for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(av, b[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < kTileRows; ++r) {
+    for (int c = 0; c < C; ++c) hn::StoreU(acc[r][c], df, out + r * os + c * n);
+  }
+}
+
+// out[r][:] += sum_{t < count} coef[t*ct + r*cr] * x[t*xs + :] for r < kTileRows, over C vectors of columns:
+// O += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K. The sum over t runs in order.
+template <int C>
+HWY_INLINE void axpy_tile(const float* HWY_RESTRICT coef, std::int64_t ct, std::int64_t cr,
+                          const float* HWY_RESTRICT x, std::int64_t xs, std::int64_t count,
+                          float* HWY_RESTRICT out, std::int64_t os) {
+  const DF df;
+  const std::int64_t n = lanes();
+  VF acc[kTileRows][C];
+  for (int r = 0; r < kTileRows; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = hn::LoadU(df, out + r * os + c * n);
+  }
+  for (std::int64_t t = 0; t < count; ++t) {
+    VF xv[C];
+    for (int c = 0; c < C; ++c) xv[c] = hn::LoadU(df, x + t * xs + c * n);
+    for (int r = 0; r < kTileRows; ++r) {
+      const VF cv = hn::Set(df, coef[t * ct + r * cr]);
+      for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(cv, xv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < kTileRows; ++r) {
+    for (int c = 0; c < C; ++c) hn::StoreU(acc[r][c], df, out + r * os + c * n);
+  }
+}
+
+// Rows [0, rows) of a, kTileRows at a time, against `cols` columns of bt (a multiple of 4 vectors).
+inline void dot_rows(const float* a, std::int64_t as, const float* bt, std::int64_t bs, std::int64_t depth,
+                     std::int64_t rows, std::int64_t cols, float* out, std::int64_t os) {
+  const std::int64_t step = 4 * lanes();
+  for (std::int64_t r = 0; r < rows; r += kTileRows) {
+    for (std::int64_t j = 0; j < cols; j += step) dot_tile<4>(a + r * as, as, bt + j, bs, depth, out + r * os + j, os);
+  }
+}
+
+// axpy_tile over `rows` output rows and `width` columns (a multiple of the lane count), 4 vectors at a time and
+// the remainder with fewer.
+inline void axpy_rows(const float* coef, std::int64_t ct, std::int64_t cr, const float* x, std::int64_t xs,
+                      std::int64_t count, std::int64_t rows, std::int64_t width, float* out, std::int64_t os) {
+  const std::int64_t n = lanes();
+  for (std::int64_t r = 0; r < rows; r += kTileRows) {
+    const float* cf = coef + r * cr;
+    float* o = out + r * os;
+    std::int64_t c = 0;
+    for (; c + 4 * n <= width; c += 4 * n) axpy_tile<4>(cf, ct, cr, x + c, xs, count, o + c, os);
+    switch ((width - c) / n) {
+      case 3: axpy_tile<3>(cf, ct, cr, x + c, xs, count, o + c, os); break;
+      case 2: axpy_tile<2>(cf, ct, cr, x + c, xs, count, o + c, os); break;
+      case 1: axpy_tile<1>(cf, ct, cr, x + c, xs, count, o + c, os); break;
+      default: break;
+    }
+  }
+}
+
+// Maximum of `count` floats (a multiple of the lane count); max is exact, so the order does not matter.
+inline float max_of(const float* x, std::int64_t count) {
+  const DF df;
+  VF m = hn::Set(df, -std::numeric_limits<float>::infinity());
+  for (std::int64_t j = 0; j < count; j += lanes()) m = hn::Max(m, hn::LoadU(df, x + j));
+  return hn::GetLane(hn::MaxOfLanes(df, m));
+}
+
+// In place x[j] = exp2(x[j] - sub); returns their sum (lane partials in order, then the target's fixed
+// lane reduction).
+inline float exp2_shifted_sum(float* x, std::int64_t count, float sub) {
+  const DF df;
+  const VF s = hn::Set(df, sub);
+  VF sum = hn::Zero(df);
+  for (std::int64_t j = 0; j < count; j += lanes()) {
+    const VF p = exp2_approx(hn::Sub(hn::LoadU(df, x + j), s));
+    hn::StoreU(p, df, x + j);
+    sum = hn::Add(sum, p);
+  }
+  return hn::GetLane(hn::SumOfLanes(df, sum));
+}
+
+inline void scale_row(float* x, std::int64_t count, float factor) {
+  const DF df;
+  const VF f = hn::Set(df, factor);
+  for (std::int64_t j = 0; j < count; j += lanes()) hn::StoreU(hn::Mul(hn::LoadU(df, x + j), f), df, x + j);
+}
+
+}  // namespace cpattn::kernels

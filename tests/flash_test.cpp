@@ -1,0 +1,305 @@
+// The flash kernels against the float64 reference, the independent vectors, hand-counted tiles, and the
+// determinism contract (bit-identical rows whatever the shard, order or thread count).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <numeric>
+
+#include "cpattn/flash.hpp"
+#include "cpattn/npy.hpp"
+#include "cpattn/reference.hpp"
+#include "test_support.hpp"
+
+namespace cpattn {
+namespace {
+
+using testing::natural_positions;
+using testing::random_tensor;
+using testing::segments_from_lengths;
+
+struct Case {
+  std::int64_t batch = 1, seq = 64, hq = 4, hkv = 4, dim = 32;
+  bool causal = true;
+  std::vector<std::int64_t> segments;  // document lengths, empty: one document
+  DType dtype = DType::f32;
+  std::string name() const {
+    std::string s = "B" + std::to_string(batch) + "_S" + std::to_string(seq) + "_Hq" + std::to_string(hq) + "_Hkv" +
+                    std::to_string(hkv) + "_D" + std::to_string(dim) + (causal ? "_causal" : "_full");
+    if (!segments.empty()) s += "_packed" + std::to_string(segments.size());
+    return s + "_" + to_string(dtype);
+  }
+};
+
+struct Inputs {
+  Tensor q, k, v, d_out;
+  std::vector<std::int32_t> pos, seg;
+  AttentionMask mask(bool causal) const { return {pos, pos, seg, seg, causal}; }
+};
+
+Inputs make_inputs(const Case& c, std::uint32_t seed) {
+  Inputs in;
+  in.q = random_tensor(c.dtype, {c.batch, c.seq, c.hq, c.dim}, seed);
+  in.k = random_tensor(c.dtype, {c.batch, c.seq, c.hkv, c.dim}, seed + 1);
+  in.v = random_tensor(c.dtype, {c.batch, c.seq, c.hkv, c.dim}, seed + 2);
+  in.d_out = random_tensor(c.dtype, {c.batch, c.seq, c.hq, c.dim}, seed + 3);
+  in.pos = natural_positions(c.batch, c.seq);
+  if (!c.segments.empty()) in.seg = segments_from_lengths(c.batch, c.segments);
+  return in;
+}
+
+// Runs kernel and reference; fp32 within `tol` of max |ref|; bf16 against the reference on the bf16 values.
+void check_against_reference(const Case& c, double tol, int threads = 1) {
+  SCOPED_TRACE(c.name());
+  const Inputs in = make_inputs(c, 17);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
+  FlashConfig cfg;
+  cfg.threads = threads;
+  const auto fwd = flash_attention_forward(in.q, in.k, in.v, in.mask(c.causal), scale, cfg);
+  const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, in.mask(c.causal), scale,
+                                            cfg, DType::f32);
+  const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, in.mask(c.causal), scale);
+  CPATTN_EXPECT_CLOSE(fwd.o.to_floats(), ref.o, tol, "o");
+  CPATTN_EXPECT_CLOSE(fwd.lse, ref.lse, tol, "lse");
+  CPATTN_EXPECT_CLOSE(bwd.dq.to_floats(), ref.dq, tol, "dq");
+  CPATTN_EXPECT_CLOSE(bwd.dk.to_floats(), ref.dk, tol, "dk");
+  CPATTN_EXPECT_CLOSE(bwd.dv.to_floats(), ref.dv, tol, "dv");
+}
+
+TEST(FlashKernel, MatchesReferenceOnAwkwardSizesFp32) {
+  const std::vector<Case> cases = {
+      {1, 1, 2, 1, 8, true, {}},
+      {1, 7, 4, 2, 20, false, {}},
+      {2, 127, 4, 1, 64, true, {}},
+      {1, 129, 16, 1, 8, true, {}},
+      {1, 129, 8, 2, 128, false, {50, 79}},
+      {1, 1000, 2, 1, 64, true, {}},
+      {1, 300, 4, 4, 256, true, {1, 150, 149}},
+      {2, 200, 16, 4, 20, true, {64, 64, 72}},
+      {1, 65, 2, 2, 512, false, {}},
+      {1, 33, 3, 3, 1, true, {}},
+      {1, 70, 2, 1, 17, false, {30, 40}},
+  };
+  for (const Case& c : cases) check_against_reference(c, 1e-5);
+}
+
+TEST(FlashKernel, MatchesReferenceWithTwoThreads) {
+  check_against_reference({2, 257, 8, 2, 64, true, {100, 157}}, 1e-5, 2);
+}
+
+TEST(FlashKernel, Bf16MatchesReferenceOnRoundedInputs) {
+  for (Case c : std::vector<Case>{{1, 200, 8, 2, 64, true, {}}, {2, 129, 4, 1, 128, false, {60, 69}}}) {
+    c.dtype = DType::bf16;
+    check_against_reference(c, 2e-2);
+  }
+}
+
+TEST(FlashKernel, MatchesIndependentVectors) {
+  const std::filesystem::path root = CPATTN_TEST_DATA_DIR "/attention";
+  int cases = 0;
+  for (const auto& dir : std::filesystem::directory_iterator(root)) {
+    if (!dir.is_directory()) continue;
+    ++cases;
+    SCOPED_TRACE(dir.path().filename().string());
+    const auto spec = nlohmann::json::parse(std::ifstream(dir.path() / "case.json"));
+    auto load = [&](const char* name) { return read_npy((dir.path() / name).string()); };
+    auto tensor = [&](const char* name) {
+      const NpyArray a = load(name);
+      return Tensor::from_floats(DType::f32, {a.shape[0], a.shape[1], a.shape[2], a.shape[3]}, a.as_floats());
+    };
+    const Tensor q = tensor("q.npy"), k = tensor("k.npy"), v = tensor("v.npy"), d_out = tensor("do.npy");
+    const auto seg = load("segment_ids.npy").as_int32();
+    const auto pos = natural_positions(q.shape().b, q.shape().s);
+    const AttentionMask mask{pos, pos, seg, seg, spec["causal"].get<bool>()};
+    const double scale = 1.0 / std::sqrt(static_cast<double>(q.shape().d));
+    const auto fwd = flash_attention_forward(q, k, v, mask, scale, {});
+    const auto bwd = flash_attention_backward(q, k, v, fwd.o, fwd.lse, d_out, mask, scale, {}, DType::f32);
+    CPATTN_EXPECT_CLOSE(fwd.o.to_floats(), load("o.npy").as_doubles(), 1e-5, "o");
+    CPATTN_EXPECT_CLOSE(fwd.lse, load("lse.npy").as_doubles(), 1e-5, "lse");
+    CPATTN_EXPECT_CLOSE(bwd.dq.to_floats(), load("dq.npy").as_doubles(), 1e-5, "dq");
+    CPATTN_EXPECT_CLOSE(bwd.dk.to_floats(), load("dk.npy").as_doubles(), 1e-5, "dk");
+    CPATTN_EXPECT_CLOSE(bwd.dv.to_floats(), load("dv.npy").as_doubles(), 1e-5, "dv");
+  }
+  EXPECT_EQ(cases, 6);
+}
+
+TEST(FlashKernel, FullyMaskedRowsAreZeroWithMinusInfinityLse) {
+  Case c{1, 100, 4, 2, 32, true, {}};
+  Inputs in = make_inputs(c, 5);
+  // Query segments that no key has: rows 10..19 and 70..99 see nothing.
+  std::vector<std::int32_t> q_seg(100, 0), kv_seg(100, 0);
+  for (int i = 10; i < 20; ++i) q_seg[i] = 7;
+  for (int i = 70; i < 100; ++i) q_seg[i] = 9;
+  const AttentionMask mask{in.pos, in.pos, q_seg, kv_seg, true};
+  const auto fwd = flash_attention_forward(in.q, in.k, in.v, mask, 0.2, {});
+  const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, mask, 0.2, {}, DType::f32);
+  const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, mask, 0.2);
+  for (std::int64_t h = 0; h < 4; ++h) {
+    for (int i : {10, 19, 70, 99}) {
+      EXPECT_EQ(fwd.lse[h * 100 + i], -std::numeric_limits<float>::infinity());
+      for (std::int64_t d = 0; d < 32; ++d) {
+        EXPECT_EQ(fwd.o.get(0, i, h, d), 0.0f);
+        EXPECT_EQ(bwd.dq.get(0, i, h, d), 0.0f);
+      }
+    }
+  }
+  for (float x : bwd.dk.to_floats()) ASSERT_TRUE(std::isfinite(x));
+  for (float x : bwd.dv.to_floats()) ASSERT_TRUE(std::isfinite(x));
+  CPATTN_EXPECT_CLOSE(fwd.o.to_floats(), ref.o, 1e-5, "o");
+  CPATTN_EXPECT_CLOSE(fwd.lse, ref.lse, 1e-5, "lse");
+  CPATTN_EXPECT_CLOSE(bwd.dk.to_floats(), ref.dk, 1e-5, "dk");
+  CPATTN_EXPECT_CLOSE(bwd.dv.to_floats(), ref.dv, 1e-5, "dv");
+}
+
+// Tile counts for one head on a single document, from the formula in flash.hpp written out by hand.
+std::int64_t tiles_for(std::int64_t seq, bool causal, std::int64_t bq, std::int64_t bk,
+                       std::vector<std::int64_t> segments = {}) {
+  Case c{1, seq, 1, 1, 8, causal, segments};
+  const Inputs in = make_inputs(c, 3);
+  FlashConfig cfg;
+  cfg.block_q = bq;
+  cfg.block_kv = bk;
+  const auto fwd = flash_attention_forward(in.q, in.k, in.v, in.mask(causal), 1.0, cfg);
+  const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, in.mask(causal), 1.0, cfg,
+                                            DType::f32);
+  EXPECT_EQ(fwd.tiles.per_head, bwd.tiles.per_head) << "backward computes the same tiles";
+  EXPECT_EQ(fwd.tiles.total(), fwd.tiles.per_head.at(0));
+  return fwd.tiles.per_head.at(0);
+}
+
+TEST(FlashKernel, TileCountsMatchHandCounts) {
+  EXPECT_EQ(tiles_for(256, true, 64, 64), 10);   // T = 4: T(T+1)/2
+  EXPECT_EQ(tiles_for(512, true, 64, 64), 36);   // T = 8
+  EXPECT_EQ(tiles_for(256, false, 64, 64), 16);  // T^2
+  // Bq = 32, Bk = 64 on 256 tokens: q blocks see 1, 1, 2, 2, 3, 3, 4, 4 kv blocks.
+  EXPECT_EQ(tiles_for(256, true, 32, 64), 20);
+  EXPECT_EQ(tiles_for(256, false, 32, 64), 32);
+  // Bq = 128, Bk = 64: q block 0 sees kv 0..1, q block 1 sees kv 0..3.
+  EXPECT_EQ(tiles_for(256, true, 128, 64), 6);
+  // Two causal documents of 128 (T = 2 each): 3 + 3; non-causal: 4 + 4.
+  EXPECT_EQ(tiles_for(256, true, 64, 64, {128, 128}), 6);
+  EXPECT_EQ(tiles_for(256, false, 64, 64, {128, 128}), 8);
+  // Ragged: 100 tokens causal, 64-blocks: q block 0 sees kv 0; q block 1 sees kv 0 and 1.
+  EXPECT_EQ(tiles_for(100, true, 64, 64), 3);
+}
+
+TEST(FlashKernel, FullAndPartialTilesAreClassified) {
+  Case c{1, 100, 1, 1, 8, true, {}};
+  const Inputs in = make_inputs(c, 3);
+  const auto fwd = flash_attention_forward(in.q, in.k, in.v, in.mask(true), 1.0, {});
+  EXPECT_EQ(fwd.tiles.full, 1);     // q block 1 x kv block 0: every key before every query
+  EXPECT_EQ(fwd.tiles.partial, 2);  // the two diagonal tiles (kv block 1 is also a ragged tail)
+}
+
+// ---- Determinism: the same rows, computed in other company, are the same bits. ----
+
+struct RowsResult {
+  std::vector<float> o, lse, dq;  // o, dq: [rows][Hq][D]; lse: [Hq][rows]
+};
+
+// Forward (and dQ) for the query rows `rows` (global positions) against the whole kv sequence.
+RowsResult run_rows(const Inputs& in, const Case& c, const std::vector<std::int64_t>& rows, int threads) {
+  const std::int64_t n = static_cast<std::int64_t>(rows.size());
+  Tensor q(c.dtype, {1, n, c.hq, c.dim}), d_out(c.dtype, {1, n, c.hq, c.dim});
+  std::vector<std::int32_t> q_pos(n), q_seg;
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int64_t h = 0; h < c.hq; ++h) {
+      for (std::int64_t d = 0; d < c.dim; ++d) {
+        q.set(0, i, h, d, in.q.get(0, rows[i], h, d));
+        d_out.set(0, i, h, d, in.d_out.get(0, rows[i], h, d));
+      }
+    }
+    q_pos[i] = static_cast<std::int32_t>(rows[i]);
+    if (!in.seg.empty()) q_seg.push_back(in.seg[rows[i]]);
+  }
+  const AttentionMask mask{q_pos, in.pos, q_seg, in.seg, c.causal};
+  FlashConfig cfg;
+  cfg.threads = threads;
+  const double scale = 0.125;
+  const auto fwd = flash_attention_forward(q, in.k, in.v, mask, scale, cfg);
+  const auto bwd = flash_attention_backward(q, in.k, in.v, fwd.o, fwd.lse, d_out, mask, scale, cfg, DType::f32);
+  return {fwd.o.to_floats(), fwd.lse, bwd.dq.to_floats()};
+}
+
+// Picks row `i` of `full` (rows in natural order) for each listed global row.
+std::vector<float> gather_rows(const std::vector<float>& full, const std::vector<std::int64_t>& rows,
+                               std::int64_t width) {
+  std::vector<float> out;
+  for (auto r : rows) out.insert(out.end(), full.begin() + r * width, full.begin() + (r + 1) * width);
+  return out;
+}
+
+std::vector<float> gather_lse(const std::vector<float>& full, const std::vector<std::int64_t>& rows,
+                              std::int64_t heads, std::int64_t seq) {
+  std::vector<float> out;
+  for (std::int64_t h = 0; h < heads; ++h) {
+    for (auto r : rows) out.push_back(full[h * seq + r]);
+  }
+  return out;
+}
+
+TEST(FlashKernel, RowsAreBitIdenticalAcrossShardsOrdersAndThreads) {
+  for (const Case& c : {Case{1, 300, 4, 2, 40, true, {}}, Case{1, 250, 4, 1, 64, true, {90, 160}},
+                        Case{1, 200, 2, 2, 24, false, {}}, Case{1, 180, 4, 2, 32, true, {}, DType::bf16}}) {
+    SCOPED_TRACE(c.name());
+    const Inputs in = make_inputs(c, 29);
+    std::vector<std::int64_t> all(static_cast<std::size_t>(c.seq));
+    std::iota(all.begin(), all.end(), 0);
+    const RowsResult whole = run_rows(in, c, all, 1);
+    const std::int64_t width = c.hq * c.dim;
+
+    // Shards whose lengths are not multiples of 16 (or of the block).
+    const std::vector<std::int64_t> cuts = {0, 37, 90, 151, c.seq};
+    for (std::size_t s = 0; s + 1 < cuts.size(); ++s) {
+      std::vector<std::int64_t> rows(all.begin() + cuts[s], all.begin() + cuts[s + 1]);
+      const RowsResult part = run_rows(in, c, rows, 1);
+      EXPECT_EQ(testing::count_bit_differences(part.o, gather_rows(whole.o, rows, width)), 0) << "o shard " << s;
+      EXPECT_EQ(testing::count_bit_differences(part.lse, gather_lse(whole.lse, rows, c.hq, c.seq)), 0)
+          << "lse shard " << s;
+      EXPECT_EQ(testing::count_bit_differences(part.dq, gather_rows(whole.dq, rows, width)), 0) << "dq shard " << s;
+    }
+    // A reordered sequence: odd rows reversed, then even rows (every row in new company, new lanes).
+    std::vector<std::int64_t> shuffled;
+    for (std::int64_t i = c.seq - 1; i >= 0; --i) {
+      if (i % 2 == 1) shuffled.push_back(i);
+    }
+    for (std::int64_t i = 0; i < c.seq; i += 2) shuffled.push_back(i);
+    const RowsResult reordered = run_rows(in, c, shuffled, 2);
+    EXPECT_EQ(testing::count_bit_differences(reordered.o, gather_rows(whole.o, shuffled, width)), 0) << "o reordered";
+    EXPECT_EQ(testing::count_bit_differences(reordered.lse, gather_lse(whole.lse, shuffled, c.hq, c.seq)), 0);
+    EXPECT_EQ(testing::count_bit_differences(reordered.dq, gather_rows(whole.dq, shuffled, width)), 0);
+    // Two threads, whole sequence.
+    const RowsResult two = run_rows(in, c, all, 2);
+    EXPECT_EQ(testing::count_bit_differences(two.o, whole.o), 0);
+    EXPECT_EQ(testing::count_bit_differences(two.lse, whole.lse), 0);
+    EXPECT_EQ(testing::count_bit_differences(two.dq, whole.dq), 0);
+  }
+}
+
+TEST(FlashKernel, BadArgumentsAreNamed) {
+  Case c{1, 16, 4, 2, 8, true, {}};
+  const Inputs in = make_inputs(c, 1);
+  Tensor bad_v(DType::f32, {1, 16, 3, 8});
+  auto expect_field = [](auto&& call, const char* field) {
+    try {
+      call();
+      ADD_FAILURE() << "accepted; expected an error naming " << field;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.items().at(0).fields.at(0), field) << e.what();
+    }
+  };
+  expect_field([&] { flash_attention_forward(in.q, in.k, bad_v, in.mask(true), 1.0, {}); }, "v");
+  std::vector<std::int32_t> short_pos(5, 0);
+  expect_field([&] { flash_attention_forward(in.q, in.k, in.v, {short_pos, in.pos, {}, {}, true}, 1.0, {}); },
+               "q_positions");
+  FlashConfig cfg;
+  cfg.block_kv = 48;
+  expect_field([&] { flash_attention_forward(in.q, in.k, in.v, in.mask(true), 1.0, cfg); }, "block_kv");
+  Tensor q3(DType::f32, {1, 16, 3, 8});
+  expect_field([&] { flash_attention_forward(q3, in.k, in.v, in.mask(true), 1.0, {}); }, "num_kv_heads");
+}
+
+}  // namespace
+}  // namespace cpattn
