@@ -1,0 +1,105 @@
+// How ranks talk: the Communicator interface the strategies use (and nothing else), with every collective
+// counted in DESIGN.md's accounting so that the planner's predictions can be checked against what ran.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace cpattn {
+
+enum class CollectiveKind { all_to_all, all_gather, reduce_scatter, collective_permute };
+const char* to_string(CollectiveKind kind);
+
+enum class CommDType { f32, bf16, i32 };
+std::size_t comm_dtype_size(CommDType t);
+const char* to_string(CommDType t);
+
+// One line of the accounting: calls of one kind in one phase.
+//   bytes: the per-device size in the seed's (HLO) convention: all_gather its output, reduce_scatter its input,
+//          all_to_all and collective_permute the operand (summed over the calls);
+//   bytes_sent_per_rank: what one rank sent to other ranks (its own block excluded; for a permute, the largest
+//          over ranks), summed over the calls.
+struct CollectiveRecord {
+  CollectiveKind kind = CollectiveKind::all_to_all;
+  std::string phase;
+  std::int64_t count = 0;
+  std::int64_t bytes = 0;
+  std::int64_t bytes_sent_per_rank = 0;
+  bool operator==(const CollectiveRecord&) const = default;
+};
+
+// Thread-safe per-communicator counters; records stay in first-seen order of (kind, phase).
+class CollectiveCounters {
+ public:
+  void record(CollectiveKind kind, std::int64_t bytes, std::int64_t bytes_sent);
+  std::vector<CollectiveRecord> records() const;
+  void reset();
+  void set_phase(std::string phase);
+  std::string phase() const;
+
+  // Sets the phase for a scope and restores the previous one after.
+  class PhaseScope {
+   public:
+    PhaseScope(CollectiveCounters& counters, std::string phase);
+    ~PhaseScope();
+    PhaseScope(const PhaseScope&) = delete;
+    PhaseScope& operator=(const PhaseScope&) = delete;
+
+   private:
+    CollectiveCounters& counters_;
+    std::string previous_;
+  };
+
+ private:
+  mutable std::mutex mutex_;
+  std::string phase_ = "unspecified";
+  std::vector<CollectiveRecord> records_;
+};
+
+enum class ReduceOp { sum, max, min };
+
+// Collectives over typed buffers. Buffers are rank-major: block p of a send or receive buffer is `count`
+// elements at offset p * count. Every rank must make the same calls in the same order with the same counts and
+// dtypes; a mismatch, a failed peer or a timeout is an Error(communication) on every rank, never a hang.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const char* backend() const = 0;
+
+  // send: size() blocks of `count`; block p goes to rank p. recv: size() blocks; block p came from rank p.
+  virtual void all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) = 0;
+  // send: `count` elements; recv: size() blocks, block p from rank p.
+  virtual void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) = 0;
+  // send: size() blocks of `count`; recv: `count` = the sum over ranks of their block rank(). f32 or bf16 (bf16
+  // sums accumulate in fp32 in the in-process group).
+  virtual void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) = 0;
+  // dest[p] is where rank p's `count` elements go (-1: nowhere); recv is written only if some p has
+  // dest[p] == rank(). dest must be the same on every rank and send no two blocks to one rank.
+  virtual void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
+                                  const std::vector<int>& dest) = 0;
+  virtual void barrier() = 0;
+  // Small control values (shapes, error flags); not counted.
+  virtual void all_reduce(std::int64_t* values, int n, ReduceOp op) = 0;
+
+  CollectiveCounters& counters() { return counters_; }
+
+ protected:
+  // The accounting for one call; backends call it once per collective, after it succeeded.
+  void count_all_to_all(std::int64_t count, CommDType dtype);
+  void count_all_gather(std::int64_t count, CommDType dtype);
+  void count_reduce_scatter(std::int64_t count, CommDType dtype);
+  void count_permute(std::int64_t count, CommDType dtype, const std::vector<int>& dest);
+
+ private:
+  CollectiveCounters counters_;
+};
+
+// Checks a permutation's shape before any rank waits on it; throws Error(invalid_input).
+void check_permutation(const std::vector<int>& dest, int size);
+
+}  // namespace cpattn

@@ -1,0 +1,289 @@
+#include "cpattn/inproc.hpp"
+
+#include <condition_variable>
+#include <cstring>
+#include <exception>
+#include <thread>
+
+#include "cpattn/bf16.hpp"
+#include "cpattn/error.hpp"
+
+namespace cpattn {
+
+namespace {
+
+enum class Call { all_to_all, all_gather, reduce_scatter, permute, barrier, all_reduce };
+
+const char* call_name(Call c) {
+  switch (c) {
+    case Call::all_to_all: return "all_to_all";
+    case Call::all_gather: return "all_gather";
+    case Call::reduce_scatter: return "reduce_scatter";
+    case Call::permute: return "collective_permute";
+    case Call::barrier: return "barrier";
+    case Call::all_reduce: return "all_reduce";
+  }
+  return "unknown";
+}
+
+// What one rank published for the current collective.
+struct Slot {
+  Call call = Call::barrier;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  std::int64_t count = 0;
+  CommDType dtype = CommDType::f32;
+  const std::vector<int>* dest = nullptr;
+  ReduceOp op = ReduceOp::sum;
+};
+
+std::string describe(const Slot& s) {
+  std::string d = std::string(call_name(s.call)) + "(count=" + std::to_string(s.count) + ", " + to_string(s.dtype);
+  if (s.call == Call::all_reduce) d += ", op " + std::to_string(static_cast<int>(s.op));
+  return d + ")";
+}
+
+}  // namespace
+
+struct InProcessGroup::State {
+  int size = 0;
+  InProcessOptions options;
+  std::mutex mutex;
+  std::condition_variable cv;
+  std::vector<Slot> slots;
+  std::vector<std::int64_t> calls;  // collectives each rank has entered
+  int arrived = 0;
+  std::uint64_t generation = 0;
+  bool aborted = false;
+  int failed_rank = -1;
+  std::string reason;
+  std::vector<std::unique_ptr<Communicator>> comms;
+
+  [[noreturn]] void throw_aborted(int rank) const {
+    throw Error(ErrorKind::communication, "rank", std::to_string(failed_rank),
+                "rank " + std::to_string(rank) + ": the in-process group was aborted because rank " +
+                    std::to_string(failed_rank) + " failed: " + reason);
+  }
+
+  void abort_locked(int rank, const std::string& why) {
+    if (!aborted) {
+      aborted = true;
+      failed_rank = rank;
+      reason = why;
+    }
+    cv.notify_all();
+  }
+
+  // Waits until every rank arrives. `abortable`: leave with an error if the group is aborted (phase 1); the
+  // closing phase is not abortable, because a peer may still be reading this rank's buffers.
+  void arrive_and_wait(std::unique_lock<std::mutex>& lock, int rank, Call call, bool abortable) {
+    const std::uint64_t gen = generation;
+    if (++arrived == size) {
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+      return;
+    }
+    const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+    while (generation == gen && !(abortable && aborted)) {
+      if (cv.wait_until(lock, deadline) == std::cv_status::timeout && generation == gen && abortable && !aborted) {
+        std::string missing;
+        for (int p = 0; p < size; ++p) {
+          if (calls[p] < calls[rank]) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+        }
+        abort_locked(rank, std::string(call_name(call)) + " timed out after " +
+                               std::to_string(options.timeout.count()) + " ms waiting for rank(s) [" + missing + "]");
+      }
+    }
+    if (generation == gen) {
+      --arrived;
+      throw_aborted(rank);
+    }
+  }
+
+  void collective(int rank, const Slot& mine);
+};
+
+namespace {
+
+class InProcessCommunicator final : public Communicator {
+ public:
+  InProcessCommunicator(InProcessGroup::State& state, int rank) : state_(state), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return state_.size; }
+  const char* backend() const override { return "inproc"; }
+
+  void all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
+    state_.collective(rank_, {Call::all_to_all, send, recv, count, dtype, nullptr, ReduceOp::sum});
+    count_all_to_all(count, dtype);
+  }
+  void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
+    state_.collective(rank_, {Call::all_gather, send, recv, count, dtype, nullptr, ReduceOp::sum});
+    count_all_gather(count, dtype);
+  }
+  void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
+    if (dtype == CommDType::i32) {
+      throw Error(ErrorKind::invalid_input, "dtype", "i32", "reduce_scatter_sum takes f32 or bf16, not i32");
+    }
+    state_.collective(rank_, {Call::reduce_scatter, send, recv, count, dtype, nullptr, ReduceOp::sum});
+    count_reduce_scatter(count, dtype);
+  }
+  void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
+                          const std::vector<int>& dest) override {
+    check_permutation(dest, size());
+    state_.collective(rank_, {Call::permute, send, recv, count, dtype, &dest, ReduceOp::sum});
+    count_permute(count, dtype, dest);
+  }
+  void barrier() override { state_.collective(rank_, {Call::barrier, nullptr, nullptr, 0, CommDType::i32, nullptr, ReduceOp::sum}); }
+  void all_reduce(std::int64_t* values, int n, ReduceOp op) override {
+    state_.collective(rank_, {Call::all_reduce, values, values, n, CommDType::i32, nullptr, op});
+  }
+
+ private:
+  InProcessGroup::State& state_;
+  int rank_;
+};
+
+void sum_blocks(const std::vector<Slot>& slots, int rank, std::int64_t count, CommDType dtype, void* out) {
+  const std::size_t off = static_cast<std::size_t>(rank) * static_cast<std::size_t>(count);
+  if (dtype == CommDType::f32) {
+    float* o = static_cast<float*>(out);
+    std::memcpy(o, static_cast<const float*>(slots[0].send) + off, static_cast<std::size_t>(count) * 4);
+    for (std::size_t p = 1; p < slots.size(); ++p) {
+      const float* in = static_cast<const float*>(slots[p].send) + off;
+      for (std::int64_t i = 0; i < count; ++i) o[i] += in[i];
+    }
+    return;
+  }
+  // bf16: accumulate in fp32, in rank order, then round once.
+  std::vector<float> acc(static_cast<std::size_t>(count), 0.0f);
+  for (const Slot& s : slots) {
+    const bf16* in = static_cast<const bf16*>(s.send) + off;
+    for (std::int64_t i = 0; i < count; ++i) acc[i] += bf16_to_float(in[i]);
+  }
+  bf16* o = static_cast<bf16*>(out);
+  for (std::int64_t i = 0; i < count; ++i) o[i] = float_to_bf16(acc[i]);
+}
+
+}  // namespace
+
+void InProcessGroup::State::collective(int rank, const Slot& mine) {
+  {
+    std::unique_lock<std::mutex> lock(mutex);
+    if (aborted) throw_aborted(rank);
+    slots[rank] = mine;
+    ++calls[rank];
+    arrive_and_wait(lock, rank, mine.call, true);
+  }
+  // Every rank sees the same slots, so every rank reaches the same verdict on a mismatch.
+  for (int p = 0; p < size; ++p) {
+    const Slot& s = slots[p];
+    const bool same = s.call == mine.call && s.count == mine.count && s.dtype == mine.dtype && s.op == mine.op &&
+                      (mine.call != Call::permute || *s.dest == *mine.dest);
+    if (!same) {
+      throw Error(ErrorKind::communication, "collective", describe(s),
+                  "collective mismatch: rank " + std::to_string(rank) + " called " + describe(mine) + " but rank " +
+                      std::to_string(p) + " called " + describe(s));
+    }
+  }
+  const std::size_t e = comm_dtype_size(mine.dtype);
+  const std::size_t block = static_cast<std::size_t>(mine.count) * e;
+  auto* recv = static_cast<unsigned char*>(mine.recv);
+  switch (mine.call) {
+    case Call::all_to_all:
+      for (int p = 0; p < size; ++p) {
+        std::memcpy(recv + p * block, static_cast<const unsigned char*>(slots[p].send) + rank * block, block);
+      }
+      break;
+    case Call::all_gather:
+      for (int p = 0; p < size; ++p) std::memcpy(recv + p * block, slots[p].send, block);
+      break;
+    case Call::reduce_scatter: sum_blocks(slots, rank, mine.count, mine.dtype, mine.recv); break;
+    case Call::permute:
+      for (int p = 0; p < size; ++p) {
+        if ((*mine.dest)[p] == rank && block > 0) std::memcpy(recv, slots[p].send, block);
+      }
+      break;
+    case Call::all_reduce: {
+      std::vector<std::int64_t> result(static_cast<std::size_t>(mine.count));
+      for (std::int64_t i = 0; i < mine.count; ++i) {
+        std::int64_t v = static_cast<const std::int64_t*>(slots[0].send)[i];
+        for (int p = 1; p < size; ++p) {
+          const std::int64_t x = static_cast<const std::int64_t*>(slots[p].send)[i];
+          v = mine.op == ReduceOp::sum ? v + x : mine.op == ReduceOp::max ? std::max(v, x) : std::min(v, x);
+        }
+        result[i] = v;
+      }
+      // Peers read our values until the closing rendezvous: write the result only after it.
+      std::unique_lock<std::mutex> lock(mutex);
+      arrive_and_wait(lock, rank, mine.call, false);
+      lock.unlock();
+      std::memcpy(mine.recv, result.data(), result.size() * sizeof(std::int64_t));
+      return;
+    }
+    case Call::barrier: break;
+  }
+  std::unique_lock<std::mutex> lock(mutex);
+  arrive_and_wait(lock, rank, mine.call, false);
+}
+
+InProcessGroup::InProcessGroup(int size, InProcessOptions options) : state_(std::make_unique<State>()) {
+  if (size < 1) {
+    throw Error(ErrorKind::invalid_config, "cp", std::to_string(size), "the in-process group needs at least 1 rank");
+  }
+  state_->size = size;
+  state_->options = options;
+  state_->slots.resize(static_cast<std::size_t>(size));
+  state_->calls.assign(static_cast<std::size_t>(size), 0);
+  for (int r = 0; r < size; ++r) state_->comms.push_back(std::make_unique<InProcessCommunicator>(*state_, r));
+}
+
+InProcessGroup::~InProcessGroup() = default;
+
+int InProcessGroup::size() const { return state_->size; }
+
+Communicator& InProcessGroup::communicator(int rank) {
+  CPATTN_ASSERT(rank >= 0 && rank < state_->size);
+  return *state_->comms[rank];
+}
+
+void InProcessGroup::abort(int rank, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->abort_locked(rank, reason);
+}
+
+bool InProcessGroup::aborted() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->aborted;
+}
+
+void InProcessGroup::run(const std::function<void(Communicator&)>& fn) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(state_->size));
+  auto body = [&](int r) {
+    try {
+      fn(communicator(r));
+    } catch (const std::exception& e) {
+      errors[r] = std::current_exception();
+      abort(r, e.what());
+    } catch (...) {
+      errors[r] = std::current_exception();
+      abort(r, "unknown exception");
+    }
+  };
+  std::vector<std::thread> threads;
+  for (int r = 1; r < state_->size; ++r) threads.emplace_back(body, r);
+  body(0);
+  for (auto& t : threads) t.join();
+  // The root cause: the failed rank's own error (the others only report that it failed).
+  int root = -1;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    root = state_->failed_rank;
+  }
+  if (root >= 0 && errors[root]) std::rethrow_exception(errors[root]);
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+}  // namespace cpattn

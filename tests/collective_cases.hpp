@@ -1,0 +1,102 @@
+// One body of collective tests for every backend (nccl-tests style): inputs are built so the exact answer is
+// known (element = rank * 1000 + index), and each case returns the number of wrong elements.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "cpattn/bf16.hpp"
+#include "cpattn/comm.hpp"
+
+namespace cpattn::testing {
+
+inline float value_of(int rank, std::int64_t index) { return static_cast<float>(rank * 1000 + index); }
+
+inline std::int64_t wrong_all_to_all(Communicator& c, std::int64_t count) {
+  const int n = c.size(), r = c.rank();
+  std::vector<float> send(static_cast<std::size_t>(n * count)), recv(send.size(), -1.0f);
+  for (std::int64_t i = 0; i < n * count; ++i) send[i] = value_of(r, i);
+  c.all_to_all(send.data(), recv.data(), count, CommDType::f32);
+  std::int64_t wrong = 0;
+  for (int p = 0; p < n; ++p) {
+    for (std::int64_t i = 0; i < count; ++i) wrong += recv[p * count + i] != value_of(p, r * count + i);
+  }
+  return wrong;
+}
+
+inline std::int64_t wrong_all_gather(Communicator& c, std::int64_t count) {
+  const int n = c.size(), r = c.rank();
+  std::vector<std::int32_t> send(static_cast<std::size_t>(count)), recv(static_cast<std::size_t>(n * count), -1);
+  for (std::int64_t i = 0; i < count; ++i) send[i] = static_cast<std::int32_t>(value_of(r, i));
+  c.all_gather(send.data(), recv.data(), count, CommDType::i32);
+  std::int64_t wrong = 0;
+  for (int p = 0; p < n; ++p) {
+    for (std::int64_t i = 0; i < count; ++i) wrong += recv[p * count + i] != static_cast<std::int32_t>(value_of(p, i));
+  }
+  return wrong;
+}
+
+inline std::int64_t wrong_reduce_scatter(Communicator& c, std::int64_t count, CommDType dtype) {
+  const int n = c.size(), r = c.rank();
+  std::vector<float> send(static_cast<std::size_t>(n * count));
+  // Small integers so that the bf16 sums are exact too.
+  for (std::int64_t i = 0; i < n * count; ++i) send[i] = static_cast<float>((r + 1) * (i % 7));
+  std::vector<float> recv(static_cast<std::size_t>(count), -1.0f);
+  if (dtype == CommDType::f32) {
+    c.reduce_scatter_sum(send.data(), recv.data(), count, dtype);
+  } else {
+    std::vector<bf16> s(send.size()), o(recv.size());
+    for (std::size_t i = 0; i < send.size(); ++i) s[i] = float_to_bf16(send[i]);
+    c.reduce_scatter_sum(s.data(), o.data(), count, dtype);
+    for (std::size_t i = 0; i < o.size(); ++i) recv[i] = bf16_to_float(o[i]);
+  }
+  std::int64_t wrong = 0;
+  const float rank_sum = static_cast<float>(n * (n + 1) / 2);
+  for (std::int64_t i = 0; i < count; ++i) wrong += recv[i] != rank_sum * static_cast<float>((r * count + i) % 7);
+  return wrong;
+}
+
+// Rank p sends to (p + shift) % n.
+inline std::int64_t wrong_permute(Communicator& c, std::int64_t count, int shift) {
+  const int n = c.size(), r = c.rank();
+  std::vector<int> dest(static_cast<std::size_t>(n));
+  for (int p = 0; p < n; ++p) dest[p] = (p + shift) % n;
+  std::vector<float> send(static_cast<std::size_t>(count)), recv(send.size(), -1.0f);
+  for (std::int64_t i = 0; i < count; ++i) send[i] = value_of(r, i);
+  c.collective_permute(send.data(), recv.data(), count, CommDType::f32, dest);
+  const int src = ((r - shift) % n + n) % n;
+  std::int64_t wrong = 0;
+  for (std::int64_t i = 0; i < count; ++i) wrong += recv[i] != value_of(src, i);
+  return wrong;
+}
+
+inline std::int64_t wrong_all_reduce(Communicator& c) {
+  const int n = c.size(), r = c.rank();
+  std::int64_t v[3] = {r, r, r + 1};
+  std::int64_t wrong = 0;
+  c.all_reduce(v, 1, ReduceOp::max);
+  wrong += v[0] != n - 1;
+  c.all_reduce(v + 1, 1, ReduceOp::min);
+  wrong += v[1] != 0;
+  c.all_reduce(v + 2, 1, ReduceOp::sum);
+  wrong += v[2] != static_cast<std::int64_t>(n) * (n + 1) / 2;
+  return wrong;
+}
+
+// Every case at a few sizes (including 0 and odd ones); returns the total wrong elements.
+inline std::int64_t wrong_in_all_cases(Communicator& c) {
+  std::int64_t wrong = 0;
+  for (std::int64_t count : {0, 1, 7, 1000, 65537}) {
+    wrong += wrong_all_to_all(c, count);
+    wrong += wrong_all_gather(c, count);
+    wrong += wrong_reduce_scatter(c, count, CommDType::f32);
+    wrong += wrong_reduce_scatter(c, count, CommDType::bf16);
+    wrong += wrong_permute(c, count, 1);
+    wrong += wrong_permute(c, count, 0);
+  }
+  wrong += wrong_all_reduce(c);
+  c.barrier();
+  return wrong;
+}
+
+}  // namespace cpattn::testing

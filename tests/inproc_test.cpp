@@ -1,0 +1,131 @@
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+
+#include "collective_cases.hpp"
+#include "cpattn/error.hpp"
+#include "cpattn/inproc.hpp"
+
+namespace cpattn {
+namespace {
+
+TEST(InProcessGroup, CollectivesAreExactOnEveryRank) {
+  for (int n : {1, 2, 3, 4, 8}) {
+    InProcessGroup group(n);
+    std::vector<std::int64_t> wrong(static_cast<std::size_t>(n), -1);
+    group.run([&](Communicator& c) { wrong[c.rank()] = testing::wrong_in_all_cases(c); });
+    for (int r = 0; r < n; ++r) EXPECT_EQ(wrong[r], 0) << "cp " << n << " rank " << r;
+  }
+}
+
+TEST(InProcessGroup, CountersFollowTheAccounting) {
+  InProcessGroup group(4);
+  group.run([&](Communicator& c) {
+    CollectiveCounters::PhaseScope phase(c.counters(), "forward");
+    std::vector<float> a(4 * 100), b(4 * 100);
+    c.all_to_all(a.data(), b.data(), 100, CommDType::f32);
+    c.all_to_all(a.data(), b.data(), 100, CommDType::f32);
+    c.all_gather(a.data(), b.data(), 50, CommDType::bf16);
+    c.reduce_scatter_sum(a.data(), b.data(), 100, CommDType::f32);
+    c.collective_permute(a.data(), b.data(), 10, CommDType::f32, {1, 0, 2, 3});
+    c.collective_permute(a.data(), b.data(), 10, CommDType::f32, {0, 1, 2, 3});
+  });
+  const auto rec = group.communicator(2).counters().records();
+  ASSERT_EQ(rec.size(), 4u);
+  EXPECT_EQ(rec[0], (CollectiveRecord{CollectiveKind::all_to_all, "forward", 2, 2 * 1600, 2 * 1200}));
+  EXPECT_EQ(rec[1], (CollectiveRecord{CollectiveKind::all_gather, "forward", 1, 400, 300}));
+  EXPECT_EQ(rec[2], (CollectiveRecord{CollectiveKind::reduce_scatter, "forward", 1, 1600, 1200}));
+  // A permute's bytes are its operand; sent per rank is the largest over ranks (0 for the identity).
+  EXPECT_EQ(rec[3], (CollectiveRecord{CollectiveKind::collective_permute, "forward", 2, 80, 40}));
+  group.communicator(2).counters().reset();
+  EXPECT_TRUE(group.communicator(2).counters().records().empty());
+}
+
+TEST(InProcessGroup, AFailedRankIsAnErrorOnEveryOtherRankAndANewGroupWorks) {
+  for (int fail_at : {0, 3}) {  // fails before its first collective, or after three
+    InProcessGroup group(4);
+    std::vector<std::string> messages(4);
+    try {
+      group.run([&](Communicator& c) {
+        std::vector<float> a(4 * 8), b(4 * 8);
+        try {
+          for (int step = 0; step < 10; ++step) {
+            if (c.rank() == 2 && step == fail_at) throw std::runtime_error("injected fault in forward");
+            c.all_to_all(a.data(), b.data(), 8, CommDType::f32);
+          }
+        } catch (const Error& e) {
+          messages[c.rank()] = e.what();
+          throw;
+        }
+      });
+      FAIL() << "run() returned normally";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("injected fault"), std::string::npos) << e.what();
+    }
+    for (int r : {0, 1, 3}) {
+      EXPECT_NE(messages[r].find("because rank 2 failed: injected fault"), std::string::npos) << messages[r];
+    }
+  }
+  InProcessGroup fresh(4);
+  std::atomic<std::int64_t> wrong{0};
+  fresh.run([&](Communicator& c) { wrong += testing::wrong_all_to_all(c, 100); });
+  EXPECT_EQ(wrong.load(), 0);
+}
+
+TEST(InProcessGroup, MismatchedCallsAreReportedOnEveryRank) {
+  InProcessGroup group(3);
+  std::atomic<int> mismatch_errors{0};
+  EXPECT_THROW(group.run([&](Communicator& c) {
+    std::vector<float> a(3 * 16), b(3 * 16);
+    try {
+      if (c.rank() == 1) {
+        c.all_gather(a.data(), b.data(), 16, CommDType::f32);
+      } else {
+        c.all_to_all(a.data(), b.data(), c.rank() == 2 ? 8 : 16, CommDType::f32);
+      }
+    } catch (const Error& e) {
+      if (std::string(e.what()).find("collective mismatch") != std::string::npos) ++mismatch_errors;
+      throw;
+    }
+  }),
+               Error);
+  EXPECT_EQ(mismatch_errors.load(), 3);
+}
+
+TEST(InProcessGroup, AStuckRankTimesOutInsteadOfHanging) {
+  InProcessOptions options;
+  options.timeout = std::chrono::milliseconds(200);
+  InProcessGroup group(3, options);
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::string> messages(3);
+  EXPECT_THROW(group.run([&](Communicator& c) {
+    try {
+      if (c.rank() == 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(600));  // never joins the first collective in time
+      }
+      c.barrier();
+    } catch (const Error& e) {
+      messages[c.rank()] = e.what();
+      throw;
+    }
+  }),
+               Error);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_NE(messages[1].find("timed out"), std::string::npos) << messages[1];
+  EXPECT_NE(messages[1].find("[0]"), std::string::npos) << messages[1];
+  EXPECT_NE(messages[0].find("aborted"), std::string::npos) << messages[0];
+}
+
+TEST(InProcessGroup, BadPermutationsAreRefusedBeforeWaiting) {
+  InProcessGroup group(2);
+  EXPECT_THROW(group.run([&](Communicator& c) {
+    float x = 0, y = 0;
+    c.collective_permute(&x, &y, 1, CommDType::f32, {1, 1});
+  }),
+               Error);
+}
+
+}  // namespace
+}  // namespace cpattn
