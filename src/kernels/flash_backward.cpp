@@ -76,6 +76,7 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
 
   struct Workspace {
     std::vector<float> qs, qraw, dop, kt, vt, krows, s, dp, acc_a, acc_b, row;
+    std::vector<double> sum_a, sum_b;  // dK, dV running sums over tiles
   };
   std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
   auto prepare = [&](Workspace& w) {
@@ -108,8 +109,13 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
     const BlockMeta& kb = grid.kv[b][task % kv_blocks];
     Workspace& w = spaces[worker];
     prepare(w);
-    w.acc_a.assign(Bk * Dp, 0.0f);  // dK
-    w.acc_b.assign(Bk * Dp, 0.0f);  // dV
+    // dK and dV sum over every (q head, q block) tile: each tile's 64-row sum in fp32 registers, the running sum
+    // over tiles in fp64, so the error does not grow with the sequence and the group size (strategies that split
+    // the sum differently then agree to ~1e-7 of max |grad|).
+    w.acc_a.resize(Bk * Dp);
+    w.acc_b.resize(Bk * Dp);
+    w.sum_a.assign(Bk * Dp, 0.0);
+    w.sum_b.assign(Bk * Dp, 0.0);
     pack_transposed(k, b, hk, kb, Bk, w.row.data(), w.kt.data());
     pack_transposed(v, b, hk, kb, Bk, w.row.data(), w.vt.data());
     std::int64_t computed_full = 0, computed_partial = 0;
@@ -127,15 +133,25 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
         pack_rows(d_out, b, h, qb, rows, Dp, 1.0f, w.dop.data());
         tile_ds(w, b, h, qb, kb, kind, rows);
         // dV[j] += sum_i P[i][j] dO[i]; dK[j] += sum_i dS[i][j] Q[i]  (keys as output rows)
+        std::fill(w.acc_a.begin(), w.acc_a.end(), 0.0f);
+        std::fill(w.acc_b.begin(), w.acc_b.end(), 0.0f);
         axpy_rows(w.s.data(), Bk, 1, w.dop.data(), Dp, rows, Bk, Dp, w.acc_b.data(), Dp);
         axpy_rows(w.dp.data(), Bk, 1, w.qraw.data(), Dp, rows, Bk, Dp, w.acc_a.data(), Dp);
+        for (std::int64_t i = 0; i < Bk * Dp; ++i) {
+          w.sum_a[i] += w.acc_a[i];
+          w.sum_b[i] += w.acc_b[i];
+        }
       }
       task_tiles[task * G + g] = computed;
     }
     full += computed_full;
     partial += computed_partial;
+    for (std::int64_t i = 0; i < Bk * Dp; ++i) {
+      w.acc_a[i] = static_cast<float>(w.sum_a[i] * scale);
+      w.acc_b[i] = static_cast<float>(w.sum_b[i]);
+    }
     for (std::int64_t j = 0; j < kb.length; ++j) {
-      store_row(dk, b, kb.begin + j, hk, w.acc_a.data() + j * Dp, grad_scale);
+      store_row(dk, b, kb.begin + j, hk, w.acc_a.data() + j * Dp, 1.0f);
       store_row(dv, b, kb.begin + j, hk, w.acc_b.data() + j * Dp, 1.0f);
     }
   });

@@ -1,0 +1,82 @@
+// Context-parallel attention: one long sequence's attention over the ranks of a Communicator.
+//   all_gather: K/V all-gathered along the sequence; local queries attend the whole sequence; dK/dV partials
+//               reduce-scattered back (optional dual-chunk-swap load balance: the caller's shards are already in
+//               that layout).
+//   ulysses:    all-to-all from sequence shards to head shards; local attention over the whole sequence; all-to-all
+//               back. KV heads repeated in grouped order when Hkv < cp, their gradients summed back.
+// Each rank passes its own shard in the layout ParallelSpec names and gets results in that same token order.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "cpattn/comm.hpp"
+#include "cpattn/config.hpp"
+#include "cpattn/flash.hpp"
+#include "cpattn/tensor.hpp"
+
+namespace cpattn {
+
+// Wrong variants that exist only so that tests can show they are caught (DESIGN.md negative controls).
+enum class NegativeControl {
+  none,
+  tiled_kv_order,        // ulysses: [kv0, kv1, kv0, kv1] instead of grouped
+  scaled_kv_grad_sum,    // ulysses: replica gradients summed and scaled by 1/rep
+  first_kv_replica_only, // ulysses: one replica's gradient taken instead of the sum
+};
+
+struct ContextParallelOptions {
+  bool remat = false;  // all_gather: re-gather K/V in backward; ulysses: redo the Q/K/V all-to-alls
+  int threads = 0;     // kernel threads per rank; 0: max(1, hardware threads / cp)
+  FlashConfig kernel;  // block sizes (threads is taken from `threads`)
+  NegativeControl negative_control = NegativeControl::none;
+};
+
+struct AttentionOutput {
+  Tensor o;                // [B, S/cp, Hq, D] local shard, caller's order
+  std::vector<float> lse;  // [B, Hq, S/cp] fp32, natural log
+};
+
+struct AttentionGradients {
+  Tensor dq;  // [B, S/cp, Hq, D]
+  Tensor dk;  // [B, S/cp, Hkv, D] (the inputs' dtype)
+  Tensor dv;
+};
+
+class ContextParallelAttention {
+ public:
+  // Validates the specs (Error(invalid_config) listing every broken rule). Heads are the ones this tp rank holds:
+  // tensors carry Hq/tp and Hkv/tp heads.
+  ContextParallelAttention(const AttentionSpec& attention, const ParallelSpec& parallel, Communicator& comm,
+                           ContextParallelOptions options = {});
+  ~ContextParallelAttention();
+  ContextParallelAttention(const ContextParallelAttention&) = delete;
+  ContextParallelAttention& operator=(const ContextParallelAttention&) = delete;
+
+  // q: [B, S/cp, Hq, D]; k, v: [B, S/cp, Hkv, D]; segment_ids: [B, S/cp] or empty (one document per row).
+  // Shapes that disagree with the spec, or with another rank's, are an Error on every rank before any data
+  // moves. forward_only (prefill) keeps no state for a backward.
+  AttentionOutput forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                          std::span<const std::int32_t> segment_ids = {}, bool forward_only = false);
+  // d_out: [B, S/cp, Hq, D]. Needs a forward (not forward-only) before it.
+  AttentionGradients backward(const Tensor& d_out);
+
+  // Tiles this rank's kernel computed in the last forward, per (batch row, local q head).
+  const TileCounts& forward_tiles() const;
+  // The global position of each local token (the same for every batch row).
+  const std::vector<std::int32_t>& local_positions() const;
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// The load-balance reorder for callers whose other layers need contiguous order: converts this rank's shard of
+// an activation [B, S/cp, H, W] between layouts with collective permutes (one per local chunk slot).
+Tensor reorder_sequence(Communicator& comm, const Tensor& x, std::int64_t seq_len, ShardLayout from,
+                        ShardLayout to);
+
+}  // namespace cpattn

@@ -1,0 +1,87 @@
+// all_gather: K/V (and kv segment ids) all-gathered into natural order; this rank's queries, at their global
+// positions, attend the whole sequence. Backward: dQ local; dK/dV partials (fp32) for the whole sequence,
+// reduce-scattered (summed) back to the shards.
+#include "context_parallel_impl.hpp"
+
+namespace cpattn {
+
+namespace {
+
+// positions [S/cp] -> [B, S/cp]
+std::vector<std::int32_t> per_batch(const std::vector<std::int32_t>& row, std::int64_t batch) {
+  std::vector<std::int32_t> out;
+  out.reserve(row.size() * static_cast<std::size_t>(batch));
+  for (std::int64_t b = 0; b < batch; ++b) out.insert(out.end(), row.begin(), row.end());
+  return out;
+}
+
+std::vector<std::int32_t> iota_per_batch(std::int64_t seq, std::int64_t batch) {
+  std::vector<std::int32_t> row(static_cast<std::size_t>(seq));
+  for (std::int64_t i = 0; i < seq; ++i) row[i] = static_cast<std::int32_t>(i);
+  return per_batch(row, batch);
+}
+
+}  // namespace
+
+AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor& q, const Tensor& k,
+                                                                   const Tensor& v, bool forward_only) {
+  const std::int64_t B = attention.batch;
+  // k, v: [B, S/cp, Hkv, D] -> [B, S, Hkv, D] natural order
+  Tensor k_full = cp::all_gather_sequence(comm, k, positions);
+  Tensor v_full = cp::all_gather_sequence(comm, v, positions);
+  std::vector<std::int32_t> seg_full;
+  if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, B, positions);
+
+  const auto q_pos = per_batch(positions[rank], B);
+  const auto kv_pos = iota_per_batch(attention.seq_len, B);
+  AttentionOutput out;
+  out.o = Tensor(attention.dtype, q.shape());
+  out.lse.assign(static_cast<std::size_t>(B * hq * local_seq), 0.0f);
+  flash_forward(cref(q), cref(k_full), cref(v_full), mask(q_pos, kv_pos, seg_local, seg_full), attention.scale(),
+                kernel_config(), ref(out.o), out.lse.data(), &tiles);
+  if (!forward_only) {
+    Saved s;
+    s.q = q;
+    s.o = out.o;
+    s.lse = out.lse;
+    s.seg_local = seg_local;
+    s.seg_full = std::move(seg_full);
+    if (options.remat) {
+      s.k = k;
+      s.v = v;
+    } else {
+      s.k_full = std::move(k_full);
+      s.v_full = std::move(v_full);
+    }
+    saved = std::move(s);
+  }
+  return out;
+}
+
+AttentionGradients ContextParallelAttention::Impl::all_gather_backward(const Tensor& d_out) {
+  Saved& s = *saved;
+  const std::int64_t B = attention.batch;
+  if (options.remat) {
+    CollectiveCounters::PhaseScope phase(comm.counters(), "remat");
+    s.k_full = cp::all_gather_sequence(comm, s.k, positions);
+    s.v_full = cp::all_gather_sequence(comm, s.v, positions);
+  }
+  const auto q_pos = per_batch(positions[rank], B);
+  const auto kv_pos = iota_per_batch(attention.seq_len, B);
+  AttentionGradients g;
+  g.dq = Tensor(attention.dtype, s.q.shape());
+  Tensor dk_partial(DType::f32, s.k_full.shape()), dv_partial(DType::f32, s.v_full.shape());
+  flash_backward(cref(s.q), cref(s.k_full), cref(s.v_full), cref(s.o), s.lse.data(), cref(d_out),
+                 mask(q_pos, kv_pos, s.seg_local, s.seg_full), attention.scale(), kernel_config(), ref(g.dq),
+                 ref(dk_partial), ref(dv_partial));
+  // [B, S, Hkv, D] fp32 partials -> [B, S/cp, Hkv, D] sums
+  g.dk = cp::reduce_scatter_sequence(comm, dk_partial, positions).to(attention.dtype);
+  g.dv = cp::reduce_scatter_sequence(comm, dv_partial, positions).to(attention.dtype);
+  if (options.remat) {
+    s.k_full = Tensor();
+    s.v_full = Tensor();
+  }
+  return g;
+}
+
+}  // namespace cpattn

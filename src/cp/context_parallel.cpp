@@ -1,0 +1,144 @@
+#include <algorithm>
+#include <thread>
+
+#include "context_parallel_impl.hpp"
+#include "cpattn/error.hpp"
+#include "cpattn/placement.hpp"
+#include "cpattn/sequence_layout.hpp"
+
+namespace cpattn {
+
+ContextParallelAttention::Impl::Impl(const AttentionSpec& a, const ParallelSpec& p, Communicator& c,
+                                     ContextParallelOptions o)
+    : attention(a), parallel(p), comm(c), options(o) {
+  validate(attention, parallel);
+  if (comm.size() != parallel.cp) {
+    throw Error(ErrorKind::invalid_config, "cp", std::to_string(parallel.cp),
+                "cp (" + std::to_string(parallel.cp) + ") differs from the communicator's size (" +
+                    std::to_string(comm.size()) + ")");
+  }
+  cp = parallel.cp;
+  rank = comm.rank();
+  local_seq = attention.seq_len / cp;
+  hq = attention.num_q_heads / parallel.tp;
+  hkv = attention.num_kv_heads / parallel.tp;
+  for (std::int64_t r = 0; r < cp; ++r) {
+    std::vector<std::int32_t> pos;
+    for (std::int64_t x : cpattn::local_positions(parallel.effective_layout(), attention.seq_len, cp, r)) {
+      pos.push_back(static_cast<std::int32_t>(x));
+    }
+    positions.push_back(std::move(pos));
+  }
+}
+
+FlashConfig ContextParallelAttention::Impl::kernel_config() const {
+  FlashConfig cfg = options.kernel;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  cfg.threads = options.threads > 0 ? options.threads : std::max(1, cores / static_cast<int>(cp));
+  return cfg;
+}
+
+AttentionMask ContextParallelAttention::Impl::mask(const std::vector<std::int32_t>& q_pos,
+                                                   const std::vector<std::int32_t>& kv_pos,
+                                                   const std::vector<std::int32_t>& q_seg,
+                                                   const std::vector<std::int32_t>& kv_seg) const {
+  return {q_pos, kv_pos, q_seg, kv_seg, attention.causal};
+}
+
+void ContextParallelAttention::Impl::check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                  std::span<const std::int32_t> seg) {
+  const std::int64_t B = attention.batch, D = attention.head_dim;
+  const Shape4 want_q{B, local_seq, hq, D}, want_kv{B, local_seq, hkv, D};
+  std::string problem;
+  std::string field;
+  auto expect = [&](const char* name, const Tensor& t, const Shape4& want) {
+    if (!problem.empty()) return;
+    if (!(t.shape() == want)) {
+      field = name;
+      problem = std::string(name) + " has shape " + to_string(t.shape()) + "; the spec needs " + to_string(want) +
+                " ([B, S/cp, heads/tp, D])";
+    } else if (t.dtype() != attention.dtype) {
+      field = name;
+      problem = std::string(name) + " is " + to_string(t.dtype()) + "; the spec says " + to_string(attention.dtype);
+    }
+  };
+  expect("q", q, want_q);
+  expect("k", k, want_kv);
+  expect("v", v, want_kv);
+  if (problem.empty() && !seg.empty() && static_cast<std::int64_t>(seg.size()) != B * local_seq) {
+    field = "segment_ids";
+    problem = "segment_ids holds " + std::to_string(seg.size()) + " values; expected [B, S/cp] = " +
+              std::to_string(B * local_seq);
+  }
+  // Every rank learns whether any rank is wrong (and which), and whether all agree on having segments.
+  std::int64_t flags[3] = {problem.empty() ? -1 : rank, seg.empty() ? 0 : 1, seg.empty() ? 0 : 1};
+  comm.all_reduce(flags, 1, ReduceOp::max);
+  comm.all_reduce(flags + 1, 1, ReduceOp::max);
+  comm.all_reduce(flags + 2, 1, ReduceOp::min);
+  if (!problem.empty()) {
+    throw Error(ErrorKind::invalid_input, field, "", "rank " + std::to_string(rank) + ": " + problem);
+  }
+  if (flags[0] >= 0) {
+    throw Error(ErrorKind::invalid_input, "rank", std::to_string(flags[0]),
+                "rank " + std::to_string(rank) + ": rank " + std::to_string(flags[0]) +
+                    " passed tensors that disagree with the spec (its error names them); nothing was computed");
+  }
+  if (flags[1] != flags[2]) {
+    throw Error(ErrorKind::invalid_input, "segment_ids", "",
+                "rank " + std::to_string(rank) + ": some ranks passed segment_ids and others did not");
+  }
+}
+
+void ContextParallelAttention::Impl::check_grad_input(const Tensor& d_out) {
+  std::string problem;
+  if (!saved) problem = "backward needs a forward that kept its state (forward_only was set, or no forward ran)";
+  const Shape4 want{attention.batch, local_seq, hq, attention.head_dim};
+  if (problem.empty() && !(d_out.shape() == want && d_out.dtype() == attention.dtype)) {
+    problem = "d_out has shape " + to_string(d_out.shape()) + " " + to_string(d_out.dtype()) + "; expected " +
+              to_string(want) + " " + to_string(attention.dtype);
+  }
+  std::int64_t bad = problem.empty() ? -1 : rank;
+  comm.all_reduce(&bad, 1, ReduceOp::max);
+  if (!problem.empty()) throw Error(ErrorKind::invalid_input, "d_out", "", "rank " + std::to_string(rank) + ": " + problem);
+  if (bad >= 0) {
+    throw Error(ErrorKind::invalid_input, "rank", std::to_string(bad),
+                "rank " + std::to_string(rank) + ": rank " + std::to_string(bad) + " cannot run backward (its error says why)");
+  }
+}
+
+AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                        std::span<const std::int32_t> seg, bool forward_only) {
+  check_inputs(q, k, v, seg);
+  saved.reset();
+  seg_local.assign(seg.begin(), seg.end());
+  CollectiveCounters::PhaseScope phase(comm.counters(), "forward");
+  return parallel.strategy == Strategy::ulysses ? ulysses_forward(q, k, v, forward_only)
+                                                : all_gather_forward(q, k, v, forward_only);
+}
+
+AttentionGradients ContextParallelAttention::Impl::backward(const Tensor& d_out) {
+  check_grad_input(d_out);
+  CollectiveCounters::PhaseScope phase(comm.counters(), "backward");
+  return parallel.strategy == Strategy::ulysses ? ulysses_backward(d_out) : all_gather_backward(d_out);
+}
+
+ContextParallelAttention::ContextParallelAttention(const AttentionSpec& attention, const ParallelSpec& parallel,
+                                                   Communicator& comm, ContextParallelOptions options)
+    : impl_(std::make_unique<Impl>(attention, parallel, comm, options)) {}
+
+ContextParallelAttention::~ContextParallelAttention() = default;
+
+AttentionOutput ContextParallelAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                  std::span<const std::int32_t> segment_ids, bool forward_only) {
+  return impl_->forward(q, k, v, segment_ids, forward_only);
+}
+
+AttentionGradients ContextParallelAttention::backward(const Tensor& d_out) { return impl_->backward(d_out); }
+
+const TileCounts& ContextParallelAttention::forward_tiles() const { return impl_->tiles; }
+
+const std::vector<std::int32_t>& ContextParallelAttention::local_positions() const {
+  return impl_->positions[impl_->rank];
+}
+
+}  // namespace cpattn

@@ -1,0 +1,54 @@
+// The state behind ContextParallelAttention, shared by the two strategies' files.
+#pragma once
+
+#include <optional>
+
+#include "cpattn/context_parallel.hpp"
+#include "sequence_collectives.hpp"
+
+namespace cpattn {
+
+class ContextParallelAttention::Impl {
+ public:
+  Impl(const AttentionSpec& attention, const ParallelSpec& parallel, Communicator& comm,
+       ContextParallelOptions options);
+
+  AttentionOutput forward(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const std::int32_t> seg,
+                          bool forward_only);
+  AttentionGradients backward(const Tensor& d_out);
+
+  // Shapes checked against the spec on this rank, then agreed on by every rank (all_reduce), before data moves.
+  void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const std::int32_t> seg);
+  void check_grad_input(const Tensor& d_out);
+
+  AttentionOutput all_gather_forward(const Tensor& q, const Tensor& k, const Tensor& v, bool forward_only);
+  AttentionGradients all_gather_backward(const Tensor& d_out);
+  AttentionOutput ulysses_forward(const Tensor& q, const Tensor& k, const Tensor& v, bool forward_only);
+  AttentionGradients ulysses_backward(const Tensor& d_out);
+
+  FlashConfig kernel_config() const;
+  AttentionMask mask(const std::vector<std::int32_t>& q_pos, const std::vector<std::int32_t>& kv_pos,
+                     const std::vector<std::int32_t>& q_seg, const std::vector<std::int32_t>& kv_seg) const;
+
+  AttentionSpec attention;
+  ParallelSpec parallel;
+  Communicator& comm;
+  ContextParallelOptions options;
+  std::int64_t cp = 1, rank = 0, local_seq = 0, hq = 0, hkv = 0;  // local heads (per tp rank)
+  cp::RankPositions positions;       // every rank's local positions
+  std::vector<std::int32_t> natural;  // 0..S-1, per batch row
+  TileCounts tiles;
+
+  // What forward keeps for backward.
+  struct Saved {
+    Tensor q, k, v;            // all_gather: local shards; ulysses: local shards (remat) or head-sharded
+    Tensor k_full, v_full;     // all_gather without remat: gathered K/V, natural order
+    Tensor o;                  // all_gather: local O; ulysses: head-sharded O
+    std::vector<float> lse;    // all_gather: [B, Hq, S/cp]; ulysses: [B, Hq/cp, S]
+    std::vector<std::int32_t> seg_local, seg_full;  // [B, S/cp], [B, S] natural (empty: no segments)
+  };
+  std::optional<Saved> saved;
+  std::vector<std::int32_t> seg_local;  // this call's segment ids
+};
+
+}  // namespace cpattn

@@ -1,0 +1,324 @@
+// ulysses and all_gather (± load balance, ± remat) against the single-device kernel and the float64 reference,
+// the collective accounting, tile balance, negative controls, and errors on every rank.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <numeric>
+
+#include "cp_harness.hpp"
+#include "cpattn/placement.hpp"
+
+namespace cpattn {
+namespace {
+
+using testing::CpCase;
+
+void expect_matches_single_device(const CpCase& c) {
+  SCOPED_TRACE(c.name());
+  const auto in = testing::make_whole_inputs(c, 101);
+  const auto got = testing::run_context_parallel(c, in);
+  const auto single = testing::run_single_device(c, in);
+  const auto ref = testing::run_reference(c, in);
+  // Forward: the same bits as the single-device kernel.
+  EXPECT_EQ(testing::count_bit_differences(got.o, single.o), 0) << "o";
+  EXPECT_EQ(testing::count_bit_differences(got.lse, single.lse), 0) << "lse";
+  if (c.dtype == DType::f32) {
+    CPATTN_EXPECT_CLOSE(got.dq, single.dq, 1e-6, "dq vs single device");
+    CPATTN_EXPECT_CLOSE(got.dk, single.dk, 1e-6, "dk vs single device");
+    CPATTN_EXPECT_CLOSE(got.dv, single.dv, 1e-6, "dv vs single device");
+    CPATTN_EXPECT_CLOSE(got.o, ref.o, 1e-5, "o vs reference");
+    CPATTN_EXPECT_CLOSE(got.dq, ref.dq, 1e-5, "dq vs reference");
+    CPATTN_EXPECT_CLOSE(got.dk, ref.dk, 1e-5, "dk vs reference");
+    CPATTN_EXPECT_CLOSE(got.dv, ref.dv, 1e-5, "dv vs reference");
+  } else {
+    CPATTN_EXPECT_CLOSE(got.dq, single.dq, 1e-2, "dq vs single device");
+    CPATTN_EXPECT_CLOSE(got.dk, single.dk, 1e-2, "dk vs single device");
+    CPATTN_EXPECT_CLOSE(got.dv, single.dv, 1e-2, "dv vs single device");
+    CPATTN_EXPECT_CLOSE(got.o, ref.o, 2e-2, "o vs reference");
+    CPATTN_EXPECT_CLOSE(got.dq, ref.dq, 2e-2, "dq vs reference");
+    CPATTN_EXPECT_CLOSE(got.dk, ref.dk, 2e-2, "dk vs reference");
+    CPATTN_EXPECT_CLOSE(got.dv, ref.dv, 2e-2, "dv vs reference");
+  }
+}
+
+// A pairwise-covering set over cp, (Hq, Hkv), causal, packing, dtype, batch and head dim, each run with the three
+// strategies (ulysses, all_gather, all_gather + load balance) and remat on some.
+std::vector<CpCase> covering_cases() {
+  struct Row {
+    std::int64_t cp, hq, hkv, dim, batch;
+    bool causal, packed;
+    DType dtype;
+    bool remat;
+  };
+  const Row rows[] = {
+      {4, 32, 2, 64, 1, true, false, DType::f32, false},   // the seed's heads, rep 2
+      {8, 32, 2, 80, 1, true, true, DType::f32, true},     // rep 4, packed
+      {4, 8, 2, 128, 2, false, true, DType::bf16, false},  // rep 2, batch 2, bf16
+      {2, 16, 4, 64, 2, true, true, DType::f32, false},    // no replication (Hkv > cp)
+      {8, 8, 8, 64, 1, false, false, DType::f32, true},    // MHA, Hkv = cp
+      {4, 4, 1, 80, 1, true, true, DType::f32, false},     // MQA, rep 4
+      {2, 16, 16, 128, 1, false, false, DType::bf16, true},
+      {1, 8, 2, 64, 2, true, true, DType::f32, false},     // cp = 1
+      {8, 16, 4, 128, 1, true, false, DType::bf16, false}, // rep 2 at cp 8
+      {2, 4, 1, 64, 1, false, true, DType::f32, true},     // MQA at cp 2
+  };
+  std::vector<CpCase> cases;
+  for (const Row& r : rows) {
+    for (int variant = 0; variant < 3; ++variant) {
+      CpCase c;
+      c.cp = r.cp;
+      c.hq = r.hq;
+      c.hkv = r.hkv;
+      c.dim = r.dim;
+      c.batch = r.batch;
+      c.causal = r.causal;
+      c.dtype = r.dtype;
+      c.remat = r.remat;
+      c.seq = 32 * r.cp + 64;  // S/cp not a multiple of the 64-token block
+      c.seq -= c.seq % (2 * r.cp);
+      if (r.packed) c.segments = {c.seq / 3, c.seq - c.seq / 3 - 5, 5};
+      c.strategy = variant == 0 ? Strategy::ulysses : Strategy::all_gather;
+      c.load_balance = variant == 2;
+      if (!validation_errors(c.attention(), c.parallel()).empty()) continue;
+      cases.push_back(c);
+    }
+  }
+  return cases;
+}
+
+TEST(ContextParallel, StrategiesMatchTheSingleDeviceKernelOverACoveringSet) {
+  const auto cases = covering_cases();
+  EXPECT_GE(cases.size(), 28u);
+  for (const CpCase& c : cases) expect_matches_single_device(c);
+}
+
+TEST(ContextParallel, UlyssesMatchesReferenceWhenKvHeadsFewerThanRanks) {
+  // The seed's configuration, scaled down: Hq = 32, Hkv = 2 at cp = 4 (rep 2) and cp = 8 (rep 4).
+  for (std::int64_t cp : {4, 8}) {
+    CpCase c;
+    c.cp = cp;
+    c.seq = 512;
+    c.dim = 64;
+    c.segments = {300, 212};
+    expect_matches_single_device(c);
+  }
+}
+
+TEST(ContextParallel, CombinationsTheValidatorRejectsAreRejected) {
+  CpCase c;
+  c.hq = 4;
+  c.hkv = 1;
+  c.cp = 8;  // ulysses: 4 q heads cannot split 8 ways
+  EXPECT_FALSE(validation_errors(c.attention(), c.parallel()).empty());
+  InProcessGroup group(8);
+  std::atomic<int> rejected{0};
+  group.run([&](Communicator& comm) {
+    try {
+      ContextParallelAttention attn(c.attention(), c.parallel(), comm);
+    } catch (const Error& e) {
+      if (e.kind() == ErrorKind::invalid_config) ++rejected;
+    }
+  });
+  EXPECT_EQ(rejected.load(), 8);
+  c = CpCase{};
+  c.load_balance = true;  // with ulysses
+  EXPECT_FALSE(validation_errors(c.attention(), c.parallel()).empty());
+  c = CpCase{};
+  c.hq = 24;
+  c.hkv = 3;  // 3 neither divides nor is divided by 4
+  EXPECT_FALSE(validation_errors(c.attention(), c.parallel()).empty());
+}
+
+// ---- Negative controls: each wrong variant must be caught where rep >= 2 (and Hkv >= 2 for the order). ----
+
+double max_rel(const std::vector<float>& got, const std::vector<float>& want) {
+  return testing::compare(got, want).max_rel;
+}
+
+TEST(ContextParallel, NegativeControlsAreCaught) {
+  CpCase c;  // Hq = 32, Hkv = 2, cp = 4: rep = 2
+  c.seq = 256;
+  const auto in = testing::make_whole_inputs(c, 7);
+  const auto single = testing::run_single_device(c, in);
+  const auto good = testing::run_context_parallel(c, in);
+  EXPECT_LE(max_rel(good.dk, single.dk), 1e-6);
+
+  c.control = NegativeControl::tiled_kv_order;
+  const auto tiled = testing::run_context_parallel(c, in);
+  EXPECT_GT(max_rel(tiled.o, single.o), 1e-2) << "a tiled kv order must give a wrong output";
+
+  c.control = NegativeControl::scaled_kv_grad_sum;
+  const auto scaled = testing::run_context_parallel(c, in);
+  EXPECT_EQ(testing::count_bit_differences(scaled.o, single.o), 0) << "the forward is untouched";
+  EXPECT_GT(max_rel(scaled.dk, single.dk), 0.3) << "a 1/rep factor must give wrong dK";
+  EXPECT_GT(max_rel(scaled.dv, single.dv), 0.3);
+
+  c.control = NegativeControl::first_kv_replica_only;
+  const auto first = testing::run_context_parallel(c, in);
+  EXPECT_GT(max_rel(first.dk, single.dk), 1e-2) << "one replica instead of the sum must give wrong dK";
+  EXPECT_GT(max_rel(first.dv, single.dv), 1e-2);
+  EXPECT_LE(max_rel(first.dq, single.dq), 1e-6) << "dQ does not depend on the kv reduction";
+}
+
+TEST(ContextParallel, WithOneKvHeadTheTiledOrderIsTheSame) {
+  CpCase c;
+  c.hq = 8;
+  c.hkv = 1;
+  c.seq = 128;
+  c.control = NegativeControl::tiled_kv_order;
+  const auto in = testing::make_whole_inputs(c, 9);
+  EXPECT_EQ(testing::count_bit_differences(testing::run_context_parallel(c, in).o,
+                                           testing::run_single_device(c, in).o),
+            0);
+}
+
+// ---- The accounting: what the communicator counted is DESIGN.md's table. ----
+
+std::int64_t sum_bytes(const std::vector<CollectiveRecord>& recs, CollectiveKind kind, const std::string& phase,
+                       std::int64_t* count = nullptr, std::int64_t* sent = nullptr) {
+  std::int64_t b = 0;
+  for (const auto& r : recs) {
+    if (r.kind == kind && r.phase == phase) {
+      b += r.bytes;
+      if (count) *count += r.count;
+      if (sent) *sent += r.bytes_sent_per_rank;
+    }
+  }
+  return b;
+}
+
+TEST(ContextParallel, CountedCollectivesFollowTheDesignTable) {
+  CpCase c;  // ulysses, cp 4, Hq 32, Hkv 2 (rep 2), D 64, S 256, fp32, packed
+  c.segments = {200, 56};
+  const std::int64_t B = 1, S = 256, cp = 4, D = 64, E = 4;
+  const auto in = testing::make_whole_inputs(c, 3);
+  auto u = testing::run_context_parallel(c, in);
+  for (const auto& recs : u.records) {
+    std::int64_t n = 0, sent = 0;
+    const std::int64_t q = B * S / cp * 32 * D * E, kv = B * S / cp * std::max<std::int64_t>(2, cp) * D * E;
+    const std::int64_t lse = B * 32 * (S / cp) * 4;
+    EXPECT_EQ(sum_bytes(recs, CollectiveKind::all_to_all, "forward", &n, &sent), q + 2 * kv + q + lse);
+    EXPECT_EQ(n, 5);
+    EXPECT_EQ(sent, (q + 2 * kv + q + lse) * (cp - 1) / cp);
+    n = sent = 0;
+    EXPECT_EQ(sum_bytes(recs, CollectiveKind::all_gather, "forward", &n, &sent), B * S * 4);
+    EXPECT_EQ(sent, B * S / cp * 4 * (cp - 1));
+    n = 0;
+    EXPECT_EQ(sum_bytes(recs, CollectiveKind::all_to_all, "backward", &n), q + q + 2 * kv);
+    EXPECT_EQ(n, 4);
+  }
+  c.strategy = Strategy::all_gather;
+  c.remat = true;
+  auto a = testing::run_context_parallel(c, in);
+  for (const auto& recs : a.records) {
+    std::int64_t n = 0, sent = 0;
+    const std::int64_t kv = B * S * 2 * D * E;
+    EXPECT_EQ(sum_bytes(recs, CollectiveKind::all_gather, "forward", &n, &sent), 2 * kv + B * S * 4);
+    EXPECT_EQ(n, 3);
+    EXPECT_EQ(sent, (2 * kv + B * S * 4) / cp * (cp - 1));
+    n = 0;
+    EXPECT_EQ(sum_bytes(recs, CollectiveKind::all_gather, "remat", &n), 2 * kv);
+    EXPECT_EQ(n, 2);
+    n = sent = 0;
+    EXPECT_EQ(sum_bytes(recs, CollectiveKind::reduce_scatter, "backward", &n, &sent), 2 * B * S * 2 * D * 4);
+    EXPECT_EQ(n, 2);
+    EXPECT_EQ(sent, 2 * B * S * 2 * D * 4 * (cp - 1) / cp);
+  }
+}
+
+// ---- Balance: tiles per rank. ----
+
+TEST(ContextParallel, CausalTilesAreEqualForUlyssesSkewedForAllGatherAndBalancedWithLoadBalance) {
+  CpCase c;
+  c.hq = 8;
+  c.hkv = 2;
+  c.dim = 16;
+  c.seq = 1024;  // 16 blocks of 64; cp = 4: 4 blocks per rank
+  const auto in = testing::make_whole_inputs(c, 1);
+  const auto u = testing::run_context_parallel(c, in);
+  for (auto t : u.tiles_per_rank) EXPECT_EQ(t, u.tiles_per_rank[0]);
+  EXPECT_EQ(u.tiles_per_rank[0], 2 * 16 * 17 / 2);  // 2 local heads x T(T+1)/2
+  c.strategy = Strategy::all_gather;
+  const auto a = testing::run_context_parallel(c, in);
+  // Rank r's 4 q blocks see 4r+1 .. 4r+4 kv blocks: n^2 r + n(n+1)/2 per head with n = 4.
+  for (std::int64_t r = 0; r < 4; ++r) EXPECT_EQ(a.tiles_per_rank[r], 8 * (16 * r + 10)) << r;
+  c.load_balance = true;
+  const auto lb = testing::run_context_parallel(c, in);
+  for (auto t : lb.tiles_per_rank) EXPECT_EQ(t, lb.tiles_per_rank[0]);
+  EXPECT_EQ(lb.tiles_per_rank[0], u.tiles_per_rank[0]);  // the same work per rank as ulysses
+}
+
+// ---- Errors on every rank, before any collective that could hang. ----
+
+TEST(ContextParallel, AShapeThatDisagreesIsAnErrorOnEveryRank) {
+  CpCase c;
+  c.seq = 256;
+  std::vector<std::string> messages(4);
+  InProcessGroup group(4);
+  EXPECT_THROW(group.run([&](Communicator& comm) {
+    ContextParallelAttention attn(c.attention(), c.parallel(), comm);
+    const std::int64_t sl = comm.rank() == 2 ? 63 : 64;  // rank 2 passes one token too few
+    try {
+      attn.forward(Tensor(DType::f32, {1, sl, 32, 64}), Tensor(DType::f32, {1, 64, 2, 64}),
+                   Tensor(DType::f32, {1, 64, 2, 64}));
+    } catch (const Error& e) {
+      messages[comm.rank()] = e.what();
+      throw;
+    }
+  }),
+               Error);
+  EXPECT_NE(messages[2].find("q has shape [1, 63, 32, 64]"), std::string::npos) << messages[2];
+  for (int r : {0, 1, 3}) EXPECT_NE(messages[r].find("rank 2 passed tensors"), std::string::npos) << messages[r];
+}
+
+TEST(ContextParallel, ForwardOnlyKeepsNoStateAndBackwardSaysSo) {
+  CpCase c;
+  c.seq = 128;
+  const auto in = testing::make_whole_inputs(c, 2);
+  InProcessGroup group(4);
+  std::atomic<int> errors{0};
+  group.run([&](Communicator& comm) {
+    ContextParallelAttention attn(c.attention(), c.parallel(), comm);
+    const auto pos = local_positions(ShardLayout::contiguous, 128, 4, comm.rank());
+    attn.forward(testing::take_rows(in.q, pos), testing::take_rows(in.k, pos), testing::take_rows(in.v, pos), {},
+                 true);
+    try {
+      attn.backward(testing::take_rows(in.d_out, pos));
+    } catch (const Error& e) {
+      if (std::string(e.what()).find("forward_only") != std::string::npos ||
+          std::string(e.what()).find("cannot run backward") != std::string::npos) {
+        ++errors;
+      }
+    }
+  });
+  EXPECT_EQ(errors.load(), 4);
+}
+
+TEST(ContextParallel, ReorderSequenceRoundTripsBetweenLayouts) {
+  for (int cp : {1, 2, 4}) {
+    const std::int64_t S = 16 * cp;
+    InProcessGroup group(cp);
+    std::atomic<int> wrong{0};
+    group.run([&](Communicator& comm) {
+      // Each token carries its global position.
+      const auto contiguous = local_positions(ShardLayout::contiguous, S, cp, comm.rank());
+      Tensor x(DType::f32, {2, S / cp, 1, 3});
+      for (std::int64_t b = 0; b < 2; ++b) {
+        for (std::int64_t t = 0; t < S / cp; ++t) {
+          for (int d = 0; d < 3; ++d) x.set(b, t, 0, d, static_cast<float>(contiguous[t] + 1000 * b));
+        }
+      }
+      const Tensor y = reorder_sequence(comm, x, S, ShardLayout::contiguous, ShardLayout::dual_chunk_swap);
+      const auto dcs = local_positions(ShardLayout::dual_chunk_swap, S, cp, comm.rank());
+      for (std::int64_t b = 0; b < 2; ++b) {
+        for (std::int64_t t = 0; t < S / cp; ++t) wrong += y.get(b, t, 0, 2) != static_cast<float>(dcs[t] + 1000 * b);
+      }
+      const Tensor back = reorder_sequence(comm, y, S, ShardLayout::dual_chunk_swap, ShardLayout::contiguous);
+      for (std::int64_t i = 0; i < x.numel(); ++i) wrong += back.flat(i) != x.flat(i);
+    });
+    EXPECT_EQ(wrong.load(), 0) << "cp " << cp;
+  }
+}
+
+}  // namespace
+}  // namespace cpattn
