@@ -141,3 +141,29 @@ TEST(Reference, MatchesIndependentVectors) {
 
 }  // namespace
 }  // namespace cpattn
+
+namespace cpattn {
+namespace {
+
+TEST(Reference, ChosenRowsMatchTheWholeReference) {
+  const Shape4 qs{2, 40, 4, 8};
+  const Tensor q = testing::random_tensor(DType::f32, qs, 1), k = testing::random_tensor(DType::f32, {2, 40, 2, 8}, 2),
+               v = testing::random_tensor(DType::f32, {2, 40, 2, 8}, 3), d_out = testing::random_tensor(DType::f32, qs, 4);
+  const auto pos = testing::natural_positions(2, 40);
+  const auto seg = testing::segments_from_lengths(2, {15, 25});
+  const AttentionMask mask{pos, pos, seg, seg, true};
+  const auto whole = reference_attention(q, k, v, &d_out, mask, 0.3);
+  const std::vector<ReferenceRow> rows = {{0, 0, 0}, {1, 3, 39}, {0, 2, 15}, {1, 1, 7}};
+  const auto some = reference_attention_rows(q, k, v, &d_out, mask, 0.3, rows);
+  for (std::size_t n = 0; n < rows.size(); ++n) {
+    const auto [b, h, i] = rows[n];
+    EXPECT_NEAR(some.lse[n], whole.lse[(b * 4 + h) * 40 + i], 1e-12);
+    for (std::int64_t d = 0; d < 8; ++d) {
+      EXPECT_NEAR(some.o[n * 8 + d], whole.o[((b * 40 + i) * 4 + h) * 8 + d], 1e-12);
+      EXPECT_NEAR(some.dq[n * 8 + d], whole.dq[((b * 40 + i) * 4 + h) * 8 + d], 1e-12);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cpattn

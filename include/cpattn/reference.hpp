@@ -24,3 +24,20 @@ ReferenceResult reference_attention(const Tensor& q, const Tensor& k, const Tens
                                     const AttentionMask& mask, double scale);
 
 }  // namespace cpattn
+
+namespace cpattn {
+
+// The reference for chosen query rows only (each row's softmax needs only its own scores): O, LSE and, with
+// d_out, dQ of row (b, h, i). Cost O(Skv * D) per row, for checking problems too big for the whole reference.
+struct ReferenceRow {
+  std::int64_t b = 0, h = 0, i = 0;
+};
+struct ReferenceRowsResult {
+  std::vector<double> o, dq;  // [rows][D]
+  std::vector<double> lse;    // [rows]
+};
+ReferenceRowsResult reference_attention_rows(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor* d_out,
+                                             const AttentionMask& mask, double scale,
+                                             const std::vector<ReferenceRow>& rows);
+
+}  // namespace cpattn

@@ -81,3 +81,61 @@ ReferenceResult reference_attention(const Tensor& q_t, const Tensor& k_t, const 
 }
 
 }  // namespace cpattn
+
+namespace cpattn {
+
+ReferenceRowsResult reference_attention_rows(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor* d_out,
+                                             const AttentionMask& mask, double scale,
+                                             const std::vector<ReferenceRow>& rows) {
+  const Shape4 qs = q.shape(), ks = k.shape();
+  const std::int64_t D = qs.d, Skv = ks.s, G = qs.h / ks.h;
+  ReferenceRowsResult r;
+  r.o.assign(rows.size() * static_cast<std::size_t>(D), 0.0);
+  r.lse.assign(rows.size(), -std::numeric_limits<double>::infinity());
+  if (d_out != nullptr) r.dq.assign(r.o.size(), 0.0);
+  std::vector<double> p(static_cast<std::size_t>(Skv)), qrow(static_cast<std::size_t>(D)), dorow(qrow.size());
+  for (std::size_t n = 0; n < rows.size(); ++n) {
+    const auto [b, h, i] = rows[n];
+    const std::int64_t hk = h / G;
+    for (std::int64_t d = 0; d < D; ++d) {
+      qrow[d] = q.get(b, i, h, d);
+      if (d_out != nullptr) dorow[d] = d_out->get(b, i, h, d);
+    }
+    double m = -std::numeric_limits<double>::infinity();
+    for (std::int64_t j = 0; j < Skv; ++j) {
+      if (!mask.visible(b, i, j, qs.s, Skv)) {
+        p[j] = -std::numeric_limits<double>::infinity();
+        continue;
+      }
+      double s = 0;
+      for (std::int64_t d = 0; d < D; ++d) s += qrow[d] * k.get(b, j, hk, d);
+      p[j] = s * scale;
+      m = std::max(m, p[j]);
+    }
+    if (m == -std::numeric_limits<double>::infinity()) continue;
+    double sum = 0;
+    for (std::int64_t j = 0; j < Skv; ++j) sum += std::exp(p[j] - m);
+    const double lse = m + std::log(sum);
+    r.lse[n] = lse;
+    double* o = &r.o[n * D];
+    for (std::int64_t j = 0; j < Skv; ++j) {
+      p[j] = std::exp(p[j] - lse);
+      if (p[j] == 0.0) continue;
+      for (std::int64_t d = 0; d < D; ++d) o[d] += p[j] * v.get(b, j, hk, d);
+    }
+    if (d_out == nullptr) continue;
+    double di = 0;
+    for (std::int64_t d = 0; d < D; ++d) di += dorow[d] * o[d];
+    double* dq = &r.dq[n * D];
+    for (std::int64_t j = 0; j < Skv; ++j) {
+      if (p[j] == 0.0) continue;
+      double dp = 0;
+      for (std::int64_t d = 0; d < D; ++d) dp += dorow[d] * v.get(b, j, hk, d);
+      const double ds = p[j] * (dp - di) * scale;
+      for (std::int64_t d = 0; d < D; ++d) dq[d] += ds * k.get(b, j, hk, d);
+    }
+  }
+  return r;
+}
+
+}  // namespace cpattn

@@ -121,3 +121,68 @@ TEST(CliValidate, BadInputExits2WithAMessage) {
 TEST(CliValidate, HelpExits0) { EXPECT_EQ(run("validate --help").exit_code, 0); }
 
 }  // namespace
+
+namespace {
+
+TEST(CliRun, UlyssesCheckPassesAndPrintsTheJsonScriptsRead) {
+  const Result r = run("run --json --strategy ulysses --cp 4 --q-heads 8 --kv-heads 2 --head-dim 32 --seq 256 "
+                       "--segments 200,56 --check --threads 1");
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  const auto& sd = j["check"]["single_device"];
+  for (const char* k : {"o", "lse"}) EXPECT_EQ(sd["max_abs_diff"][k].get<double>(), 0.0) << k;
+  for (const char* k : {"dq", "dk", "dv"}) EXPECT_LE(sd["max_rel_diff"][k].get<double>(), 1e-6) << k;
+  for (const char* k : {"o", "dq", "dk", "dv"}) EXPECT_LE(j["check"]["reference"]["max_rel_diff"][k].get<double>(), 1e-5);
+  EXPECT_TRUE(j["check"]["pass"].get<bool>());
+  EXPECT_EQ(j["tiles_per_rank"].size(), 4u);
+  EXPECT_GT(j["seconds"]["forward"].get<double>(), 0.0);
+  bool saw_forward_a2a = false;
+  for (const auto& c : j["collectives"]) {
+    if (c["kind"] == "all_to_all" && c["phase"] == "forward") {
+      saw_forward_a2a = true;
+      EXPECT_EQ(c["count"], 5);
+    }
+  }
+  EXPECT_TRUE(saw_forward_a2a);
+}
+
+TEST(CliRun, SavesOutputsAndLoadsInputsWhoseShapesWin) {
+  const auto dir = std::filesystem::temp_directory_path() / "cpattn_cli_run";
+  std::filesystem::remove_all(dir);
+  const std::string base = "run --strategy all_gather --load-balance --cp 2 --no-causal --threads 1 ";
+  Result r = run(base + "--q-heads 4 --kv-heads 1 --head-dim 16 --seq 64 --save " + (dir / "a").string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const char* f : {"o.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"}) {
+    EXPECT_TRUE(std::filesystem::exists(dir / "a" / f)) << f;
+  }
+  // Inputs from files: shapes come from them; a flag that disagrees is refused.
+  std::filesystem::create_directories(dir / "in");
+  std::filesystem::copy_file(CPATTN_TEST_DATA "/attention/gqa4_noncausal/q.npy", dir / "in" / "q.npy");
+  std::filesystem::copy_file(CPATTN_TEST_DATA "/attention/gqa4_noncausal/k.npy", dir / "in" / "k.npy");
+  std::filesystem::copy_file(CPATTN_TEST_DATA "/attention/gqa4_noncausal/v.npy", dir / "in" / "v.npy");
+  std::filesystem::copy_file(CPATTN_TEST_DATA "/attention/gqa4_noncausal/do.npy", dir / "in" / "do.npy");
+  r = run("run --json --strategy ulysses --cp 2 --no-causal --check --threads 1 --load " + (dir / "in").string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["problem"]["q_heads"], 8);
+  r = run("run --strategy ulysses --cp 2 --q-heads 4 --load " + (dir / "in").string());
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--q-heads (4) disagrees"), std::string::npos) << r.err;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(CliRun, BadInputExits2) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"run --cp 4 --q-heads 8 --kv-heads 2 --head-dim 8 --seq 64 --segments 10,20", "--segments"},
+      {"run --cp 4 --q-heads 8 --kv-heads 2 --head-dim 8 --seq 64 --segments 32,x", "not a positive"},
+      {"run --cp 4 --q-heads 8 --kv-heads 2 --head-dim 8 --seq 64 --backend nccl", "--backend"},
+      {"run --strategy ulysses --cp 4 --q-heads 6 --kv-heads 2 --head-dim 8 --seq 64", "num_q_heads"},
+      {"run --cp 2 --load /nonexistent/dir", "/nonexistent/dir/q.npy"},
+  };
+  for (const auto& [args, phrase] : cases) {
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
+    EXPECT_NE(r.err.find(phrase), std::string::npos) << args << "\nstderr: " << r.err;
+  }
+}
+
+}  // namespace

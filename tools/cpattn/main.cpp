@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cpattn/error.hpp"
+#include "run_command.hpp"
 #include "validate_command.hpp"
 
 int main(int argc, char** argv) {
@@ -13,6 +14,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   int exit_code = 0;
   cpattn::cli::add_validate_command(app, exit_code);
+  cpattn::cli::add_run_command(app, exit_code);
   std::string names;
   bool known = false;
   for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {

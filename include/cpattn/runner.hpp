@@ -1,0 +1,44 @@
+// A whole problem run over a group: every rank cuts its shard out of whole-sequence inputs (in the layout the
+// ParallelSpec names), runs forward and backward, and writes its rows of the outputs back in natural order.
+// What `cpattn run` and the tests use.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "cpattn/comm.hpp"
+#include "cpattn/context_parallel.hpp"
+
+namespace cpattn {
+
+struct WholeProblem {
+  Tensor q, k, v, d_out;                 // [B, S, H, D] natural order
+  std::vector<std::int32_t> segment_ids;  // [B, S] or empty
+};
+
+struct RankReport {
+  std::vector<CollectiveRecord> collectives;
+  std::vector<std::int64_t> tiles_per_head;  // forward tiles per (batch row, local q head)
+  std::int64_t tiles = 0;
+  double forward_seconds = 0, backward_seconds = 0;
+};
+
+struct WholeResult {
+  Tensor o, dq, dk, dv;   // natural order (dq, dk, dv empty when forward-only)
+  std::vector<float> lse;  // [B, Hq, S]
+  std::vector<RankReport> ranks;
+};
+
+// Sized for the problem; ranks then fill disjoint rows.
+WholeResult make_whole_result(const AttentionSpec& attention, const ParallelSpec& parallel, bool forward_only);
+
+// This rank's part of the run. Timings are taken between barriers, so they are the slowest rank's.
+void run_rank(Communicator& comm, const AttentionSpec& attention, const ParallelSpec& parallel,
+              const ContextParallelOptions& options, const WholeProblem& problem, bool forward_only,
+              WholeResult& result);
+
+// All ranks on an in-process group.
+WholeResult run_in_process(const AttentionSpec& attention, const ParallelSpec& parallel,
+                           const ContextParallelOptions& options, const WholeProblem& problem, bool forward_only);
+
+}  // namespace cpattn

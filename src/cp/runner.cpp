@@ -1,0 +1,76 @@
+#include "cpattn/runner.hpp"
+
+#include <chrono>
+
+#include "cpattn/inproc.hpp"
+#include "cpattn/sequence_layout.hpp"
+#include "cpattn/shard.hpp"
+
+namespace cpattn {
+
+WholeResult make_whole_result(const AttentionSpec& a, const ParallelSpec& p, bool forward_only) {
+  const std::int64_t hq = a.num_q_heads / p.tp, hkv = a.num_kv_heads / p.tp;
+  WholeResult r;
+  r.o = Tensor(a.dtype, {a.batch, a.seq_len, hq, a.head_dim});
+  r.lse.assign(static_cast<std::size_t>(a.batch * hq * a.seq_len), 0.0f);
+  if (!forward_only) {
+    r.dq = Tensor(a.dtype, {a.batch, a.seq_len, hq, a.head_dim});
+    r.dk = Tensor(a.dtype, {a.batch, a.seq_len, hkv, a.head_dim});
+    r.dv = Tensor(a.dtype, {a.batch, a.seq_len, hkv, a.head_dim});
+  }
+  r.ranks.resize(static_cast<std::size_t>(p.cp));
+  return r;
+}
+
+void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p,
+              const ContextParallelOptions& options, const WholeProblem& problem, bool forward_only,
+              WholeResult& result) {
+  using clock = std::chrono::steady_clock;
+  const int rank = comm.rank();
+  const std::int64_t sl = a.seq_len / p.cp;
+  const auto pos = local_positions(p.effective_layout(), a.seq_len, p.cp, rank);
+  ContextParallelAttention attn(a, p, comm, options);
+  const Tensor q = take_tokens(problem.q, pos), k = take_tokens(problem.k, pos), v = take_tokens(problem.v, pos);
+  const auto seg = take_tokens(problem.segment_ids, a.batch, pos);
+  RankReport& report = result.ranks[rank];
+
+  comm.barrier();
+  auto t0 = clock::now();
+  const AttentionOutput out = attn.forward(q, k, v, seg, forward_only);
+  comm.barrier();
+  report.forward_seconds = std::chrono::duration<double>(clock::now() - t0).count();
+  put_tokens(result.o, out.o, pos);
+  const std::int64_t hq = out.o.shape().h;
+  for (std::int64_t b = 0; b < a.batch; ++b) {
+    for (std::int64_t h = 0; h < hq; ++h) {
+      for (std::int64_t i = 0; i < sl; ++i) {
+        result.lse[(b * hq + h) * a.seq_len + pos[i]] = out.lse[(b * hq + h) * sl + i];
+      }
+    }
+  }
+  report.tiles_per_head = attn.forward_tiles().per_head;
+  for (auto t : report.tiles_per_head) report.tiles += t;
+  if (!forward_only) {
+    const Tensor d_out = take_tokens(problem.d_out, pos);
+    comm.barrier();
+    t0 = clock::now();
+    const AttentionGradients g = attn.backward(d_out);
+    comm.barrier();
+    report.backward_seconds = std::chrono::duration<double>(clock::now() - t0).count();
+    put_tokens(result.dq, g.dq, pos);
+    put_tokens(result.dk, g.dk, pos);
+    put_tokens(result.dv, g.dv, pos);
+  }
+  report.collectives = comm.counters().records();
+}
+
+WholeResult run_in_process(const AttentionSpec& a, const ParallelSpec& p, const ContextParallelOptions& options,
+                           const WholeProblem& problem, bool forward_only) {
+  validate(a, p);
+  WholeResult result = make_whole_result(a, p, forward_only);
+  InProcessGroup group(static_cast<int>(p.cp));
+  group.run([&](Communicator& comm) { run_rank(comm, a, p, options, problem, forward_only, result); });
+  return result;
+}
+
+}  // namespace cpattn

@@ -1,0 +1,370 @@
+#include "run_command.hpp"
+
+#include <cmath>
+#include <filesystem>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "cpattn/npy.hpp"
+#include "cpattn/placement.hpp"
+#include "cpattn/reference.hpp"
+#include "cpattn/runner.hpp"
+#include "problem_flags.hpp"
+
+namespace cpattn::cli {
+namespace {
+
+struct RunOptions {
+  ProblemFlags problem;
+  std::string segments;  // "6144,2048"
+  bool remat = false, forward_only = false, check = false, json = false;
+  std::string backend = "inproc";
+  int threads = 0;
+  std::uint32_t seed = 1;
+  std::string load_dir, save_dir;
+};
+
+[[noreturn]] void bad_input(const std::string& field, const std::string& value, const std::string& message) {
+  throw Error(ErrorKind::invalid_input, field, value, message);
+}
+
+std::vector<std::int64_t> parse_segments(const std::string& text, std::int64_t seq) {
+  std::vector<std::int64_t> lengths;
+  std::stringstream ss(text);
+  std::string part;
+  std::int64_t total = 0;
+  while (std::getline(ss, part, ',')) {
+    std::size_t used = 0;
+    std::int64_t n = -1;
+    try {
+      n = std::stoll(part, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != part.size() || n <= 0) {
+      bad_input("--segments", text, "--segments '" + text + "': '" + part + "' is not a positive document length");
+    }
+    lengths.push_back(n);
+    total += n;
+  }
+  if (lengths.empty() || total != seq) {
+    bad_input("--segments", text,
+              "--segments '" + text + "' sums to " + std::to_string(total) + "; the document lengths must add up to "
+              "--seq (" + std::to_string(seq) + ")");
+  }
+  return lengths;
+}
+
+Tensor random_tensor(DType dtype, Shape4 shape, std::uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist;
+  std::vector<float> v(static_cast<std::size_t>(shape.numel()));
+  for (auto& x : v) x = dist(gen);
+  return Tensor::from_floats(dtype, shape, v);
+}
+
+// Reads DIR/{q,k,v,do}.npy (+ segment_ids.npy) and sets the sizes they imply, refusing disagreements with flags.
+WholeProblem load_problem(const std::string& dir, ConfigValues& values) {
+  namespace fs = std::filesystem;
+  auto load4 = [&](const char* name) {
+    const std::string path = (fs::path(dir) / name).string();
+    NpyArray a = read_npy(path);
+    if (a.shape.size() != 4 || a.dtype != NpyDType::f32) {
+      bad_input(path, "", path + ": expected a float32 array [B, S, H, D]");
+    }
+    return a;
+  };
+  const NpyArray q = load4("q.npy"), k = load4("k.npy"), v = load4("v.npy"), d_out = load4("do.npy");
+  auto agree = [&](std::optional<std::int64_t>& flag, std::int64_t file_value, const char* what) {
+    if (flag && *flag != file_value) {
+      bad_input(what, std::to_string(*flag),
+                std::string(what) + " (" + std::to_string(*flag) + ") disagrees with " + dir + "/q.npy and k.npy (" +
+                    std::to_string(file_value) + ")");
+    }
+    flag = file_value;
+  };
+  agree(values.batch, q.shape[0], "--batch");
+  agree(values.seq_len, q.shape[1], "--seq");
+  agree(values.num_q_heads, q.shape[2], "--q-heads");
+  agree(values.head_dim, q.shape[3], "--head-dim");
+  agree(values.num_kv_heads, k.shape[2], "--kv-heads");
+  if (k.shape != v.shape || k.shape[0] != q.shape[0] || k.shape[1] != q.shape[1] || k.shape[3] != q.shape[3]) {
+    bad_input(dir + "/k.npy", "", dir + ": k.npy and v.npy must be [B, S, Hkv, D] with q.npy's B, S and D");
+  }
+  if (d_out.shape != q.shape) bad_input(dir + "/do.npy", "", dir + "/do.npy must have q.npy's shape");
+  const DType dtype = values.dtype ? parse_dtype(*values.dtype) : DType::f32;
+  auto tensor = [&](const NpyArray& a) {
+    return Tensor::from_floats(dtype, {a.shape[0], a.shape[1], a.shape[2], a.shape[3]}, a.as_floats());
+  };
+  WholeProblem p{tensor(q), tensor(k), tensor(v), tensor(d_out), {}};
+  const fs::path seg_path = fs::path(dir) / "segment_ids.npy";
+  if (fs::exists(seg_path)) {
+    const NpyArray s = read_npy(seg_path.string());
+    if (s.dtype != NpyDType::i32 || s.shape != std::vector<std::int64_t>{q.shape[0], q.shape[1]}) {
+      bad_input(seg_path.string(), "", seg_path.string() + ": expected int32 [B, S] = [" + std::to_string(q.shape[0]) +
+                                           ", " + std::to_string(q.shape[1]) + "]");
+    }
+    p.segment_ids = s.as_int32();
+  }
+  return p;
+}
+
+struct Diffs {
+  double max_abs = 0, max_ref = 0;
+  double rel() const { return max_ref > 0 ? max_abs / max_ref : max_abs; }
+};
+
+template <class A, class B>
+Diffs diff(const A& got, const B& want) {
+  Diffs d;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double w = static_cast<double>(want[i]), g = static_cast<double>(got[i]);
+    if (std::isfinite(w)) d.max_ref = std::max(d.max_ref, std::abs(w));
+    if (std::isfinite(w) && std::isfinite(g)) {
+      d.max_abs = std::max(d.max_abs, std::abs(g - w));
+    } else if (!(g == w || (std::isnan(g) && std::isnan(w)))) {
+      d.max_abs = std::numeric_limits<double>::infinity();
+    }
+  }
+  return d;
+}
+
+std::string fmt(double x) {
+  std::ostringstream s;
+  s << std::setprecision(3) << x;
+  return s.str();
+}
+
+int run(const CLI::App& app, RunOptions& opt) {
+  ConfigValues values = opt.problem.resolve(app);
+  WholeProblem problem;
+  if (!opt.load_dir.empty()) problem = load_problem(opt.load_dir, values);
+  Specs specs;
+  const auto errors = all_config_errors(values, specs);
+  if (!errors.empty()) {
+    if (opt.json) std::cout << "{\"ok\": false, \"errors\": " << errors_to_json(errors) << "}\n";
+    print_errors(errors);
+    return 2;
+  }
+  if (opt.backend != "inproc") {
+    bad_input("--backend", opt.backend,
+              "--backend '" + opt.backend + "' is not available in this build; valid: inproc");
+  }
+  const AttentionSpec& a = specs.attention;
+  const ParallelSpec& p = specs.parallel;
+  if (p.tp != 1) bad_input("--tp", std::to_string(p.tp), "cpattn run simulates one tensor-parallel group; use --tp 1");
+  if (opt.load_dir.empty()) {
+    problem.q = random_tensor(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, opt.seed);
+    problem.k = random_tensor(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, opt.seed + 1);
+    problem.v = random_tensor(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, opt.seed + 2);
+    problem.d_out = random_tensor(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, opt.seed + 3);
+  }
+  if (!opt.segments.empty()) {
+    const auto lengths = parse_segments(opt.segments, a.seq_len);
+    problem.segment_ids.clear();
+    for (std::int64_t b = 0; b < a.batch; ++b) {
+      for (std::size_t s = 0; s < lengths.size(); ++s) {
+        problem.segment_ids.insert(problem.segment_ids.end(), static_cast<std::size_t>(lengths[s]),
+                                   static_cast<std::int32_t>(s));
+      }
+    }
+  }
+  ContextParallelOptions cp_options;
+  cp_options.remat = opt.remat;
+  cp_options.threads = opt.threads;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads_per_rank = opt.threads > 0 ? opt.threads : std::max(1, cores / static_cast<int>(p.cp));
+
+  const WholeResult result = run_in_process(a, p, cp_options, problem, opt.forward_only);
+
+  nlohmann::ordered_json out;
+  out["ok"] = true;
+  out["problem"] = {{"strategy", to_string(p.strategy)}, {"cp", p.cp}, {"batch", a.batch}, {"seq", a.seq_len},
+                    {"q_heads", a.num_q_heads}, {"kv_heads", a.num_kv_heads}, {"head_dim", a.head_dim},
+                    {"causal", a.causal}, {"dtype", to_string(a.dtype)}, {"load_balance", p.load_balance},
+                    {"remat", opt.remat}, {"forward_only", opt.forward_only}, {"backend", opt.backend},
+                    {"threads_per_rank", threads_per_rank}, {"segments", opt.segments}};
+  double fwd_s = 0, bwd_s = 0;
+  std::vector<std::int64_t> tiles;
+  for (const auto& r : result.ranks) {
+    fwd_s = std::max(fwd_s, r.forward_seconds);
+    bwd_s = std::max(bwd_s, r.backward_seconds);
+    tiles.push_back(r.tiles);
+  }
+  out["seconds"] = {{"forward", fwd_s}, {"backward", opt.forward_only ? nlohmann::ordered_json() : nlohmann::ordered_json(bwd_s)}};
+  out["collectives"] = nlohmann::ordered_json::array();
+  for (const auto& c : result.ranks.front().collectives) {
+    out["collectives"].push_back({{"kind", to_string(c.kind)}, {"phase", c.phase}, {"count", c.count},
+                                  {"bytes", c.bytes}, {"bytes_sent_per_rank", c.bytes_sent_per_rank}});
+  }
+  out["tiles_per_rank"] = tiles;
+  const auto [tmin, tmax] = std::minmax_element(tiles.begin(), tiles.end());
+  out["tiles_skew"] = *tmin > 0 ? static_cast<double>(*tmax) / static_cast<double>(*tmin) : 0.0;
+
+  bool pass = true;
+  std::string check_text;
+  if (opt.check) {
+    const std::vector<std::int32_t> pos = [&] {
+      std::vector<std::int32_t> v;
+      for (std::int64_t b = 0; b < a.batch; ++b) {
+        for (std::int64_t i = 0; i < a.seq_len; ++i) v.push_back(static_cast<std::int32_t>(i));
+      }
+      return v;
+    }();
+    const AttentionMask mask{pos, pos, problem.segment_ids, problem.segment_ids, a.causal};
+    FlashConfig all_cores;
+    all_cores.threads = cores;
+    const auto fwd = flash_attention_forward(problem.q, problem.k, problem.v, mask, a.scale(), all_cores);
+    nlohmann::ordered_json sd_abs, sd_rel, ref_rel;
+    sd_abs["o"] = diff(result.o.to_floats(), fwd.o.to_floats()).max_abs;
+    sd_abs["lse"] = diff(result.lse, fwd.lse).max_abs;
+    const bool bf16 = a.dtype == DType::bf16;
+    pass = pass && sd_abs["o"].get<double>() == 0.0 && sd_abs["lse"].get<double>() == 0.0;
+    if (!opt.forward_only) {
+      const auto bwd = flash_attention_backward(problem.q, problem.k, problem.v, fwd.o, fwd.lse, problem.d_out, mask,
+                                                a.scale(), all_cores, a.dtype);
+      const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> grads[] = {
+          {"dq", {&result.dq, &bwd.dq}}, {"dk", {&result.dk, &bwd.dk}}, {"dv", {&result.dv, &bwd.dv}}};
+      for (const auto& [name, tensors] : grads) {
+        const Diffs d = diff(tensors.first->to_floats(), tensors.second->to_floats());
+        sd_abs[name] = d.max_abs;
+        sd_rel[name] = d.rel();
+        pass = pass && d.rel() <= (bf16 ? 1e-2 : 1e-6);
+      }
+    }
+    // The float64 reference: on the whole problem when it is small, else on sampled rows (O, LSE, dQ).
+    const double work = static_cast<double>(a.batch * a.num_q_heads) * static_cast<double>(a.seq_len) *
+                        static_cast<double>(a.seq_len) * static_cast<double>(a.head_dim);
+    const double ref_tol = bf16 ? 2e-2 : 1e-5;
+    std::string ref_scope;
+    if (work <= 1.5e9) {
+      ref_scope = "whole problem";
+      const auto ref = reference_attention(problem.q, problem.k, problem.v, opt.forward_only ? nullptr : &problem.d_out,
+                                           mask, a.scale());
+      ref_rel["o"] = diff(result.o.to_floats(), ref.o).rel();
+      if (!opt.forward_only) {
+        ref_rel["dq"] = diff(result.dq.to_floats(), ref.dq).rel();
+        ref_rel["dk"] = diff(result.dk.to_floats(), ref.dk).rel();
+        ref_rel["dv"] = diff(result.dv.to_floats(), ref.dv).rel();
+      }
+    } else {
+      std::vector<ReferenceRow> rows;
+      const std::int64_t heads = std::min<std::int64_t>(a.num_q_heads, 8), per_head = 24;
+      for (std::int64_t b = 0; b < a.batch; ++b) {
+        for (std::int64_t hi = 0; hi < heads; ++hi) {
+          const std::int64_t h = hi * a.num_q_heads / heads;
+          for (std::int64_t n = 0; n < per_head; ++n) rows.push_back({b, h, n * (a.seq_len - 1) / (per_head - 1)});
+        }
+      }
+      ref_scope = "sampled " + std::to_string(rows.size()) + " rows (O, dQ; dK/dV need every row)";
+      const auto ref = reference_attention_rows(problem.q, problem.k, problem.v,
+                                                opt.forward_only ? nullptr : &problem.d_out, mask, a.scale(), rows);
+      std::vector<float> o_rows, dq_rows;
+      for (const auto& r : rows) {
+        for (std::int64_t d = 0; d < a.head_dim; ++d) {
+          o_rows.push_back(result.o.get(r.b, r.i, r.h, d));
+          if (!opt.forward_only) dq_rows.push_back(result.dq.get(r.b, r.i, r.h, d));
+        }
+      }
+      ref_rel["o"] = diff(o_rows, ref.o).rel();
+      if (!opt.forward_only) {
+        ref_rel["dq"] = diff(dq_rows, ref.dq).rel();
+        ref_rel["dk"] = nullptr;
+        ref_rel["dv"] = nullptr;
+      }
+    }
+    for (const auto& [name, value] : ref_rel.items()) {
+      if (!value.is_null()) pass = pass && value.get<double>() <= ref_tol;
+    }
+    out["check"] = {{"single_device", {{"max_abs_diff", sd_abs}, {"max_rel_diff", sd_rel}}},
+                    {"reference", {{"max_rel_diff", ref_rel}, {"scope", ref_scope}}},
+                    {"tolerances", {{"forward", "bit-identical"},
+                                    {"grad_vs_single_device", bf16 ? 1e-2 : 1e-6},
+                                    {"vs_reference", ref_tol}}},
+                    {"pass", pass}};
+    std::ostringstream t;
+    t << "check vs the single-device kernel: max abs diff o " << fmt(sd_abs["o"]) << ", lse " << fmt(sd_abs["lse"]);
+    if (!opt.forward_only) {
+      t << "; max rel diff dq " << fmt(sd_rel["dq"]) << ", dk " << fmt(sd_rel["dk"]) << ", dv " << fmt(sd_rel["dv"]);
+    }
+    t << "\ncheck vs the float64 reference (" << ref_scope << "): max rel diff";
+    for (const auto& [name, value] : ref_rel.items()) t << " " << name << " " << (value.is_null() ? "-" : fmt(value));
+    t << "\ncheck: " << (pass ? "PASS" : "FAIL") << " (forward bit-identical; gradients within "
+      << (bf16 ? "1e-2" : "1e-6") << " of the single-device kernel; within " << fmt(ref_tol) << " of the reference)\n";
+    check_text = t.str();
+  }
+
+  if (!opt.save_dir.empty()) {
+    namespace fs = std::filesystem;
+    fs::create_directories(opt.save_dir);
+    auto save = [&](const char* name, const Tensor& t) {
+      const auto f = t.to_floats();
+      const Shape4 s = t.shape();
+      write_npy((fs::path(opt.save_dir) / name).string(), {s.b, s.s, s.h, s.d}, f.data());
+    };
+    save("o.npy", result.o);
+    write_npy((fs::path(opt.save_dir) / "lse.npy").string(), {a.batch, a.num_q_heads, a.seq_len}, result.lse.data());
+    if (!opt.forward_only) {
+      save("dq.npy", result.dq);
+      save("dk.npy", result.dk);
+      save("dv.npy", result.dv);
+    }
+  }
+
+  if (opt.json) {
+    std::cout << out.dump(2) << "\n";
+  } else {
+    std::cout << "cpattn run: " << to_string(p.strategy) << (p.load_balance ? " (load balance)" : "")
+              << (opt.remat ? " remat" : "") << ", cp=" << p.cp << " on the in-process group (" << threads_per_rank
+              << " thread(s) per rank); B=" << a.batch << " S=" << a.seq_len << " Hq=" << a.num_q_heads
+              << " Hkv=" << a.num_kv_heads << " D=" << a.head_dim << (a.causal ? " causal" : " non-causal") << " "
+              << to_string(a.dtype) << (opt.segments.empty() ? "" : " segments " + opt.segments) << "\n";
+    if (p.strategy == Strategy::ulysses) {
+      std::cout << "placement: replication " << kv_replication_factor(a.num_kv_heads, p.cp) << ";";
+      for (const auto& r : head_placement(a, p)) {
+        std::cout << " rank " << r.rank << " -> q " << r.q_heads.begin << ".." << r.q_heads.end - 1 << " kv "
+                  << r.kv_heads.front() << (r.kv_heads.size() > 1 ? "+" : "") << ";";
+      }
+      std::cout << "\n";
+    }
+    std::cout << "seconds: forward " << fmt(fwd_s);
+    if (!opt.forward_only) std::cout << ", backward " << fmt(bwd_s);
+    std::cout << "\ncollectives (per rank):\n";
+    std::cout << "  " << std::left << std::setw(20) << "kind" << std::setw(10) << "phase" << std::setw(7) << "count"
+              << std::setw(14) << "bytes" << "bytes sent per rank\n";
+    for (const auto& c : result.ranks.front().collectives) {
+      std::cout << "  " << std::left << std::setw(20) << to_string(c.kind) << std::setw(10) << c.phase << std::setw(7)
+                << c.count << std::setw(14) << c.bytes << c.bytes_sent_per_rank << "\n";
+    }
+    std::cout << "tiles per rank (forward):";
+    for (auto t : tiles) std::cout << " " << t;
+    std::cout << "  (max/min " << fmt(out["tiles_skew"].get<double>()) << ")\n" << check_text;
+  }
+  return pass ? 0 : 1;
+}
+
+}  // namespace
+
+void add_run_command(CLI::App& app, int& exit_code) {
+  auto opt = std::make_shared<RunOptions>();
+  CLI::App* sub = app.add_subcommand("run", "run distributed attention (forward + backward) on the in-process group");
+  opt->problem.add_to(*sub);
+  sub->add_option("--segments", opt->segments, "packed document lengths, e.g. 6144,2048 (sum = --seq)");
+  sub->add_flag("--remat", opt->remat, "recompute (re-gather / re-exchange) in backward instead of keeping");
+  sub->add_flag("--forward-only", opt->forward_only, "prefill: forward only, no state kept");
+  sub->add_option("--backend", opt->backend, "inproc (the in-process group)");
+  sub->add_option("--threads", opt->threads, "kernel threads per rank (default max(1, cores / cp))");
+  sub->add_option("--seed", opt->seed, "seed of the random inputs");
+  sub->add_flag("--check", opt->check, "compare with the single-device kernel and the float64 reference");
+  sub->add_flag("--json", opt->json, "print one JSON document");
+  sub->add_option("--load", opt->load_dir, "read q.npy k.npy v.npy do.npy [segment_ids.npy] from DIR");
+  sub->add_option("--save", opt->save_dir, "write o.npy lse.npy dq.npy dk.npy dv.npy to DIR");
+  sub->callback([sub, opt, &exit_code] { exit_code = run(*sub, *opt); });
+}
+
+}  // namespace cpattn::cli
