@@ -37,6 +37,11 @@ void run_rank(Communicator& comm, const AttentionSpec& attention, const Parallel
               const ContextParallelOptions& options, const WholeProblem& problem, bool forward_only,
               WholeResult& result);
 
+// After run_rank on every rank of a group whose ranks each hold their own result (separate processes): gives
+// every rank the whole outputs and every rank's tiles and timings. Its collectives are not in the reports.
+void share_whole_result(Communicator& comm, const AttentionSpec& attention, const ParallelSpec& parallel,
+                        bool forward_only, WholeResult& result);
+
 // All ranks on an in-process group.
 WholeResult run_in_process(const AttentionSpec& attention, const ParallelSpec& parallel,
                            const ContextParallelOptions& options, const WholeProblem& problem, bool forward_only);

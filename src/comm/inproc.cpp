@@ -189,7 +189,9 @@ void InProcessGroup::State::collective(int rank, const Slot& mine) {
   const std::size_t e = comm_dtype_size(mine.dtype);
   const std::size_t block = static_cast<std::size_t>(mine.count) * e;
   auto* recv = static_cast<unsigned char*>(mine.recv);
-  switch (mine.call) {
+  // Empty collectives still rendezvous (every rank made the call), but move nothing: their buffers may be null.
+  const bool empty = block == 0 && mine.call != Call::all_reduce && mine.call != Call::barrier;
+  switch (empty ? Call::barrier : mine.call) {
     case Call::all_to_all:
       for (int p = 0; p < size; ++p) {
         std::memcpy(recv + p * block, static_cast<const unsigned char*>(slots[p].send) + rank * block, block);

@@ -5,6 +5,7 @@
 #include "cpattn/inproc.hpp"
 #include "cpattn/sequence_layout.hpp"
 #include "cpattn/shard.hpp"
+#include "sequence_collectives.hpp"
 
 namespace cpattn {
 
@@ -62,6 +63,50 @@ void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p,
     put_tokens(result.dv, g.dv, pos);
   }
   report.collectives = comm.counters().records();
+}
+
+void share_whole_result(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p, bool forward_only,
+                        WholeResult& result) {
+  const int rank = comm.rank();
+  cp::RankPositions positions;
+  for (std::int64_t r = 0; r < p.cp; ++r) {
+    std::vector<std::int32_t> pos;
+    for (auto x : local_positions(p.effective_layout(), a.seq_len, p.cp, r)) pos.push_back(static_cast<std::int32_t>(x));
+    positions.push_back(std::move(pos));
+  }
+  const auto mine = local_positions(p.effective_layout(), a.seq_len, p.cp, rank);
+  auto share = [&](Tensor& whole) { whole = cp::all_gather_sequence(comm, take_tokens(whole, mine), positions); };
+  share(result.o);
+  if (!forward_only) {
+    share(result.dq);
+    share(result.dk);
+    share(result.dv);
+  }
+  // lse [B, H, S]: gathered as a [B, S, H, 1] tensor.
+  const std::int64_t hq = result.o.shape().h, S = a.seq_len;
+  Tensor lse_t(DType::f32, {a.batch, S, hq, 1});
+  for (std::int64_t b = 0; b < a.batch; ++b) {
+    for (std::int64_t h = 0; h < hq; ++h) {
+      for (std::int64_t i = 0; i < S; ++i) lse_t.data<float>()[(b * S + i) * hq + h] = result.lse[(b * hq + h) * S + i];
+    }
+  }
+  share(lse_t);
+  for (std::int64_t b = 0; b < a.batch; ++b) {
+    for (std::int64_t h = 0; h < hq; ++h) {
+      for (std::int64_t i = 0; i < S; ++i) result.lse[(b * hq + h) * S + i] = lse_t.data<float>()[(b * S + i) * hq + h];
+    }
+  }
+  // Tiles and timings: each rank fills its slot, the sum gives everyone all of them.
+  std::vector<std::int64_t> values(static_cast<std::size_t>(3 * p.cp), 0);
+  values[rank] = result.ranks[rank].tiles;
+  values[p.cp + rank] = static_cast<std::int64_t>(result.ranks[rank].forward_seconds * 1e9);
+  values[2 * p.cp + rank] = static_cast<std::int64_t>(result.ranks[rank].backward_seconds * 1e9);
+  comm.all_reduce(values.data(), static_cast<int>(values.size()), ReduceOp::sum);
+  for (std::int64_t r = 0; r < p.cp; ++r) {
+    result.ranks[r].tiles = values[r];
+    result.ranks[r].forward_seconds = static_cast<double>(values[p.cp + r]) * 1e-9;
+    result.ranks[r].backward_seconds = static_cast<double>(values[2 * p.cp + r]) * 1e-9;
+  }
 }
 
 WholeResult run_in_process(const AttentionSpec& a, const ParallelSpec& p, const ContextParallelOptions& options,

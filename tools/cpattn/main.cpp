@@ -6,6 +6,10 @@
 #include <string>
 
 #include "cpattn/error.hpp"
+
+#ifdef CPATTN_WITH_MPI
+#include <mpi.h>
+#endif
 #include "run_command.hpp"
 #include "validate_command.hpp"
 
@@ -41,5 +45,11 @@ int main(int argc, char** argv) {
     std::cerr << "error: " << e.what() << "\n";
     return 1;
   }
+#ifdef CPATTN_WITH_MPI
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Finalize();
+#endif
   return exit_code;
 }

@@ -16,6 +16,10 @@
 #include "cpattn/runner.hpp"
 #include "problem_flags.hpp"
 
+#ifdef CPATTN_WITH_MPI
+#include "cpattn/mpi_comm.hpp"
+#endif
+
 namespace cpattn::cli {
 namespace {
 
@@ -140,6 +144,45 @@ std::string fmt(double x) {
   return s.str();
 }
 
+// The whole run on the chosen backend. Under MPI every process runs one rank and then holds the whole result.
+WholeResult execute(const std::string& backend, const AttentionSpec& a, const ParallelSpec& p,
+                    const ContextParallelOptions& options, const WholeProblem& problem, bool forward_only,
+                    int& my_rank) {
+  my_rank = 0;
+  if (backend == "inproc") return run_in_process(a, p, options, problem, forward_only);
+#ifdef CPATTN_WITH_MPI
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    int provided = 0;
+    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+  }
+  MpiCommunicator comm;
+  my_rank = comm.rank();
+  if (comm.size() != p.cp) {
+    bad_input("--cp", std::to_string(p.cp),
+              "--cp (" + std::to_string(p.cp) + ") must equal the number of MPI processes (" +
+                  std::to_string(comm.size()) + "): run under mpirun -np " + std::to_string(p.cp));
+  }
+  WholeResult result = make_whole_result(a, p, forward_only);
+  try {
+    run_rank(comm, a, p, options, problem, forward_only, result);
+    share_whole_result(comm, a, p, forward_only, result);
+  } catch (const std::exception& e) {
+    // No fault-tolerant MPI: end the whole job, naming this rank, instead of leaving peers waiting.
+    std::cerr << "error: rank " << comm.rank() << ": " << e.what() << "\n";
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
+  return result;
+#else
+  (void)p;
+  (void)options;
+  (void)problem;
+  (void)forward_only;
+  throw Error(ErrorKind::invalid_config, "backend", backend, "this build has no MPI backend");
+#endif
+}
+
 int run(const CLI::App& app, RunOptions& opt) {
   ConfigValues values = opt.problem.resolve(app);
   WholeProblem problem;
@@ -151,9 +194,13 @@ int run(const CLI::App& app, RunOptions& opt) {
     print_errors(errors);
     return 2;
   }
-  if (opt.backend != "inproc") {
-    bad_input("--backend", opt.backend,
-              "--backend '" + opt.backend + "' is not available in this build; valid: inproc");
+#ifdef CPATTN_WITH_MPI
+  const char* backends = "inproc or mpi";
+#else
+  const char* backends = "inproc (this build has no MPI)";
+#endif
+  if (opt.backend != "inproc" && !(opt.backend == "mpi" && std::string(backends) == "inproc or mpi")) {
+    bad_input("--backend", opt.backend, "--backend '" + opt.backend + "' is not available; valid: " + backends);
   }
   const AttentionSpec& a = specs.attention;
   const ParallelSpec& p = specs.parallel;
@@ -180,7 +227,9 @@ int run(const CLI::App& app, RunOptions& opt) {
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int threads_per_rank = opt.threads > 0 ? opt.threads : std::max(1, cores / static_cast<int>(p.cp));
 
-  const WholeResult result = run_in_process(a, p, cp_options, problem, opt.forward_only);
+  int my_rank = 0;
+  const WholeResult result = execute(opt.backend, a, p, cp_options, problem, opt.forward_only, my_rank);
+  if (my_rank != 0) return 0;  // under mpirun rank 0 alone checks and reports
 
   nlohmann::ordered_json out;
   out["ok"] = true;
@@ -320,7 +369,8 @@ int run(const CLI::App& app, RunOptions& opt) {
     std::cout << out.dump(2) << "\n";
   } else {
     std::cout << "cpattn run: " << to_string(p.strategy) << (p.load_balance ? " (load balance)" : "")
-              << (opt.remat ? " remat" : "") << ", cp=" << p.cp << " on the in-process group (" << threads_per_rank
+              << (opt.remat ? " remat" : "") << ", cp=" << p.cp
+              << (opt.backend == "mpi" ? " over MPI (" : " on the in-process group (") << threads_per_rank
               << " thread(s) per rank); B=" << a.batch << " S=" << a.seq_len << " Hq=" << a.num_q_heads
               << " Hkv=" << a.num_kv_heads << " D=" << a.head_dim << (a.causal ? " causal" : " non-causal") << " "
               << to_string(a.dtype) << (opt.segments.empty() ? "" : " segments " + opt.segments) << "\n";
@@ -357,7 +407,7 @@ void add_run_command(CLI::App& app, int& exit_code) {
   sub->add_option("--segments", opt->segments, "packed document lengths, e.g. 6144,2048 (sum = --seq)");
   sub->add_flag("--remat", opt->remat, "recompute (re-gather / re-exchange) in backward instead of keeping");
   sub->add_flag("--forward-only", opt->forward_only, "prefill: forward only, no state kept");
-  sub->add_option("--backend", opt->backend, "inproc (the in-process group)");
+  sub->add_option("--backend", opt->backend, "inproc (the in-process group) or mpi (one process per rank, mpirun)");
   sub->add_option("--threads", opt->threads, "kernel threads per rank (default max(1, cores / cp))");
   sub->add_option("--seed", opt->seed, "seed of the random inputs");
   sub->add_flag("--check", opt->check, "compare with the single-device kernel and the float64 reference");

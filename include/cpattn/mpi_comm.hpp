@@ -1,0 +1,40 @@
+// The Communicator on MPI (Open MPI from Debian), for many processes and machines. It works on a duplicate of
+// the communicator the caller gives (MPI_COMM_WORLD or a sub-communicator per context-parallel group), with
+// MPI_ERRORS_RETURN, so MPI failures come back as Error(communication) carrying MPI's error string.
+// Debian's Open MPI 4.1 has no fault-tolerant MPI: a rank that dies ends the job (mpirun reports it).
+#pragma once
+
+#include <mpi.h>
+
+#include "cpattn/comm.hpp"
+
+namespace cpattn {
+
+class MpiCommunicator final : public Communicator {
+ public:
+  explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD);
+  ~MpiCommunicator() override;
+  MpiCommunicator(const MpiCommunicator&) = delete;
+  MpiCommunicator& operator=(const MpiCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* backend() const override { return "mpi"; }
+
+  void all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
+  void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
+  void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
+  void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
+                          const std::vector<int>& dest) override;
+  void barrier() override;
+  void all_reduce(std::int64_t* values, int n, ReduceOp op) override;
+
+  MPI_Comm comm() const { return comm_; }
+
+ private:
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Op bf16_sum_ = MPI_OP_NULL;
+  int rank_ = 0, size_ = 1;
+};
+
+}  // namespace cpattn

@@ -1,0 +1,123 @@
+#include "cpattn/mpi_comm.hpp"
+
+#include <climits>
+#include <cstring>
+#include <string>
+
+#include "cpattn/bf16.hpp"
+#include "cpattn/error.hpp"
+
+namespace cpattn {
+
+namespace {
+
+MPI_Datatype mpi_type(CommDType t) {
+  switch (t) {
+    case CommDType::f32: return MPI_FLOAT;
+    case CommDType::bf16: return MPI_UINT16_T;  // moved as raw 16-bit words
+    case CommDType::i32: return MPI_INT32_T;
+  }
+  return MPI_BYTE;
+}
+
+void check(int rc, const char* what, int rank) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw Error(ErrorKind::communication, "mpi", what,
+              std::string(what) + " failed on rank " + std::to_string(rank) + ": " + std::string(text, len));
+}
+
+int as_int(std::int64_t count, const char* what) {
+  if (count < 0 || count > INT_MAX) {
+    throw Error(ErrorKind::invalid_input, "count", std::to_string(count),
+                std::string(what) + ": " + std::to_string(count) + " elements per rank exceed MPI's int count (" +
+                    std::to_string(INT_MAX) + ")");
+  }
+  return static_cast<int>(count);
+}
+
+// inout[i] = bf16(float(in[i]) + float(inout[i])): each step sums in fp32 and rounds once.
+void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const bf16*>(in);
+  auto* b = static_cast<bf16*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = float_to_bf16(bf16_to_float(a[i]) + bf16_to_float(b[i]));
+}
+
+}  // namespace
+
+MpiCommunicator::MpiCommunicator(MPI_Comm comm) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    throw Error(ErrorKind::invalid_config, "backend", "mpi", "the MPI backend needs MPI_Init first (run under mpirun)");
+  }
+  check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup", -1);
+  MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &size_);
+  check(MPI_Op_create(&bf16_sum, 1, &bf16_sum_), "MPI_Op_create", rank_);
+}
+
+MpiCommunicator::~MpiCommunicator() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  if (bf16_sum_ != MPI_OP_NULL) MPI_Op_free(&bf16_sum_);
+  if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+void MpiCommunicator::all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) {
+  const int n = as_int(count, "all_to_all");
+  check(MPI_Alltoall(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_), "MPI_Alltoall", rank_);
+  count_all_to_all(count, dtype);
+}
+
+void MpiCommunicator::all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) {
+  const int n = as_int(count, "all_gather");
+  check(MPI_Allgather(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_), "MPI_Allgather", rank_);
+  count_all_gather(count, dtype);
+}
+
+void MpiCommunicator::reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) {
+  if (dtype == CommDType::i32) {
+    throw Error(ErrorKind::invalid_input, "dtype", "i32", "reduce_scatter_sum takes f32 or bf16, not i32");
+  }
+  const int n = as_int(count, "reduce_scatter");
+  const MPI_Op op = dtype == CommDType::f32 ? MPI_SUM : bf16_sum_;
+  check(MPI_Reduce_scatter_block(send, recv, n, mpi_type(dtype), op, comm_), "MPI_Reduce_scatter_block", rank_);
+  count_reduce_scatter(count, dtype);
+}
+
+void MpiCommunicator::collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
+                                         const std::vector<int>& dest) {
+  check_permutation(dest, size_);
+  const int n = as_int(count, "collective_permute");
+  int source = -1;
+  for (int p = 0; p < size_; ++p) {
+    if (dest[p] == rank_) source = p;
+  }
+  const int to = dest[rank_];
+  const std::size_t bytes = static_cast<std::size_t>(count) * comm_dtype_size(dtype);
+  MPI_Request requests[2];
+  int pending = 0;
+  if (source >= 0 && source != rank_) {
+    check(MPI_Irecv(recv, n, mpi_type(dtype), source, 7001, comm_, &requests[pending++]), "MPI_Irecv", rank_);
+  }
+  if (to >= 0 && to != rank_) {
+    check(MPI_Isend(send, n, mpi_type(dtype), to, 7001, comm_, &requests[pending++]), "MPI_Isend", rank_);
+  }
+  if (to == rank_ && bytes > 0) std::memcpy(recv, send, bytes);
+  check(MPI_Waitall(pending, requests, MPI_STATUSES_IGNORE), "MPI_Waitall", rank_);
+  count_permute(count, dtype, dest);
+}
+
+void MpiCommunicator::barrier() { check(MPI_Barrier(comm_), "MPI_Barrier", rank_); }
+
+void MpiCommunicator::all_reduce(std::int64_t* values, int n, ReduceOp op) {
+  const MPI_Op mop = op == ReduceOp::sum ? MPI_SUM : op == ReduceOp::max ? MPI_MAX : MPI_MIN;
+  check(MPI_Allreduce(MPI_IN_PLACE, values, n, MPI_INT64_T, mop, comm_), "MPI_Allreduce", rank_);
+}
+
+}  // namespace cpattn

@@ -1,0 +1,94 @@
+// The shared collective tests and a subset of the strategy tests on the MPI backend, run under mpirun (CTest
+// starts it with 2 and 4 processes). Every rank runs every test; a failure on any rank fails the job.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include "../collective_cases.hpp"
+#include "../cp_harness.hpp"
+#include "cpattn/mpi_comm.hpp"
+#include "cpattn/runner.hpp"
+
+namespace cpattn {
+namespace {
+
+TEST(MpiCommunicator, CollectivesAreExactOnEveryRank) {
+  MpiCommunicator comm;
+  std::int64_t wrong = testing::wrong_in_all_cases(comm);
+  EXPECT_EQ(wrong, 0) << "rank " << comm.rank();
+  comm.all_reduce(&wrong, 1, ReduceOp::sum);
+  EXPECT_EQ(wrong, 0) << "wrong elements over all ranks";
+}
+
+TEST(MpiCommunicator, CountersFollowTheAccounting) {
+  MpiCommunicator comm;
+  const int n = comm.size();
+  std::vector<float> a(static_cast<std::size_t>(n * 100)), b(a.size());
+  {
+    CollectiveCounters::PhaseScope phase(comm.counters(), "forward");
+    comm.all_to_all(a.data(), b.data(), 100, CommDType::f32);
+    comm.reduce_scatter_sum(a.data(), b.data(), 100, CommDType::f32);
+  }
+  const auto rec = comm.counters().records();
+  ASSERT_EQ(rec.size(), 2u);
+  EXPECT_EQ(rec[0], (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1, 400 * n, 400 * (n - 1)}));
+  EXPECT_EQ(rec[1], (CollectiveRecord{CollectiveKind::reduce_scatter, "forward", 1, 400 * n, 400 * (n - 1)}));
+}
+
+void expect_strategy_matches_single_device(testing::CpCase c) {
+  SCOPED_TRACE(c.name());
+  MpiCommunicator comm;
+  c.cp = comm.size();
+  const auto in = testing::make_whole_inputs(c, 55);  // the same inputs on every rank (same seed)
+  ContextParallelOptions opt;
+  opt.threads = 1;
+  opt.remat = c.remat;
+  WholeResult w = make_whole_result(c.attention(), c.parallel(), false);
+  run_rank(comm, c.attention(), c.parallel(), opt, in, false, w);
+  share_whole_result(comm, c.attention(), c.parallel(), false, w);
+  const auto single = testing::run_single_device(c, in);
+  EXPECT_EQ(testing::count_bit_differences(w.o.to_floats(), single.o), 0);
+  EXPECT_EQ(testing::count_bit_differences(w.lse, single.lse), 0);
+  CPATTN_EXPECT_CLOSE(w.dq.to_floats(), single.dq, 1e-6, "dq");
+  CPATTN_EXPECT_CLOSE(w.dk.to_floats(), single.dk, 1e-6, "dk");
+  CPATTN_EXPECT_CLOSE(w.dv.to_floats(), single.dv, 1e-6, "dv");
+}
+
+TEST(MpiStrategies, UlyssesWithKvReplicationMatchesTheSingleDeviceKernel) {
+  testing::CpCase c;
+  c.hq = 8;
+  c.hkv = 2;  // rep 2 at 4 processes
+  c.seq = 256;
+  c.segments = {150, 106};
+  expect_strategy_matches_single_device(c);
+}
+
+TEST(MpiStrategies, AllGatherWithLoadBalanceMatchesTheSingleDeviceKernel) {
+  testing::CpCase c;
+  c.strategy = Strategy::all_gather;
+  c.load_balance = true;
+  c.remat = true;
+  c.hq = 8;
+  c.hkv = 2;
+  c.seq = 256;
+  expect_strategy_matches_single_device(c);
+}
+
+}  // namespace
+}  // namespace cpattn
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank != 0) {
+    // Only rank 0 prints progress; every rank still reports its failures.
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  const int failed = RUN_ALL_TESTS();
+  int any = failed;
+  MPI_Allreduce(&failed, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return any;
+}
