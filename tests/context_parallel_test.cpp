@@ -13,33 +13,7 @@ namespace {
 
 using testing::CpCase;
 
-void expect_matches_single_device(const CpCase& c) {
-  SCOPED_TRACE(c.name());
-  const auto in = testing::make_whole_inputs(c, 101);
-  const auto got = testing::run_context_parallel(c, in);
-  const auto single = testing::run_single_device(c, in);
-  const auto ref = testing::run_reference(c, in);
-  // Forward: the same bits as the single-device kernel.
-  EXPECT_EQ(testing::count_bit_differences(got.o, single.o), 0) << "o";
-  EXPECT_EQ(testing::count_bit_differences(got.lse, single.lse), 0) << "lse";
-  if (c.dtype == DType::f32) {
-    CPATTN_EXPECT_CLOSE(got.dq, single.dq, 1e-6, "dq vs single device");
-    CPATTN_EXPECT_CLOSE(got.dk, single.dk, 1e-6, "dk vs single device");
-    CPATTN_EXPECT_CLOSE(got.dv, single.dv, 1e-6, "dv vs single device");
-    CPATTN_EXPECT_CLOSE(got.o, ref.o, 1e-5, "o vs reference");
-    CPATTN_EXPECT_CLOSE(got.dq, ref.dq, 1e-5, "dq vs reference");
-    CPATTN_EXPECT_CLOSE(got.dk, ref.dk, 1e-5, "dk vs reference");
-    CPATTN_EXPECT_CLOSE(got.dv, ref.dv, 1e-5, "dv vs reference");
-  } else {
-    CPATTN_EXPECT_CLOSE(got.dq, single.dq, 1e-2, "dq vs single device");
-    CPATTN_EXPECT_CLOSE(got.dk, single.dk, 1e-2, "dk vs single device");
-    CPATTN_EXPECT_CLOSE(got.dv, single.dv, 1e-2, "dv vs single device");
-    CPATTN_EXPECT_CLOSE(got.o, ref.o, 2e-2, "o vs reference");
-    CPATTN_EXPECT_CLOSE(got.dq, ref.dq, 2e-2, "dq vs reference");
-    CPATTN_EXPECT_CLOSE(got.dk, ref.dk, 2e-2, "dk vs reference");
-    CPATTN_EXPECT_CLOSE(got.dv, ref.dv, 2e-2, "dv vs reference");
-  }
-}
+using testing::expect_matches_single_device;
 
 // A pairwise-covering set over cp, (Hq, Hkv), causal, packing, dtype, batch and head dim, each run with the three
 // strategies (ulysses, all_gather, all_gather + load balance) and remat on some.

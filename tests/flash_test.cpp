@@ -303,3 +303,43 @@ TEST(FlashKernel, BadArgumentsAreNamed) {
 
 }  // namespace
 }  // namespace cpattn
+
+namespace cpattn {
+namespace {
+
+// The kernel's own gradients against central differences of its own forward (loss = sum(O * dO)), fp32.
+TEST(FlashKernel, GradientsMatchFiniteDifferences) {
+  for (bool causal : {false, true}) {
+    Case c{1, 6, 4, 2, 3, causal, {}};
+    Inputs in = make_inputs(c, 41);
+    in.seg = {0, 0, 0, 1, 1, 1};
+    const double scale = 0.6;
+    const auto fwd = flash_attention_forward(in.q, in.k, in.v, in.mask(causal), scale, {});
+    const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, in.mask(causal), scale, {},
+                                              DType::f32);
+    const auto dout = in.d_out.to_doubles();
+    auto loss = [&](const Inputs& x) {
+      const auto o = flash_attention_forward(x.q, x.k, x.v, x.mask(causal), scale, {}).o.to_doubles();
+      double sum = 0;
+      for (std::size_t i = 0; i < o.size(); ++i) sum += o[i] * dout[i];
+      return sum;
+    };
+    const float h = 1e-2f;
+    auto check = [&](Tensor Inputs::*which, const Tensor& grad, const char* name) {
+      for (std::int64_t i = 0; i < (in.*which).numel(); ++i) {
+        Inputs plus = in, minus = in;
+        (plus.*which).data<float>()[i] += h;
+        (minus.*which).data<float>()[i] -= h;
+        const double step = double((plus.*which).data<float>()[i]) - double((minus.*which).data<float>()[i]);
+        const double fd = (loss(plus) - loss(minus)) / step;
+        EXPECT_NEAR(grad.flat(i), fd, 1e-3 * (1 + std::abs(fd))) << name << "[" << i << "] causal " << causal;
+      }
+    };
+    check(&Inputs::q, bwd.dq, "dq");
+    check(&Inputs::k, bwd.dk, "dk");
+    check(&Inputs::v, bwd.dv, "dv");
+  }
+}
+
+}  // namespace
+}  // namespace cpattn

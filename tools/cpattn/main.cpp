@@ -10,6 +10,7 @@
 #ifdef CPATTN_WITH_MPI
 #include <mpi.h>
 #endif
+#include "bench_command.hpp"
 #include "run_command.hpp"
 #include "validate_command.hpp"
 
@@ -19,6 +20,7 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   cpattn::cli::add_validate_command(app, exit_code);
   cpattn::cli::add_run_command(app, exit_code);
+  cpattn::cli::add_bench_command(app, exit_code);
   std::string names;
   bool known = false;
   for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {

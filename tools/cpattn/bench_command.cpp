@@ -1,0 +1,291 @@
+#include "bench_command.hpp"
+
+#include <algorithm>
+#include <barrier>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <thread>
+
+#include "cpattn/inproc.hpp"
+#include "cpattn/runner.hpp"
+#include "problem_flags.hpp"
+
+#ifdef CPATTN_WITH_MPI
+#include "cpattn/mpi_comm.hpp"
+#endif
+
+namespace cpattn::cli {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+double seconds_since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+// ---- bench comm ----
+
+struct CommOptions {
+  std::string backend = "inproc";
+  std::vector<int> ranks{2, 4};
+  std::int64_t min_bytes = 64 << 10, max_bytes = 64 << 20;
+  bool json = false;
+};
+
+// n threads each copying `bytes` (the same total as the collective moves between ranks), started together
+// between barriers like the ranks of a collective; the best of several tries. Buffers are touched first.
+double memcpy_seconds(int threads, std::size_t bytes) {
+  std::vector<std::vector<unsigned char>> src(threads, std::vector<unsigned char>(bytes, 1)),
+      dst(threads, std::vector<unsigned char>(bytes, 0));
+  constexpr int kTries = 7;
+  std::barrier sync(threads);
+  double best = 1e30;
+  auto body = [&](int t) {
+    for (int attempt = 0; attempt < kTries; ++attempt) {
+      sync.arrive_and_wait();
+      const auto t0 = clock_type::now();
+      std::memcpy(dst[t].data(), src[t].data(), bytes);
+      sync.arrive_and_wait();
+      if (t == 0) best = std::min(best, seconds_since(t0));
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(body, t);
+  body(0);
+  for (auto& t : pool) t.join();
+  return best;
+}
+
+// Times one collective on this rank; `bytes` is the per-device size (HLO convention: all_to_all operand,
+// all_gather output, reduce_scatter input). Returns seconds per call (after warm-up).
+double time_collective(Communicator& comm, const std::string& kind, std::int64_t bytes, bool raw_mpi) {
+  const int n = comm.size();
+  const std::int64_t elems = bytes / 4, block = elems / n;
+  std::vector<float> send(static_cast<std::size_t>(kind == "all_gather" ? block : elems), 1.0f),
+      recv(static_cast<std::size_t>(kind == "reduce_scatter" ? block : elems));
+  auto once = [&] {
+#ifdef CPATTN_WITH_MPI
+    if (raw_mpi) {
+      auto& mpi = static_cast<MpiCommunicator&>(comm);
+      MPI_Alltoall(send.data(), static_cast<int>(block), MPI_FLOAT, recv.data(), static_cast<int>(block), MPI_FLOAT,
+                   mpi.comm());
+      return;
+    }
+#else
+    (void)raw_mpi;
+#endif
+    if (kind == "all_to_all") comm.all_to_all(send.data(), recv.data(), block, CommDType::f32);
+    if (kind == "all_gather") comm.all_gather(send.data(), recv.data(), block, CommDType::f32);
+    if (kind == "reduce_scatter") comm.reduce_scatter_sum(send.data(), recv.data(), block, CommDType::f32);
+  };
+  once();
+  comm.barrier();
+  auto t0 = clock_type::now();
+  once();
+  comm.barrier();
+  std::int64_t warm_ns = static_cast<std::int64_t>(seconds_since(t0) * 1e9);
+  comm.all_reduce(&warm_ns, 1, ReduceOp::max);
+  const int iters = static_cast<int>(std::clamp<std::int64_t>(200'000'000 / std::max<std::int64_t>(warm_ns, 1), 3, 200));
+  comm.barrier();
+  t0 = clock_type::now();
+  for (int i = 0; i < iters; ++i) once();
+  comm.barrier();
+  std::int64_t ns = static_cast<std::int64_t>(seconds_since(t0) * 1e9 / iters);
+  comm.all_reduce(&ns, 1, ReduceOp::max);
+  return static_cast<double>(ns) * 1e-9;
+}
+
+int bench_comm(const CommOptions& opt) {
+  nlohmann::ordered_json out;
+  out["results"] = nlohmann::ordered_json::array();
+  const std::vector<std::string> kinds = {"all_to_all", "all_gather", "reduce_scatter"};
+  bool print = true;
+  double memcpy_gbps = 0;
+  auto record = [&](const char* backend, const std::string& kind, int n, std::int64_t bytes, double t) {
+    const double moved = static_cast<double>(bytes) * (n - 1) / n;  // per rank, to other ranks
+    const double mem_t = memcpy_seconds(n, static_cast<std::size_t>(moved));
+    memcpy_gbps = std::max(memcpy_gbps, moved * n / mem_t / 1e9);
+    const double algbw = static_cast<double>(bytes) / t / 1e9;
+    out["results"].push_back({{"backend", backend}, {"collective", kind}, {"ranks", n}, {"bytes_per_rank", bytes},
+                              {"seconds", t}, {"algbw_gbps", algbw}, {"busbw_gbps", algbw * (n - 1) / n},
+                              {"fraction_of_memcpy", mem_t / t}});
+  };
+  if (opt.backend == "inproc") {
+    for (int n : opt.ranks) {
+      for (const auto& kind : kinds) {
+        for (std::int64_t bytes = opt.min_bytes; bytes <= opt.max_bytes; bytes *= 4) {
+          InProcessGroup group(n);
+          double t = 0;
+          group.run([&](Communicator& c) {
+            const double s = time_collective(c, kind, bytes, false);
+            if (c.rank() == 0) t = s;
+          });
+          record("inproc", kind, n, bytes, t);
+        }
+      }
+    }
+  } else {
+#ifdef CPATTN_WITH_MPI
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized) MPI_Init(nullptr, nullptr);
+    MpiCommunicator comm;
+    print = comm.rank() == 0;
+    for (const std::string kind : {"all_to_all", "raw_MPI_Alltoall", "all_gather", "reduce_scatter"}) {
+      for (std::int64_t bytes = opt.min_bytes; bytes <= opt.max_bytes; bytes *= 4) {
+        const bool raw = kind == "raw_MPI_Alltoall";
+        const double t = time_collective(comm, raw ? "all_to_all" : kind, bytes, raw);
+        if (print) record(raw ? "mpi_raw" : "mpi", raw ? "all_to_all" : kind, comm.size(), bytes, t);
+      }
+    }
+#else
+    throw Error(ErrorKind::invalid_config, "--backend", opt.backend, "this build has no MPI backend; valid: inproc");
+#endif
+  }
+  if (!print) return 0;
+  out["memcpy_gbps"] = memcpy_gbps;
+  if (opt.json) {
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << "memcpy (same threads, same bytes): up to " << std::setprecision(3) << memcpy_gbps << " GB/s\n";
+  std::cout << std::left << std::setw(9) << "backend" << std::setw(16) << "collective" << std::setw(6) << "ranks"
+            << std::setw(12) << "bytes/rank" << std::setw(12) << "seconds" << std::setw(11) << "algbw GB/s"
+            << std::setw(11) << "busbw GB/s" << "of memcpy\n";
+  for (const auto& r : out["results"]) {
+    std::cout << std::left << std::setw(9) << r["backend"].get<std::string>() << std::setw(16)
+              << r["collective"].get<std::string>() << std::setw(6) << r["ranks"].get<int>() << std::setw(12)
+              << r["bytes_per_rank"].get<std::int64_t>() << std::setw(12) << std::setprecision(4)
+              << r["seconds"].get<double>() << std::setw(11) << std::setprecision(3) << r["algbw_gbps"].get<double>()
+              << std::setw(11) << r["busbw_gbps"].get<double>() << r["fraction_of_memcpy"].get<double>() << "\n";
+  }
+  return 0;
+}
+
+// ---- bench strategy ----
+
+struct StrategyOptions {
+  ProblemFlags problem;
+  std::vector<int> cps{2, 4};
+  bool json = false;
+};
+
+Tensor random_tensor(DType dtype, Shape4 shape, std::uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist;
+  std::vector<float> v(static_cast<std::size_t>(shape.numel()));
+  for (auto& x : v) x = dist(gen);
+  return Tensor::from_floats(dtype, shape, v);
+}
+
+int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
+  ConfigValues values = opt.problem.resolve(app);
+  if (!values.seq_len) values.seq_len = 16384;
+  if (!values.num_q_heads) values.num_q_heads = 32;
+  if (!values.num_kv_heads) values.num_kv_heads = 2;
+  if (!values.head_dim) values.head_dim = 128;
+  values.cp = 1;
+  values.strategy = "all_gather";
+  Specs base;
+  auto errors = all_config_errors(values, base);
+  if (!errors.empty()) {
+    print_errors(errors);
+    return 2;
+  }
+  const AttentionSpec& a = base.attention;
+  WholeProblem problem{random_tensor(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, 1),
+                       random_tensor(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, 2),
+                       random_tensor(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, 3),
+                       random_tensor(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, 4),
+                       {}};
+  struct Config {
+    std::string name;
+    Strategy strategy;
+    bool lb;
+    std::int64_t cp;
+  };
+  std::vector<Config> configs = {{"single_device", Strategy::all_gather, false, 1}};
+  for (int cp : opt.cps) {
+    configs.push_back({"ulysses", Strategy::ulysses, false, cp});
+    configs.push_back({"all_gather", Strategy::all_gather, false, cp});
+    configs.push_back({"all_gather_load_balanced", Strategy::all_gather, true, cp});
+  }
+  nlohmann::ordered_json out;
+  out["problem"] = {{"batch", a.batch}, {"seq", a.seq_len}, {"q_heads", a.num_q_heads}, {"kv_heads", a.num_kv_heads},
+                    {"head_dim", a.head_dim}, {"causal", a.causal}, {"dtype", to_string(a.dtype)},
+                    {"cores", std::thread::hardware_concurrency()}};
+  out["results"] = nlohmann::ordered_json::array();
+  double single = 0;
+  for (const Config& c : configs) {
+    ParallelSpec p;
+    p.cp = c.cp;
+    p.strategy = c.strategy;
+    p.load_balance = c.lb;
+    const auto rule_errors = validation_errors(a, p);
+    if (!rule_errors.empty()) {
+      out["results"].push_back({{"name", c.name}, {"cp", c.cp}, {"skipped", rule_errors.front().message}});
+      continue;
+    }
+    const WholeResult r = run_in_process(a, p, {}, problem, false);
+    double fwd = 0, bwd = 0;
+    std::int64_t tmin = INT64_MAX, tmax = 0;
+    for (const auto& rank : r.ranks) {
+      fwd = std::max(fwd, rank.forward_seconds);
+      bwd = std::max(bwd, rank.backward_seconds);
+      tmin = std::min(tmin, rank.tiles);
+      tmax = std::max(tmax, rank.tiles);
+    }
+    if (c.cp == 1) single = fwd + bwd;
+    out["results"].push_back({{"name", c.name}, {"cp", c.cp}, {"forward_seconds", fwd}, {"backward_seconds", bwd},
+                              {"total_seconds", fwd + bwd}, {"ratio_to_single_device", (fwd + bwd) / single},
+                              {"tiles_skew", static_cast<double>(tmax) / static_cast<double>(std::max<std::int64_t>(tmin, 1))}});
+  }
+  if (opt.json) {
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << "bench strategy: B=" << a.batch << " S=" << a.seq_len << " Hq=" << a.num_q_heads
+            << " Hkv=" << a.num_kv_heads << " D=" << a.head_dim << (a.causal ? " causal " : " ") << to_string(a.dtype)
+            << ", " << std::thread::hardware_concurrency() << " cores; each rank max(1, cores/cp) threads\n";
+  for (const auto& r : out["results"]) {
+    std::cout << std::left << std::setw(26) << r["name"].get<std::string>() << "cp " << std::setw(3) << r["cp"].get<int>();
+    if (r.contains("skipped")) {
+      std::cout << "skipped: " << r["skipped"].get<std::string>() << "\n";
+      continue;
+    }
+    std::cout << std::setprecision(3) << "forward " << std::setw(8) << r["forward_seconds"].get<double>()
+              << "backward " << std::setw(8) << r["backward_seconds"].get<double>() << "x single " << std::setw(7)
+              << r["ratio_to_single_device"].get<double>() << "tiles max/min " << r["tiles_skew"].get<double>() << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app, int& exit_code) {
+  CLI::App* bench = app.add_subcommand("bench", "benchmarks with same-run baselines");
+  bench->require_subcommand(1);
+  auto comm_opt = std::make_shared<CommOptions>();
+  CLI::App* comm = bench->add_subcommand("comm", "collective bandwidth against memcpy (and raw MPI_Alltoall)");
+  comm->add_option("--backend", comm_opt->backend, "inproc or mpi (under mpirun)");
+  comm->add_option("--ranks", comm_opt->ranks, "in-process group sizes")->delimiter(',');
+  comm->add_option("--min-bytes", comm_opt->min_bytes, "smallest per-rank size");
+  comm->add_option("--max-bytes", comm_opt->max_bytes, "largest per-rank size");
+  comm->add_flag("--json", comm_opt->json, "print JSON");
+  comm->callback([comm_opt, &exit_code] { exit_code = bench_comm(*comm_opt); });
+
+  auto st_opt = std::make_shared<StrategyOptions>();
+  CLI::App* st = bench->add_subcommand("strategy", "ulysses and all_gather against the single-device kernel");
+  st_opt->problem.add_to(*st);
+  st->add_option("--cps", st_opt->cps, "cp values to compare")->delimiter(',');
+  st->add_flag("--json", st_opt->json, "print JSON");
+  st->callback([st, st_opt, &exit_code] { exit_code = bench_strategy(*st, *st_opt); });
+}
+
+}  // namespace cpattn::cli
