@@ -1,6 +1,6 @@
 // Flash kernel throughput (Google Benchmark). Reports GFLOP/s (forward 4*B*Sq*Skv*Hq*D, halved when causal;
-// backward 2.5x forward) and, as `frac_peak`, the fraction of this machine's fp32 FMA peak measured in the same
-// run by a register-only loop of 16 independent FMA chains.
+// backward 2.5x forward) and, as `frac_peak`, the fraction of this machine's fp32 FMA peak measured in the
+// same run by a register-only loop of 16 independent FMA chains.
 #include <benchmark/benchmark.h>
 #include <hwy/highway.h>
 
@@ -25,14 +25,27 @@ double measure_fma_peak_gflops() {
     const std::int64_t iters = 20'000'000;
     const auto t0 = std::chrono::steady_clock::now();
     for (std::int64_t i = 0; i < iters; ++i) {
-      a0 = hn::MulAdd(a0, m, c); a1 = hn::MulAdd(a1, m, c); a2 = hn::MulAdd(a2, m, c); a3 = hn::MulAdd(a3, m, c);
-      a4 = hn::MulAdd(a4, m, c); a5 = hn::MulAdd(a5, m, c); a6 = hn::MulAdd(a6, m, c); a7 = hn::MulAdd(a7, m, c);
-      a8 = hn::MulAdd(a8, m, c); a9 = hn::MulAdd(a9, m, c); a10 = hn::MulAdd(a10, m, c); a11 = hn::MulAdd(a11, m, c);
-      a12 = hn::MulAdd(a12, m, c); a13 = hn::MulAdd(a13, m, c); a14 = hn::MulAdd(a14, m, c); a15 = hn::MulAdd(a15, m, c);
+      a0 = hn::MulAdd(a0, m, c);
+      a1 = hn::MulAdd(a1, m, c);
+      a2 = hn::MulAdd(a2, m, c);
+      a3 = hn::MulAdd(a3, m, c);
+      a4 = hn::MulAdd(a4, m, c);
+      a5 = hn::MulAdd(a5, m, c);
+      a6 = hn::MulAdd(a6, m, c);
+      a7 = hn::MulAdd(a7, m, c);
+      a8 = hn::MulAdd(a8, m, c);
+      a9 = hn::MulAdd(a9, m, c);
+      a10 = hn::MulAdd(a10, m, c);
+      a11 = hn::MulAdd(a11, m, c);
+      a12 = hn::MulAdd(a12, m, c);
+      a13 = hn::MulAdd(a13, m, c);
+      a14 = hn::MulAdd(a14, m, c);
+      a15 = hn::MulAdd(a15, m, c);
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     auto sum = hn::Add(hn::Add(hn::Add(a0, a1), hn::Add(a2, a3)), hn::Add(hn::Add(a4, a5), hn::Add(a6, a7)));
-    sum = hn::Add(sum, hn::Add(hn::Add(hn::Add(a8, a9), hn::Add(a10, a11)), hn::Add(hn::Add(a12, a13), hn::Add(a14, a15))));
+    sum = hn::Add(sum, hn::Add(hn::Add(hn::Add(a8, a9), hn::Add(a10, a11)),
+                               hn::Add(hn::Add(a12, a13), hn::Add(a14, a15))));
     benchmark::DoNotOptimize(sum);
     best = std::max(best, 16.0 * 2.0 * static_cast<double>(n) * static_cast<double>(iters) / s / 1e9);
   }
@@ -67,14 +80,16 @@ void run(benchmark::State& state, bool backward) {
   auto fwd = cpattn::flash_attention_forward(q, k, v, mask, scale, cfg);
   for (auto _ : state) {
     if (backward) {
-      auto g = cpattn::flash_attention_backward(q, k, v, fwd.o, fwd.lse, d_out, mask, scale, cfg, cpattn::DType::f32);
+      auto g = cpattn::flash_attention_backward(q, k, v, fwd.o, fwd.lse, d_out, mask, scale, cfg,
+                                                cpattn::DType::f32);
       benchmark::DoNotOptimize(g.dq.raw());
     } else {
       fwd = cpattn::flash_attention_forward(q, k, v, mask, scale, cfg);
       benchmark::DoNotOptimize(fwd.o.raw());
     }
   }
-  double flops = 4.0 * static_cast<double>(S) * static_cast<double>(S) * static_cast<double>(H) * static_cast<double>(D);
+  double flops =
+      4.0 * static_cast<double>(S) * static_cast<double>(S) * static_cast<double>(H) * static_cast<double>(D);
   if (causal) flops /= 2;
   if (backward) flops *= 2.5;
   state.counters["GFLOPs"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
@@ -85,13 +100,25 @@ void run(benchmark::State& state, bool backward) {
                                                    benchmark::Counter::kIsIterationInvariantRate);
 }
 
-void BM_Forward(benchmark::State& state) { run(state, false); }
-void BM_Backward(benchmark::State& state) { run(state, true); }
+void BM_Forward(benchmark::State& state) {
+  run(state, false);
+}
+void BM_Backward(benchmark::State& state) {
+  run(state, true);
+}
 
 // Args: S, heads (Hq = Hkv), D, causal, threads.
-BENCHMARK(BM_Forward)->Args({4096, 8, 128, 0, 1})->Args({4096, 8, 64, 0, 1})->Args({4096, 8, 128, 1, 1})
-    ->Args({4096, 8, 128, 0, 2})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Backward)->Args({4096, 8, 128, 0, 1})->Args({4096, 8, 128, 1, 1})->Unit(benchmark::kMillisecond)
+BENCHMARK(BM_Forward)
+    ->Args({4096, 8, 128, 0, 1})
+    ->Args({4096, 8, 64, 0, 1})
+    ->Args({4096, 8, 128, 1, 1})
+    ->Args({4096, 8, 128, 0, 2})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Backward)
+    ->Args({4096, 8, 128, 0, 1})
+    ->Args({4096, 8, 128, 1, 1})
+    ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
 }  // namespace

@@ -9,7 +9,9 @@
 namespace cpattn {
 namespace {
 
-std::uint16_t bits_of(float f) { return float_to_bf16(f).bits; }
+std::uint16_t bits_of(float f) {
+  return float_to_bf16(f).bits;
+}
 
 TEST(Bf16, ExactValuesRoundTrip) {
   for (float f : {0.0f, -0.0f, 1.0f, -2.0f, 0.5f, 3.0f, 65280.0f}) EXPECT_EQ(round_to_bf16(f), f) << f;

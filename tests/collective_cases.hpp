@@ -10,7 +10,9 @@
 
 namespace cpattn::testing {
 
-inline float value_of(int rank, std::int64_t index) { return static_cast<float>(rank * 1000 + index); }
+inline float value_of(int rank, std::int64_t index) {
+  return static_cast<float>(rank * 1000 + index);
+}
 
 inline std::int64_t wrong_all_to_all(Communicator& c, std::int64_t count) {
   const int n = c.size(), r = c.rank();
@@ -26,12 +28,14 @@ inline std::int64_t wrong_all_to_all(Communicator& c, std::int64_t count) {
 
 inline std::int64_t wrong_all_gather(Communicator& c, std::int64_t count) {
   const int n = c.size(), r = c.rank();
-  std::vector<std::int32_t> send(static_cast<std::size_t>(count)), recv(static_cast<std::size_t>(n * count), -1);
+  std::vector<std::int32_t> send(static_cast<std::size_t>(count)),
+      recv(static_cast<std::size_t>(n * count), -1);
   for (std::int64_t i = 0; i < count; ++i) send[i] = static_cast<std::int32_t>(value_of(r, i));
   c.all_gather(send.data(), recv.data(), count, CommDType::i32);
   std::int64_t wrong = 0;
   for (int p = 0; p < n; ++p) {
-    for (std::int64_t i = 0; i < count; ++i) wrong += recv[p * count + i] != static_cast<std::int32_t>(value_of(p, i));
+    for (std::int64_t i = 0; i < count; ++i)
+      wrong += recv[p * count + i] != static_cast<std::int32_t>(value_of(p, i));
   }
   return wrong;
 }
@@ -52,7 +56,8 @@ inline std::int64_t wrong_reduce_scatter(Communicator& c, std::int64_t count, Co
   }
   std::int64_t wrong = 0;
   const float rank_sum = static_cast<float>(n * (n + 1) / 2);
-  for (std::int64_t i = 0; i < count; ++i) wrong += recv[i] != rank_sum * static_cast<float>((r * count + i) % 7);
+  for (std::int64_t i = 0; i < count; ++i)
+    wrong += recv[i] != rank_sum * static_cast<float>((r * count + i) % 7);
   return wrong;
 }
 

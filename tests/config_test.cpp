@@ -54,12 +54,14 @@ struct BadCase {
 
 std::vector<BadCase> bad_cases() {
   std::vector<BadCase> cases;
-  auto add = [&](const char* name, auto&& edit, std::vector<std::string> fields, std::vector<std::string> phrases) {
+  auto add = [&](const char* name, auto&& edit, std::vector<std::string> fields,
+                 std::vector<std::string> phrases) {
     BadCase c{name, seed_attention(), ulysses(4), std::move(fields), std::move(phrases)};
     edit(c.attention, c.parallel);
     cases.push_back(std::move(c));
   };
-  add("zero_batch", [](AttentionSpec& a, ParallelSpec&) { a.batch = 0; }, {"batch"}, {"batch (0) must be a positive"});
+  add("zero_batch", [](AttentionSpec& a, ParallelSpec&) { a.batch = 0; }, {"batch"},
+      {"batch (0) must be a positive"});
   add("negative_seq", [](AttentionSpec& a, ParallelSpec&) { a.seq_len = -4; }, {"seq_len"}, {"seq_len (-4)"});
   add("zero_heads_and_dim",
       [](AttentionSpec& a, ParallelSpec&) {
@@ -68,8 +70,10 @@ std::vector<BadCase> bad_cases() {
       },
       {"num_q_heads", "head_dim"}, {"num_q_heads (0)", "head_dim (0)"});
   add("zero_cp", [](AttentionSpec&, ParallelSpec& p) { p.cp = 0; }, {"cp"}, {"cp (0)"});
-  add("head_dim_too_large", [](AttentionSpec& a, ParallelSpec&) { a.head_dim = 513; }, {"head_dim"}, {"1..512"});
-  add("gqa_indivisible", [](AttentionSpec& a, ParallelSpec& p) {
+  add("head_dim_too_large", [](AttentionSpec& a, ParallelSpec&) { a.head_dim = 513; }, {"head_dim"},
+      {"1..512"});
+  add("gqa_indivisible",
+      [](AttentionSpec& a, ParallelSpec& p) {
         a.num_kv_heads = 3;
         p.strategy = Strategy::all_gather;
       },
@@ -83,22 +87,25 @@ std::vector<BadCase> bad_cases() {
         p.load_balance = true;
       },
       {"seq_len"}, {"divisible by 2*cp (8)"});
-  add("ulysses_kv_heads_neither", [](AttentionSpec& a, ParallelSpec&) {
+  add("ulysses_kv_heads_neither",
+      [](AttentionSpec& a, ParallelSpec&) {
         a.num_q_heads = 24;
         a.num_kv_heads = 3;
       },
       {"num_kv_heads"}, {"ulysses needs num_kv_heads (3) to divide cp (4) or be divisible by it"});
-  add("ulysses_q_heads", [](AttentionSpec& a, ParallelSpec& p) {
+  add("ulysses_q_heads",
+      [](AttentionSpec& a, ParallelSpec& p) {
         a.num_q_heads = 6;
         a.num_kv_heads = 2;
         p.cp = 4;
       },
       {"num_q_heads"}, {"ulysses needs num_q_heads (6) to be divisible by cp (4)"});
-  add("ulysses_load_balance", [](AttentionSpec&, ParallelSpec& p) { p.load_balance = true; }, {"load_balance"},
-      {"for all_gather only"});
+  add("ulysses_load_balance", [](AttentionSpec&, ParallelSpec& p) { p.load_balance = true; },
+      {"load_balance"}, {"for all_gather only"});
   add("tp_does_not_divide", [](AttentionSpec&, ParallelSpec& p) { p.tp = 3; }, {"tp", "tp"},
       {"tp (3) must divide num_q_heads (32)", "tp (3) must divide num_kv_heads (2)"});
-  add("tp_local_heads_break_ulysses", [](AttentionSpec& a, ParallelSpec& p) {
+  add("tp_local_heads_break_ulysses",
+      [](AttentionSpec& a, ParallelSpec& p) {
         a.num_q_heads = 8;
         p.tp = 2;
         p.cp = 8;
@@ -196,8 +203,8 @@ some_unknown_key: {nested: [1, 2]}
 TEST(ConfigFile, EitherLoadBalanceKeyMeansLoadBalance) {
   auto v = parse_config_yaml("context_parallel_attention_load_balance: true\n", "a.yml");
   EXPECT_TRUE(v.any_load_balance());
-  v = parse_config_yaml("context_parallel_load_balance: true\ncontext_parallel_attention_load_balance: false\n",
-                        "a.yml");
+  v = parse_config_yaml(
+      "context_parallel_load_balance: true\ncontext_parallel_attention_load_balance: false\n", "a.yml");
   EXPECT_TRUE(v.any_load_balance());
   v = parse_config_yaml("context_parallel_load_balance: false\n", "a.yml");
   EXPECT_FALSE(v.any_load_balance());

@@ -1,5 +1,6 @@
 // The full product of the strategy sweep (label slow; run with scripts/test --slow): every cp, head pair,
-// mask, packing, dtype, batch and head dim, with the three strategies. Rejected combinations are asserted rejected.
+// mask, packing, dtype, batch and head dim, with the three strategies. Rejected combinations are asserted
+// rejected.
 #include <gtest/gtest.h>
 
 #include "cp_harness.hpp"

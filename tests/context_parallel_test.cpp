@@ -1,5 +1,5 @@
-// ulysses and all_gather (± load balance, ± remat) against the single-device kernel and the float64 reference,
-// the collective accounting, tile balance, negative controls, and errors on every rank.
+// ulysses and all_gather (± load balance, ± remat) against the single-device kernel and the float64
+// reference, the collective accounting, tile balance, negative controls, and errors on every rank.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -15,8 +15,8 @@ using testing::CpCase;
 
 using testing::expect_matches_single_device;
 
-// A pairwise-covering set over cp, (Hq, Hkv), causal, packing, dtype, batch and head dim, each run with the three
-// strategies (ulysses, all_gather, all_gather + load balance) and remat on some.
+// A pairwise-covering set over cp, (Hq, Hkv), causal, packing, dtype, batch and head dim, each run with the
+// three strategies (ulysses, all_gather, all_gather + load balance) and remat on some.
 std::vector<CpCase> covering_cases() {
   struct Row {
     std::int64_t cp, hq, hkv, dim, batch;
@@ -32,9 +32,9 @@ std::vector<CpCase> covering_cases() {
       {8, 8, 8, 64, 1, false, false, DType::f32, true},    // MHA, Hkv = cp
       {4, 4, 1, 80, 1, true, true, DType::f32, false},     // MQA, rep 4
       {2, 16, 16, 128, 1, false, false, DType::bf16, true},
-      {1, 8, 2, 64, 2, true, true, DType::f32, false},     // cp = 1
-      {8, 16, 4, 128, 1, true, false, DType::bf16, false}, // rep 2 at cp 8
-      {2, 4, 1, 64, 1, false, true, DType::f32, true},     // MQA at cp 2
+      {1, 8, 2, 64, 2, true, true, DType::f32, false},      // cp = 1
+      {8, 16, 4, 128, 1, true, false, DType::bf16, false},  // rep 2 at cp 8
+      {2, 4, 1, 64, 1, false, true, DType::f32, true},      // MQA at cp 2
   };
   std::vector<CpCase> cases;
   for (const Row& r : rows) {
@@ -148,8 +148,9 @@ TEST(ContextParallel, WithOneKvHeadTheTiledOrderIsTheSame) {
 
 // ---- The accounting: what the communicator counted is DESIGN.md's table. ----
 
-std::int64_t sum_bytes(const std::vector<CollectiveRecord>& recs, CollectiveKind kind, const std::string& phase,
-                       std::int64_t* count = nullptr, std::int64_t* sent = nullptr) {
+std::int64_t sum_bytes(const std::vector<CollectiveRecord>& recs, CollectiveKind kind,
+                       const std::string& phase, std::int64_t* count = nullptr,
+                       std::int64_t* sent = nullptr) {
   std::int64_t b = 0;
   for (const auto& r : recs) {
     if (r.kind == kind && r.phase == phase) {
@@ -242,7 +243,8 @@ TEST(ContextParallel, AShapeThatDisagreesIsAnErrorOnEveryRank) {
   }),
                Error);
   EXPECT_NE(messages[2].find("q has shape [1, 63, 32, 64]"), std::string::npos) << messages[2];
-  for (int r : {0, 1, 3}) EXPECT_NE(messages[r].find("rank 2 passed tensors"), std::string::npos) << messages[r];
+  for (int r : {0, 1, 3})
+    EXPECT_NE(messages[r].find("rank 2 passed tensors"), std::string::npos) << messages[r];
 }
 
 TEST(ContextParallel, ForwardOnlyKeepsNoStateAndBackwardSaysSo) {
@@ -254,8 +256,8 @@ TEST(ContextParallel, ForwardOnlyKeepsNoStateAndBackwardSaysSo) {
   group.run([&](Communicator& comm) {
     ContextParallelAttention attn(c.attention(), c.parallel(), comm);
     const auto pos = local_positions(ShardLayout::contiguous, 128, 4, comm.rank());
-    attn.forward(testing::take_rows(in.q, pos), testing::take_rows(in.k, pos), testing::take_rows(in.v, pos), {},
-                 true);
+    attn.forward(testing::take_rows(in.q, pos), testing::take_rows(in.k, pos), testing::take_rows(in.v, pos),
+                 {}, true);
     try {
       attn.backward(testing::take_rows(in.d_out, pos));
     } catch (const Error& e) {
@@ -285,7 +287,8 @@ TEST(ContextParallel, ReorderSequenceRoundTripsBetweenLayouts) {
       const Tensor y = reorder_sequence(comm, x, S, ShardLayout::contiguous, ShardLayout::dual_chunk_swap);
       const auto dcs = local_positions(ShardLayout::dual_chunk_swap, S, cp, comm.rank());
       for (std::int64_t b = 0; b < 2; ++b) {
-        for (std::int64_t t = 0; t < S / cp; ++t) wrong += y.get(b, t, 0, 2) != static_cast<float>(dcs[t] + 1000 * b);
+        for (std::int64_t t = 0; t < S / cp; ++t)
+          wrong += y.get(b, t, 0, 2) != static_cast<float>(dcs[t] + 1000 * b);
       }
       const Tensor back = reorder_sequence(comm, y, S, ShardLayout::dual_chunk_swap, ShardLayout::contiguous);
       for (std::int64_t i = 0; i < x.numel(); ++i) wrong += back.flat(i) != x.flat(i);

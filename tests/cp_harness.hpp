@@ -9,8 +9,8 @@
 #include "cpattn/context_parallel.hpp"
 #include "cpattn/inproc.hpp"
 #include "cpattn/reference.hpp"
-#include "cpattn/sequence_layout.hpp"
 #include "cpattn/runner.hpp"
+#include "cpattn/sequence_layout.hpp"
 #include "cpattn/shard.hpp"
 #include "test_support.hpp"
 
@@ -27,10 +27,11 @@ struct CpCase {
   NegativeControl control = NegativeControl::none;
 
   std::string name() const {
-    std::string s = std::string(to_string(strategy)) + (load_balance ? "_lb" : "") + (remat ? "_remat" : "") + "_cp" +
-                    std::to_string(cp) + "_Hq" + std::to_string(hq) + "_Hkv" + std::to_string(hkv) + "_D" +
-                    std::to_string(dim) + "_S" + std::to_string(seq) + "_B" + std::to_string(batch) +
-                    (causal ? "_causal" : "_full") + (segments.empty() ? "" : "_packed") + "_" + to_string(dtype);
+    std::string s = std::string(to_string(strategy)) + (load_balance ? "_lb" : "") + (remat ? "_remat" : "") +
+                    "_cp" + std::to_string(cp) + "_Hq" + std::to_string(hq) + "_Hkv" + std::to_string(hkv) +
+                    "_D" + std::to_string(dim) + "_S" + std::to_string(seq) + "_B" + std::to_string(batch) +
+                    (causal ? "_causal" : "_full") + (segments.empty() ? "" : "_packed") + "_" +
+                    to_string(dtype);
     return s;
   }
   AttentionSpec attention() const {
@@ -95,7 +96,8 @@ inline CpRun run_single_device(const CpCase& c, const WholeInputs& in) {
   const AttentionMask mask{pos, pos, in.segment_ids, in.segment_ids, c.causal};
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
   const auto fwd = flash_attention_forward(in.q, in.k, in.v, mask, scale, {});
-  const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, mask, scale, {}, c.dtype);
+  const auto bwd =
+      flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, mask, scale, {}, c.dtype);
   CpRun r;
   r.o = fwd.o.to_floats();
   r.lse = fwd.lse;
@@ -107,7 +109,8 @@ inline CpRun run_single_device(const CpCase& c, const WholeInputs& in) {
 
 inline ReferenceResult run_reference(const CpCase& c, const WholeInputs& in) {
   const auto pos = natural_positions(c.batch, c.seq);
-  return reference_attention(in.q, in.k, in.v, &in.d_out, {pos, pos, in.segment_ids, in.segment_ids, c.causal},
+  return reference_attention(in.q, in.k, in.v, &in.d_out,
+                             {pos, pos, in.segment_ids, in.segment_ids, c.causal},
                              1.0 / std::sqrt(static_cast<double>(c.dim)));
 }
 

@@ -26,8 +26,9 @@ struct Case {
   std::vector<std::int64_t> segments;  // document lengths, empty: one document
   DType dtype = DType::f32;
   std::string name() const {
-    std::string s = "B" + std::to_string(batch) + "_S" + std::to_string(seq) + "_Hq" + std::to_string(hq) + "_Hkv" +
-                    std::to_string(hkv) + "_D" + std::to_string(dim) + (causal ? "_causal" : "_full");
+    std::string s = "B" + std::to_string(batch) + "_S" + std::to_string(seq) + "_Hq" + std::to_string(hq) +
+                    "_Hkv" + std::to_string(hkv) + "_D" + std::to_string(dim) +
+                    (causal ? "_causal" : "_full");
     if (!segments.empty()) s += "_packed" + std::to_string(segments.size());
     return s + "_" + to_string(dtype);
   }
@@ -58,8 +59,8 @@ void check_against_reference(const Case& c, double tol, int threads = 1) {
   FlashConfig cfg;
   cfg.threads = threads;
   const auto fwd = flash_attention_forward(in.q, in.k, in.v, in.mask(c.causal), scale, cfg);
-  const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, in.mask(c.causal), scale,
-                                            cfg, DType::f32);
+  const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, in.mask(c.causal),
+                                            scale, cfg, DType::f32);
   const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, in.mask(c.causal), scale);
   CPATTN_EXPECT_CLOSE(fwd.o.to_floats(), ref.o, tol, "o");
   CPATTN_EXPECT_CLOSE(fwd.lse, ref.lse, tol, "lse");
@@ -134,7 +135,8 @@ TEST(FlashKernel, FullyMaskedRowsAreZeroWithMinusInfinityLse) {
   for (int i = 70; i < 100; ++i) q_seg[i] = 9;
   const AttentionMask mask{in.pos, in.pos, q_seg, kv_seg, true};
   const auto fwd = flash_attention_forward(in.q, in.k, in.v, mask, 0.2, {});
-  const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, mask, 0.2, {}, DType::f32);
+  const auto bwd =
+      flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, mask, 0.2, {}, DType::f32);
   const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, mask, 0.2);
   for (std::int64_t h = 0; h < 4; ++h) {
     for (int i : {10, 19, 70, 99}) {
@@ -162,8 +164,8 @@ std::int64_t tiles_for(std::int64_t seq, bool causal, std::int64_t bq, std::int6
   cfg.block_q = bq;
   cfg.block_kv = bk;
   const auto fwd = flash_attention_forward(in.q, in.k, in.v, in.mask(causal), 1.0, cfg);
-  const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, in.mask(causal), 1.0, cfg,
-                                            DType::f32);
+  const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, in.mask(causal), 1.0,
+                                            cfg, DType::f32);
   EXPECT_EQ(fwd.tiles.per_head, bwd.tiles.per_head) << "backward computes the same tiles";
   EXPECT_EQ(fwd.tiles.total(), fwd.tiles.per_head.at(0));
   return fwd.tiles.per_head.at(0);
@@ -219,7 +221,8 @@ RowsResult run_rows(const Inputs& in, const Case& c, const std::vector<std::int6
   cfg.threads = threads;
   const double scale = 0.125;
   const auto fwd = flash_attention_forward(q, in.k, in.v, mask, scale, cfg);
-  const auto bwd = flash_attention_backward(q, in.k, in.v, fwd.o, fwd.lse, d_out, mask, scale, cfg, DType::f32);
+  const auto bwd =
+      flash_attention_backward(q, in.k, in.v, fwd.o, fwd.lse, d_out, mask, scale, cfg, DType::f32);
   return {fwd.o.to_floats(), fwd.lse, bwd.dq.to_floats()};
 }
 
@@ -255,10 +258,12 @@ TEST(FlashKernel, RowsAreBitIdenticalAcrossShardsOrdersAndThreads) {
     for (std::size_t s = 0; s + 1 < cuts.size(); ++s) {
       std::vector<std::int64_t> rows(all.begin() + cuts[s], all.begin() + cuts[s + 1]);
       const RowsResult part = run_rows(in, c, rows, 1);
-      EXPECT_EQ(testing::count_bit_differences(part.o, gather_rows(whole.o, rows, width)), 0) << "o shard " << s;
+      EXPECT_EQ(testing::count_bit_differences(part.o, gather_rows(whole.o, rows, width)), 0)
+          << "o shard " << s;
       EXPECT_EQ(testing::count_bit_differences(part.lse, gather_lse(whole.lse, rows, c.hq, c.seq)), 0)
           << "lse shard " << s;
-      EXPECT_EQ(testing::count_bit_differences(part.dq, gather_rows(whole.dq, rows, width)), 0) << "dq shard " << s;
+      EXPECT_EQ(testing::count_bit_differences(part.dq, gather_rows(whole.dq, rows, width)), 0)
+          << "dq shard " << s;
     }
     // A reordered sequence: odd rows reversed, then even rows (every row in new company, new lanes).
     std::vector<std::int64_t> shuffled;
@@ -267,7 +272,8 @@ TEST(FlashKernel, RowsAreBitIdenticalAcrossShardsOrdersAndThreads) {
     }
     for (std::int64_t i = 0; i < c.seq; i += 2) shuffled.push_back(i);
     const RowsResult reordered = run_rows(in, c, shuffled, 2);
-    EXPECT_EQ(testing::count_bit_differences(reordered.o, gather_rows(whole.o, shuffled, width)), 0) << "o reordered";
+    EXPECT_EQ(testing::count_bit_differences(reordered.o, gather_rows(whole.o, shuffled, width)), 0)
+        << "o reordered";
     EXPECT_EQ(testing::count_bit_differences(reordered.lse, gather_lse(whole.lse, shuffled, c.hq, c.seq)), 0);
     EXPECT_EQ(testing::count_bit_differences(reordered.dq, gather_rows(whole.dq, shuffled, width)), 0);
     // Two threads, whole sequence.
@@ -292,8 +298,11 @@ TEST(FlashKernel, BadArgumentsAreNamed) {
   };
   expect_field([&] { flash_attention_forward(in.q, in.k, bad_v, in.mask(true), 1.0, {}); }, "v");
   std::vector<std::int32_t> short_pos(5, 0);
-  expect_field([&] { flash_attention_forward(in.q, in.k, in.v, {short_pos, in.pos, {}, {}, true}, 1.0, {}); },
-               "q_positions");
+  expect_field(
+      [&] {
+        flash_attention_forward(in.q, in.k, in.v, {short_pos, in.pos, {}, {}, true}, 1.0, {});
+      },
+      "q_positions");
   FlashConfig cfg;
   cfg.block_kv = 48;
   expect_field([&] { flash_attention_forward(in.q, in.k, in.v, in.mask(true), 1.0, cfg); }, "block_kv");
@@ -315,8 +324,8 @@ TEST(FlashKernel, GradientsMatchFiniteDifferences) {
     in.seg = {0, 0, 0, 1, 1, 1};
     const double scale = 0.6;
     const auto fwd = flash_attention_forward(in.q, in.k, in.v, in.mask(causal), scale, {});
-    const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, in.mask(causal), scale, {},
-                                              DType::f32);
+    const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, in.mask(causal),
+                                              scale, {}, DType::f32);
     const auto dout = in.d_out.to_doubles();
     auto loss = [&](const Inputs& x) {
       const auto o = flash_attention_forward(x.q, x.k, x.v, x.mask(causal), scale, {}).o.to_doubles();

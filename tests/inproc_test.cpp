@@ -103,7 +103,8 @@ TEST(InProcessGroup, AStuckRankTimesOutInsteadOfHanging) {
   EXPECT_THROW(group.run([&](Communicator& c) {
     try {
       if (c.rank() == 0) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(600));  // never joins the first collective in time
+        std::this_thread::sleep_for(
+            std::chrono::milliseconds(600));  // never joins the first collective in time
       }
       c.barrier();
     } catch (const Error& e) {

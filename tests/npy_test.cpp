@@ -56,7 +56,8 @@ TEST(Npy, WriteThenReadRoundTrips) {
 TEST(Npy, ReadsVersion2AndFloat64) {
   double d[2] = {1.25, -3.5};
   const std::string bytes(reinterpret_cast<const char*>(d), sizeof(d));
-  const NpyArray a = parse_npy(npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }", bytes, 2), "v2");
+  const NpyArray a =
+      parse_npy(npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }", bytes, 2), "v2");
   EXPECT_EQ(a.as_doubles(), (std::vector<double>{1.25, -3.5}));
 }
 
@@ -78,7 +79,8 @@ TEST(Npy, RefusesWhatItCannotRead) {
   EXPECT_NE(expect_rejected(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (x,), }", four))
                 .find("shape"),
             std::string::npos);
-  expect_rejected(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999, 99999999999, 999999999), }", four));
+  expect_rejected(npy_bytes(
+      "{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999, 99999999999, 999999999), }", four));
   expect_rejected(npy_bytes("{'descr': '<f4', 'fortran_order': False, }", four));
   std::string cut = npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (4,), }", four);
   expect_rejected(cut.substr(0, 30));

@@ -128,8 +128,8 @@ TEST(Reference, MatchesIndependentVectors) {
     const auto pos = natural_positions(q.shape().b, q.shape().s);
     const bool causal = spec["causal"].get<bool>();
     EXPECT_EQ(q.shape().h, spec["num_q_heads"].get<std::int64_t>());
-    const auto r =
-        reference_attention(q, k, v, &d_out, {pos, pos, seg, seg, causal}, 1.0 / std::sqrt(double(q.shape().d)));
+    const auto r = reference_attention(q, k, v, &d_out, {pos, pos, seg, seg, causal},
+                                       1.0 / std::sqrt(double(q.shape().d)));
     CPATTN_EXPECT_CLOSE(r.o, load("o.npy").as_doubles(), 1e-12, "o");
     CPATTN_EXPECT_CLOSE(r.lse, load("lse.npy").as_doubles(), 1e-12, "lse");
     CPATTN_EXPECT_CLOSE(r.dq, load("dq.npy").as_doubles(), 1e-12, "dq");
@@ -147,8 +147,10 @@ namespace {
 
 TEST(Reference, ChosenRowsMatchTheWholeReference) {
   const Shape4 qs{2, 40, 4, 8};
-  const Tensor q = testing::random_tensor(DType::f32, qs, 1), k = testing::random_tensor(DType::f32, {2, 40, 2, 8}, 2),
-               v = testing::random_tensor(DType::f32, {2, 40, 2, 8}, 3), d_out = testing::random_tensor(DType::f32, qs, 4);
+  const Tensor q = testing::random_tensor(DType::f32, qs, 1),
+               k = testing::random_tensor(DType::f32, {2, 40, 2, 8}, 2),
+               v = testing::random_tensor(DType::f32, {2, 40, 2, 8}, 3),
+               d_out = testing::random_tensor(DType::f32, qs, 4);
   const auto pos = testing::natural_positions(2, 40);
   const auto seg = testing::segments_from_lengths(2, {15, 25});
   const AttentionMask mask{pos, pos, seg, seg, true};

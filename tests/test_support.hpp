@@ -35,18 +35,20 @@ inline std::vector<std::int32_t> natural_positions(std::int64_t batch, std::int6
 }
 
 // Segment ids for documents of the given lengths (summing to S), the same for each batch row.
-inline std::vector<std::int32_t> segments_from_lengths(std::int64_t batch, const std::vector<std::int64_t>& lengths) {
+inline std::vector<std::int32_t> segments_from_lengths(std::int64_t batch,
+                                                       const std::vector<std::int64_t>& lengths) {
   std::vector<std::int32_t> row;
-  for (std::size_t i = 0; i < lengths.size(); ++i) row.insert(row.end(), lengths[i], static_cast<std::int32_t>(i));
+  for (std::size_t i = 0; i < lengths.size(); ++i)
+    row.insert(row.end(), lengths[i], static_cast<std::int32_t>(i));
   std::vector<std::int32_t> all;
   for (std::int64_t b = 0; b < batch; ++b) all.insert(all.end(), row.begin(), row.end());
   return all;
 }
 
 struct Diff {
-  double max_abs = 0;     // max |got - want|
-  double max_ref = 0;     // max |want|
-  double max_rel = 0;     // max_abs / max_ref
+  double max_abs = 0;  // max |got - want|
+  double max_ref = 0;  // max |want|
+  double max_rel = 0;  // max_abs / max_ref
   std::int64_t worst = -1;
   std::int64_t nonfinite = 0;  // entries where exactly one side is non-finite or both differ in kind
   std::string first_mismatches;
@@ -89,13 +91,13 @@ Diff compare(const A& got, const B& want, double tolerance_rel = 0) {
 }
 
 // Passes when max |got - want| <= tolerance * max |want| and non-finite entries agree.
-#define CPATTN_EXPECT_CLOSE(got, want, tolerance, what)                                                    \
-  do {                                                                                                     \
-    const auto diff_ = ::cpattn::testing::compare((got), (want), (tolerance));                            \
-    EXPECT_LE(diff_.max_rel, (tolerance))                                                                  \
-        << (what) << ": max abs " << diff_.max_abs << ", max |ref| " << diff_.max_ref << ", rel "          \
-        << diff_.max_rel << " at " << diff_.worst << ";" << diff_.first_mismatches;                        \
-    EXPECT_EQ(diff_.nonfinite, 0) << (what) << ": non-finite mismatches" << diff_.first_mismatches;        \
+#define CPATTN_EXPECT_CLOSE(got, want, tolerance, what)                                             \
+  do {                                                                                              \
+    const auto diff_ = ::cpattn::testing::compare((got), (want), (tolerance));                      \
+    EXPECT_LE(diff_.max_rel, (tolerance))                                                           \
+        << (what) << ": max abs " << diff_.max_abs << ", max |ref| " << diff_.max_ref << ", rel "   \
+        << diff_.max_rel << " at " << diff_.worst << ";" << diff_.first_mismatches;                 \
+    EXPECT_EQ(diff_.nonfinite, 0) << (what) << ": non-finite mismatches" << diff_.first_mismatches; \
   } while (0)
 
 // Bit-identical float arrays (NaN compared by bits too).

@@ -25,6 +25,8 @@ inline float bf16_to_float(bf16 value) {
 }
 
 // The float that a round trip through bf16 gives (what a bf16 tensor holds).
-inline float round_to_bf16(float value) { return bf16_to_float(float_to_bf16(value)); }
+inline float round_to_bf16(float value) {
+  return bf16_to_float(float_to_bf16(value));
+}
 
 }  // namespace cpattn

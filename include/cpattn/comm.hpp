@@ -18,9 +18,11 @@ std::size_t comm_dtype_size(CommDType t);
 const char* to_string(CommDType t);
 
 // One line of the accounting: calls of one kind in one phase.
-//   bytes: the per-device size in the seed's (HLO) convention: all_gather its output, reduce_scatter its input,
+//   bytes: the per-device size in the seed's (HLO) convention: all_gather its output, reduce_scatter its
+//   input,
 //          all_to_all and collective_permute the operand (summed over the calls);
-//   bytes_sent_per_rank: what one rank sent to other ranks (its own block excluded; for a permute, the largest
+//   bytes_sent_per_rank: what one rank sent to other ranks (its own block excluded; for a permute, the
+//   largest
 //          over ranks), summed over the calls.
 struct CollectiveRecord {
   CollectiveKind kind = CollectiveKind::all_to_all;
@@ -62,8 +64,8 @@ class CollectiveCounters {
 enum class ReduceOp { sum, max, min };
 
 // Collectives over typed buffers. Buffers are rank-major: block p of a send or receive buffer is `count`
-// elements at offset p * count. Every rank must make the same calls in the same order with the same counts and
-// dtypes; a mismatch, a failed peer or a timeout is an Error(communication) on every rank, never a hang.
+// elements at offset p * count. Every rank must make the same calls in the same order with the same counts
+// and dtypes; a mismatch, a failed peer or a timeout is an Error(communication) on every rank, never a hang.
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -75,8 +77,8 @@ class Communicator {
   virtual void all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) = 0;
   // send: `count` elements; recv: size() blocks, block p from rank p.
   virtual void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) = 0;
-  // send: size() blocks of `count`; recv: `count` = the sum over ranks of their block rank(). f32 or bf16 (bf16
-  // sums accumulate in fp32 in the in-process group).
+  // send: size() blocks of `count`; recv: `count` = the sum over ranks of their block rank(). f32 or bf16
+  // (bf16 sums accumulate in fp32 in the in-process group).
   virtual void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) = 0;
   // dest[p] is where rank p's `count` elements go (-1: nowhere); recv is written only if some p has
   // dest[p] == rank(). dest must be the same on every rank and send no two blocks to one rank.

@@ -23,7 +23,7 @@ struct ConfigValues {
   std::optional<bool> load_balance;            // context_parallel_load_balance
   std::optional<bool> attention_load_balance;  // context_parallel_attention_load_balance
   std::optional<bool> causal;
-  std::optional<std::string> dtype;            // dtype
+  std::optional<std::string> dtype;  // dtype
   // The model around attention (for the planner).
   std::optional<std::int64_t> emb_dim;          // base_emb_dim
   std::optional<std::int64_t> num_layers;       // base_num_decoder_layers
@@ -32,7 +32,9 @@ struct ConfigValues {
   // Values set in `later` replace ours.
   void merge_from(const ConfigValues& later);
   // Either load-balance key set to true means load balance (the seed uses both).
-  bool any_load_balance() const { return load_balance.value_or(false) || attention_load_balance.value_or(false); }
+  bool any_load_balance() const {
+    return load_balance.value_or(false) || attention_load_balance.value_or(false);
+  }
 };
 
 // Parses YAML text; unknown keys are ignored, a known key with the wrong type is an Error(invalid_input)

@@ -1,8 +1,9 @@
 // Context-parallel attention: one long sequence's attention over the ranks of a Communicator.
 //   all_gather: K/V all-gathered along the sequence; local queries attend the whole sequence; dK/dV partials
-//               reduce-scattered back (optional dual-chunk-swap load balance: the caller's shards are already in
-//               that layout).
-//   ulysses:    all-to-all from sequence shards to head shards; local attention over the whole sequence; all-to-all
+//               reduce-scattered back (optional dual-chunk-swap load balance: the caller's shards are already
+//               in that layout).
+//   ulysses:    all-to-all from sequence shards to head shards; local attention over the whole sequence;
+//   all-to-all
 //               back. KV heads repeated in grouped order when Hkv < cp, their gradients summed back.
 // Each rank passes its own shard in the layout ParallelSpec names and gets results in that same token order.
 #pragma once
@@ -22,9 +23,9 @@ namespace cpattn {
 // Wrong variants that exist only so that tests can show they are caught (DESIGN.md negative controls).
 enum class NegativeControl {
   none,
-  tiled_kv_order,        // ulysses: [kv0, kv1, kv0, kv1] instead of grouped
-  scaled_kv_grad_sum,    // ulysses: replica gradients summed and scaled by 1/rep
-  first_kv_replica_only, // ulysses: one replica's gradient taken instead of the sum
+  tiled_kv_order,         // ulysses: [kv0, kv1, kv0, kv1] instead of grouped
+  scaled_kv_grad_sum,     // ulysses: replica gradients summed and scaled by 1/rep
+  first_kv_replica_only,  // ulysses: one replica's gradient taken instead of the sum
 };
 
 struct ContextParallelOptions {
@@ -47,8 +48,8 @@ struct AttentionGradients {
 
 class ContextParallelAttention {
  public:
-  // Validates the specs (Error(invalid_config) listing every broken rule). Heads are the ones this tp rank holds:
-  // tensors carry Hq/tp and Hkv/tp heads.
+  // Validates the specs (Error(invalid_config) listing every broken rule). Heads are the ones this tp rank
+  // holds: tensors carry Hq/tp and Hkv/tp heads.
   ContextParallelAttention(const AttentionSpec& attention, const ParallelSpec& parallel, Communicator& comm,
                            ContextParallelOptions options = {});
   ~ContextParallelAttention();
@@ -74,8 +75,8 @@ class ContextParallelAttention {
   std::unique_ptr<Impl> impl_;
 };
 
-// The load-balance reorder for callers whose other layers need contiguous order: converts this rank's shard of
-// an activation [B, S/cp, H, W] between layouts with collective permutes (one per local chunk slot).
+// The load-balance reorder for callers whose other layers need contiguous order: converts this rank's shard
+// of an activation [B, S/cp, H, W] between layouts with collective permutes (one per local chunk slot).
 Tensor reorder_sequence(Communicator& comm, const Tensor& x, std::int64_t seq_len, ShardLayout from,
                         ShardLayout to);
 

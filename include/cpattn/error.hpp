@@ -9,10 +9,10 @@
 namespace cpattn {
 
 enum class ErrorKind {
-  invalid_config,   // a spec or flag that breaks a rule (validation)
-  invalid_input,    // tensors, files or configs whose content is wrong
-  communication,    // a collective failed: a peer rank failed, a mismatch, a timeout, an MPI error
-  internal,         // an invariant inside cpattn broke (a bug)
+  invalid_config,  // a spec or flag that breaks a rule (validation)
+  invalid_input,   // tensors, files or configs whose content is wrong
+  communication,   // a collective failed: a peer rank failed, a mismatch, a timeout, an MPI error
+  internal,        // an invariant inside cpattn broke (a bug)
 };
 
 const char* to_string(ErrorKind kind);

@@ -3,9 +3,10 @@
 // fp32 and bf16 inputs with fp32 accumulation. The kernels know nothing of ranks.
 //
 // Determinism (DESIGN.md "Invariants"): the forward O and LSE of a query row, and its dQ, depend only on that
-// row, the keys it may see and their positions, never on which rows share its block, the thread count or where
-// it sits in a shard. The kv grid starts at kv index 0 with a fixed block size; tail rows and keys are padded
-// with zeros and run the same vector code; masks are applied by selection; fully masked tiles are exact no-ops.
+// row, the keys it may see and their positions, never on which rows share its block, the thread count or
+// where it sits in a shard. The kv grid starts at kv index 0 with a fixed block size; tail rows and keys are
+// padded with zeros and run the same vector code; masks are applied by selection; fully masked tiles are
+// exact no-ops.
 #pragma once
 
 #include <array>
@@ -32,9 +33,10 @@ struct BasicTensorRef {
   }
   BasicTensorRef heads(std::int64_t h0, std::int64_t count) const {
     BasicTensorRef r = *this;
-    r.ptr = static_cast<Ptr>(static_cast<std::conditional_t<std::is_const_v<std::remove_pointer_t<Ptr>>,
-                                                            const char*, char*>>(ptr) +
-                             h0 * stride[2] * static_cast<std::int64_t>(dtype_size(dtype)));
+    r.ptr = static_cast<Ptr>(
+        static_cast<std::conditional_t<std::is_const_v<std::remove_pointer_t<Ptr>>, const char*, char*>>(
+            ptr) +
+        h0 * stride[2] * static_cast<std::int64_t>(dtype_size(dtype)));
     r.shape.h = count;
     return r;
   }
@@ -58,8 +60,8 @@ struct FlashConfig {
 };
 
 // Tiles the kernel computed, counted on its own (Bq, Bk) grid. For one causal document of S tokens at
-// positions 0..S-1, q block a (rows [a*Bq, min((a+1)*Bq, S))) computes kv blocks 0..floor((min((a+1)*Bq, S) - 1)
-// / Bk), so the count per head is sum_a (floor((min((a+1)*Bq, S) - 1) / Bk) + 1); with Bq = Bk and S = T*B
+// positions 0..S-1, q block a (rows [a*Bq, min((a+1)*Bq, S))) computes kv blocks 0..floor((min((a+1)*Bq, S) -
+// 1) / Bk), so the count per head is sum_a (floor((min((a+1)*Bq, S) - 1) / Bk) + 1); with Bq = Bk and S = T*B
 // that is T(T+1)/2. Non-causal: ceil(S/Bq) * ceil(S/Bk). Segments can only remove tiles.
 struct TileCounts {
   std::vector<std::int64_t> per_head;  // [B * Hq]: tiles computed for (batch row, q head)
@@ -68,8 +70,8 @@ struct TileCounts {
   std::int64_t total() const { return full + partial; }
 };
 
-// q: [B, Sq, Hq, D]; k, v: [B, Skv, Hkv, D]; o: [B, Sq, Hq, D] (q's dtype); lse: [B, Hq, Sq] fp32 natural log,
-// or nullptr when not needed. Rows that see no key get O = 0 and LSE = -inf. The kernel keeps no state:
+// q: [B, Sq, Hq, D]; k, v: [B, Skv, Hkv, D]; o: [B, Sq, Hq, D] (q's dtype); lse: [B, Hq, Sq] fp32 natural
+// log, or nullptr when not needed. Rows that see no key get O = 0 and LSE = -inf. The kernel keeps no state:
 // forward-only use simply skips the backward.
 void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
                    const AttentionMask& mask, double scale, const FlashConfig& config, const TensorRef& o,
@@ -90,15 +92,16 @@ struct FlashForwardResult {
   TileCounts tiles;
 };
 FlashForwardResult flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                           const AttentionMask& mask, double scale, const FlashConfig& config);
+                                           const AttentionMask& mask, double scale,
+                                           const FlashConfig& config);
 
 struct FlashBackwardResult {
   Tensor dq, dk, dv;
   TileCounts tiles;
 };
-FlashBackwardResult flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                                             const std::vector<float>& lse, const Tensor& d_out,
-                                             const AttentionMask& mask, double scale, const FlashConfig& config,
-                                             DType kv_grad_dtype);
+FlashBackwardResult flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const Tensor& o, const std::vector<float>& lse,
+                                             const Tensor& d_out, const AttentionMask& mask, double scale,
+                                             const FlashConfig& config, DType kv_grad_dtype);
 
 }  // namespace cpattn

@@ -1,9 +1,10 @@
-// The in-process group: `size` ranks as threads of one process, exchanging through shared memory with one copy
-// per byte moved. Each collective is a rendezvous: every rank publishes its buffers, then each copies (or sums)
-// straight out of its peers' buffers into its own, then all leave together.
+// The in-process group: `size` ranks as threads of one process, exchanging through shared memory with one
+// copy per byte moved. Each collective is a rendezvous: every rank publishes its buffers, then each copies
+// (or sums) straight out of its peers' buffers into its own, then all leave together.
 //
-// Failure: when a rank throws, the group is aborted; every rank waiting in (or later entering) a collective gets
-// an Error(communication) naming the failed rank. A rank that waits longer than the timeout aborts the group too.
+// Failure: when a rank throws, the group is aborted; every rank waiting in (or later entering) a collective
+// gets an Error(communication) naming the failed rank. A rank that waits longer than the timeout aborts the
+// group too.
 #pragma once
 
 #include <chrono>
@@ -32,8 +33,8 @@ class InProcessGroup {
   void abort(int rank, const std::string& reason);
   bool aborted() const;
 
-  // Runs fn(comm) on `size` threads, one per rank, and joins them. If any rank throws, the group is aborted and
-  // the first failure is rethrown here once every thread has returned.
+  // Runs fn(comm) on `size` threads, one per rank, and joins them. If any rank throws, the group is aborted
+  // and the first failure is rethrown here once every thread has returned.
   void run(const std::function<void(Communicator&)>& fn);
 
   struct State;

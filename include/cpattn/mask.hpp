@@ -1,6 +1,6 @@
 // The attention mask, described by token metadata rather than an S x S matrix: a query sees a key when their
-// segment ids are equal (when segments are given) and, with `causal`, when the key's global position is <= the
-// query's. Positions are global token indices, so a shard or a reordered sequence masks correctly.
+// segment ids are equal (when segments are given) and, with `causal`, when the key's global position is <=
+// the query's. Positions are global token indices, so a shard or a reordered sequence masks correctly.
 #pragma once
 
 #include <cstdint>

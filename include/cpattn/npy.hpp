@@ -17,8 +17,8 @@ struct NpyArray {
   std::vector<unsigned char> bytes;  // numel * element size, little-endian
 
   std::int64_t numel() const;
-  std::vector<float> as_floats() const;     // f32 or f64 (rounded)
-  std::vector<double> as_doubles() const;   // f32 or f64
+  std::vector<float> as_floats() const;        // f32 or f64 (rounded)
+  std::vector<double> as_doubles() const;      // f32 or f64
   std::vector<std::int32_t> as_int32() const;  // i32 only
 };
 

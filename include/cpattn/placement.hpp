@@ -28,7 +28,7 @@ struct HeadRange {
 
 struct RankHeads {
   std::int64_t rank = 0;
-  HeadRange q_heads;                  // q heads the rank attends for
+  HeadRange q_heads;                   // q heads the rank attends for
   std::vector<std::int64_t> kv_heads;  // the distinct kv heads it holds (original indices)
   // For ulysses: the slots of the (replicated) kv head list it holds, [begin, end) of
   // grouped_repeat_heads(Hkv, rep). Equal to kv_heads when rep == 1.
@@ -37,7 +37,8 @@ struct RankHeads {
 
 // Placement for the heads of one tp rank (Hq/tp, Hkv/tp local heads, numbered from 0). all_gather: every
 // rank holds every head (the sequence is what is split). ulysses: rank r holds q heads
-// [r*Hq/cp, (r+1)*Hq/cp) and kv slots [r*max(Hkv,cp)/cp, ...), which is exactly the kv heads its q heads read.
+// [r*Hq/cp, (r+1)*Hq/cp) and kv slots [r*max(Hkv,cp)/cp, ...), which is exactly the kv heads its q heads
+// read.
 std::vector<RankHeads> head_placement(const AttentionSpec& attention, const ParallelSpec& parallel);
 
 }  // namespace cpattn

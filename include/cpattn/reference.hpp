@@ -36,8 +36,8 @@ struct ReferenceRowsResult {
   std::vector<double> o, dq;  // [rows][D]
   std::vector<double> lse;    // [rows]
 };
-ReferenceRowsResult reference_attention_rows(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor* d_out,
-                                             const AttentionMask& mask, double scale,
+ReferenceRowsResult reference_attention_rows(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const Tensor* d_out, const AttentionMask& mask, double scale,
                                              const std::vector<ReferenceRow>& rows);
 
 }  // namespace cpattn

@@ -12,7 +12,7 @@
 namespace cpattn {
 
 struct WholeProblem {
-  Tensor q, k, v, d_out;                 // [B, S, H, D] natural order
+  Tensor q, k, v, d_out;                  // [B, S, H, D] natural order
   std::vector<std::int32_t> segment_ids;  // [B, S] or empty
 };
 
@@ -24,13 +24,14 @@ struct RankReport {
 };
 
 struct WholeResult {
-  Tensor o, dq, dk, dv;   // natural order (dq, dk, dv empty when forward-only)
+  Tensor o, dq, dk, dv;    // natural order (dq, dk, dv empty when forward-only)
   std::vector<float> lse;  // [B, Hq, S]
   std::vector<RankReport> ranks;
 };
 
 // Sized for the problem; ranks then fill disjoint rows.
-WholeResult make_whole_result(const AttentionSpec& attention, const ParallelSpec& parallel, bool forward_only);
+WholeResult make_whole_result(const AttentionSpec& attention, const ParallelSpec& parallel,
+                              bool forward_only);
 
 // This rank's part of the run. Timings are taken between barriers, so they are the slowest rank's.
 void run_rank(Communicator& comm, const AttentionSpec& attention, const ParallelSpec& parallel,
@@ -44,6 +45,7 @@ void share_whole_result(Communicator& comm, const AttentionSpec& attention, cons
 
 // All ranks on an in-process group.
 WholeResult run_in_process(const AttentionSpec& attention, const ParallelSpec& parallel,
-                           const ContextParallelOptions& options, const WholeProblem& problem, bool forward_only);
+                           const ContextParallelOptions& options, const WholeProblem& problem,
+                           bool forward_only);
 
 }  // namespace cpattn

@@ -7,21 +7,30 @@ namespace cpattn {
 
 const char* to_string(CollectiveKind kind) {
   switch (kind) {
-    case CollectiveKind::all_to_all: return "all_to_all";
-    case CollectiveKind::all_gather: return "all_gather";
-    case CollectiveKind::reduce_scatter: return "reduce_scatter";
-    case CollectiveKind::collective_permute: return "collective_permute";
+    case CollectiveKind::all_to_all:
+      return "all_to_all";
+    case CollectiveKind::all_gather:
+      return "all_gather";
+    case CollectiveKind::reduce_scatter:
+      return "reduce_scatter";
+    case CollectiveKind::collective_permute:
+      return "collective_permute";
   }
   return "unknown";
 }
 
-std::size_t comm_dtype_size(CommDType t) { return t == CommDType::bf16 ? 2 : 4; }
+std::size_t comm_dtype_size(CommDType t) {
+  return t == CommDType::bf16 ? 2 : 4;
+}
 
 const char* to_string(CommDType t) {
   switch (t) {
-    case CommDType::f32: return "f32";
-    case CommDType::bf16: return "bf16";
-    case CommDType::i32: return "i32";
+    case CommDType::f32:
+      return "f32";
+    case CommDType::bf16:
+      return "bf16";
+    case CommDType::i32:
+      return "i32";
   }
   return "unknown";
 }
@@ -64,7 +73,9 @@ CollectiveCounters::PhaseScope::PhaseScope(CollectiveCounters& counters, std::st
   counters_.set_phase(std::move(phase));
 }
 
-CollectiveCounters::PhaseScope::~PhaseScope() { counters_.set_phase(previous_); }
+CollectiveCounters::PhaseScope::~PhaseScope() {
+  counters_.set_phase(previous_);
+}
 
 void Communicator::count_all_to_all(std::int64_t count, CommDType dtype) {
   const std::int64_t e = static_cast<std::int64_t>(comm_dtype_size(dtype));
@@ -84,22 +95,23 @@ void Communicator::count_reduce_scatter(std::int64_t count, CommDType dtype) {
 void Communicator::count_permute(std::int64_t count, CommDType dtype, const std::vector<int>& dest) {
   const std::int64_t bytes = count * static_cast<std::int64_t>(comm_dtype_size(dtype));
   bool any_moves = false;
-  for (std::size_t p = 0; p < dest.size(); ++p) any_moves = any_moves || (dest[p] >= 0 && dest[p] != static_cast<int>(p));
+  for (std::size_t p = 0; p < dest.size(); ++p)
+    any_moves = any_moves || (dest[p] >= 0 && dest[p] != static_cast<int>(p));
   counters_.record(CollectiveKind::collective_permute, bytes, any_moves ? bytes : 0);
 }
 
 void check_permutation(const std::vector<int>& dest, int size) {
   if (static_cast<int>(dest.size()) != size) {
     throw Error(ErrorKind::invalid_input, "dest", std::to_string(dest.size()),
-                "collective_permute needs one destination per rank: " + std::to_string(dest.size()) + " given for " +
-                    std::to_string(size) + " ranks");
+                "collective_permute needs one destination per rank: " + std::to_string(dest.size()) +
+                    " given for " + std::to_string(size) + " ranks");
   }
   std::vector<int> seen(static_cast<std::size_t>(size), 0);
   for (int p = 0; p < size; ++p) {
     if (dest[p] < -1 || dest[p] >= size) {
       throw Error(ErrorKind::invalid_input, "dest", std::to_string(dest[p]),
-                  "collective_permute destination " + std::to_string(dest[p]) + " of rank " + std::to_string(p) +
-                      " is not a rank (valid: -1..." + std::to_string(size - 1) + ")");
+                  "collective_permute destination " + std::to_string(dest[p]) + " of rank " +
+                      std::to_string(p) + " is not a rank (valid: -1..." + std::to_string(size - 1) + ")");
     }
     if (dest[p] >= 0 && seen[dest[p]]++ > 0) {
       throw Error(ErrorKind::invalid_input, "dest", std::to_string(dest[p]),

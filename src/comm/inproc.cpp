@@ -16,12 +16,18 @@ enum class Call { all_to_all, all_gather, reduce_scatter, permute, barrier, all_
 
 const char* call_name(Call c) {
   switch (c) {
-    case Call::all_to_all: return "all_to_all";
-    case Call::all_gather: return "all_gather";
-    case Call::reduce_scatter: return "reduce_scatter";
-    case Call::permute: return "collective_permute";
-    case Call::barrier: return "barrier";
-    case Call::all_reduce: return "all_reduce";
+    case Call::all_to_all:
+      return "all_to_all";
+    case Call::all_gather:
+      return "all_gather";
+    case Call::reduce_scatter:
+      return "reduce_scatter";
+    case Call::permute:
+      return "collective_permute";
+    case Call::barrier:
+      return "barrier";
+    case Call::all_reduce:
+      return "all_reduce";
   }
   return "unknown";
 }
@@ -38,7 +44,8 @@ struct Slot {
 };
 
 std::string describe(const Slot& s) {
-  std::string d = std::string(call_name(s.call)) + "(count=" + std::to_string(s.count) + ", " + to_string(s.dtype);
+  std::string d =
+      std::string(call_name(s.call)) + "(count=" + std::to_string(s.count) + ", " + to_string(s.dtype);
   if (s.call == Call::all_reduce) d += ", op " + std::to_string(static_cast<int>(s.op));
   return d + ")";
 }
@@ -86,13 +93,15 @@ struct InProcessGroup::State {
     }
     const auto deadline = std::chrono::steady_clock::now() + options.timeout;
     while (generation == gen && !(abortable && aborted)) {
-      if (cv.wait_until(lock, deadline) == std::cv_status::timeout && generation == gen && abortable && !aborted) {
+      if (cv.wait_until(lock, deadline) == std::cv_status::timeout && generation == gen && abortable &&
+          !aborted) {
         std::string missing;
         for (int p = 0; p < size; ++p) {
           if (calls[p] < calls[rank]) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
         }
         abort_locked(rank, std::string(call_name(call)) + " timed out after " +
-                               std::to_string(options.timeout.count()) + " ms waiting for rank(s) [" + missing + "]");
+                               std::to_string(options.timeout.count()) + " ms waiting for rank(s) [" +
+                               missing + "]");
       }
     }
     if (generation == gen) {
@@ -134,7 +143,9 @@ class InProcessCommunicator final : public Communicator {
     state_.collective(rank_, {Call::permute, send, recv, count, dtype, &dest, ReduceOp::sum});
     count_permute(count, dtype, dest);
   }
-  void barrier() override { state_.collective(rank_, {Call::barrier, nullptr, nullptr, 0, CommDType::i32, nullptr, ReduceOp::sum}); }
+  void barrier() override {
+    state_.collective(rank_, {Call::barrier, nullptr, nullptr, 0, CommDType::i32, nullptr, ReduceOp::sum});
+  }
   void all_reduce(std::int64_t* values, int n, ReduceOp op) override {
     state_.collective(rank_, {Call::all_reduce, values, values, n, CommDType::i32, nullptr, op});
   }
@@ -178,18 +189,19 @@ void InProcessGroup::State::collective(int rank, const Slot& mine) {
   // Every rank sees the same slots, so every rank reaches the same verdict on a mismatch.
   for (int p = 0; p < size; ++p) {
     const Slot& s = slots[p];
-    const bool same = s.call == mine.call && s.count == mine.count && s.dtype == mine.dtype && s.op == mine.op &&
-                      (mine.call != Call::permute || *s.dest == *mine.dest);
+    const bool same = s.call == mine.call && s.count == mine.count && s.dtype == mine.dtype &&
+                      s.op == mine.op && (mine.call != Call::permute || *s.dest == *mine.dest);
     if (!same) {
       throw Error(ErrorKind::communication, "collective", describe(s),
-                  "collective mismatch: rank " + std::to_string(rank) + " called " + describe(mine) + " but rank " +
-                      std::to_string(p) + " called " + describe(s));
+                  "collective mismatch: rank " + std::to_string(rank) + " called " + describe(mine) +
+                      " but rank " + std::to_string(p) + " called " + describe(s));
     }
   }
   const std::size_t e = comm_dtype_size(mine.dtype);
   const std::size_t block = static_cast<std::size_t>(mine.count) * e;
   auto* recv = static_cast<unsigned char*>(mine.recv);
-  // Empty collectives still rendezvous (every rank made the call), but move nothing: their buffers may be null.
+  // Empty collectives still rendezvous (every rank made the call), but move nothing: their buffers may be
+  // null.
   const bool empty = block == 0 && mine.call != Call::all_reduce && mine.call != Call::barrier;
   switch (empty ? Call::barrier : mine.call) {
     case Call::all_to_all:
@@ -200,7 +212,9 @@ void InProcessGroup::State::collective(int rank, const Slot& mine) {
     case Call::all_gather:
       for (int p = 0; p < size; ++p) std::memcpy(recv + p * block, slots[p].send, block);
       break;
-    case Call::reduce_scatter: sum_blocks(slots, rank, mine.count, mine.dtype, mine.recv); break;
+    case Call::reduce_scatter:
+      sum_blocks(slots, rank, mine.count, mine.dtype, mine.recv);
+      break;
     case Call::permute:
       for (int p = 0; p < size; ++p) {
         if ((*mine.dest)[p] == rank && block > 0) std::memcpy(recv, slots[p].send, block);
@@ -223,7 +237,8 @@ void InProcessGroup::State::collective(int rank, const Slot& mine) {
       std::memcpy(mine.recv, result.data(), result.size() * sizeof(std::int64_t));
       return;
     }
-    case Call::barrier: break;
+    case Call::barrier:
+      break;
   }
   std::unique_lock<std::mutex> lock(mutex);
   arrive_and_wait(lock, rank, mine.call, false);
@@ -231,7 +246,8 @@ void InProcessGroup::State::collective(int rank, const Slot& mine) {
 
 InProcessGroup::InProcessGroup(int size, InProcessOptions options) : state_(std::make_unique<State>()) {
   if (size < 1) {
-    throw Error(ErrorKind::invalid_config, "cp", std::to_string(size), "the in-process group needs at least 1 rank");
+    throw Error(ErrorKind::invalid_config, "cp", std::to_string(size),
+                "the in-process group needs at least 1 rank");
   }
   state_->size = size;
   state_->options = options;
@@ -242,7 +258,9 @@ InProcessGroup::InProcessGroup(int size, InProcessOptions options) : state_(std:
 
 InProcessGroup::~InProcessGroup() = default;
 
-int InProcessGroup::size() const { return state_->size; }
+int InProcessGroup::size() const {
+  return state_->size;
+}
 
 Communicator& InProcessGroup::communicator(int rank) {
   CPATTN_ASSERT(rank >= 0 && rank < state_->size);

@@ -13,9 +13,12 @@ namespace {
 
 MPI_Datatype mpi_type(CommDType t) {
   switch (t) {
-    case CommDType::f32: return MPI_FLOAT;
-    case CommDType::bf16: return MPI_UINT16_T;  // moved as raw 16-bit words
-    case CommDType::i32: return MPI_INT32_T;
+    case CommDType::f32:
+      return MPI_FLOAT;
+    case CommDType::bf16:
+      return MPI_UINT16_T;  // moved as raw 16-bit words
+    case CommDType::i32:
+      return MPI_INT32_T;
   }
   return MPI_BYTE;
 }
@@ -32,8 +35,8 @@ void check(int rc, const char* what, int rank) {
 int as_int(std::int64_t count, const char* what) {
   if (count < 0 || count > INT_MAX) {
     throw Error(ErrorKind::invalid_input, "count", std::to_string(count),
-                std::string(what) + ": " + std::to_string(count) + " elements per rank exceed MPI's int count (" +
-                    std::to_string(INT_MAX) + ")");
+                std::string(what) + ": " + std::to_string(count) +
+                    " elements per rank exceed MPI's int count (" + std::to_string(INT_MAX) + ")");
   }
   return static_cast<int>(count);
 }
@@ -51,7 +54,8 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
-    throw Error(ErrorKind::invalid_config, "backend", "mpi", "the MPI backend needs MPI_Init first (run under mpirun)");
+    throw Error(ErrorKind::invalid_config, "backend", "mpi",
+                "the MPI backend needs MPI_Init first (run under mpirun)");
   }
   check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup", -1);
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
@@ -86,7 +90,8 @@ void MpiCommunicator::reduce_scatter_sum(const void* send, void* recv, std::int6
   }
   const int n = as_int(count, "reduce_scatter");
   const MPI_Op op = dtype == CommDType::f32 ? MPI_SUM : bf16_sum_;
-  check(MPI_Reduce_scatter_block(send, recv, n, mpi_type(dtype), op, comm_), "MPI_Reduce_scatter_block", rank_);
+  check(MPI_Reduce_scatter_block(send, recv, n, mpi_type(dtype), op, comm_), "MPI_Reduce_scatter_block",
+        rank_);
   count_reduce_scatter(count, dtype);
 }
 
@@ -113,7 +118,9 @@ void MpiCommunicator::collective_permute(const void* send, void* recv, std::int6
   count_permute(count, dtype, dest);
 }
 
-void MpiCommunicator::barrier() { check(MPI_Barrier(comm_), "MPI_Barrier", rank_); }
+void MpiCommunicator::barrier() {
+  check(MPI_Barrier(comm_), "MPI_Barrier", rank_);
+}
 
 void MpiCommunicator::all_reduce(std::int64_t* values, int n, ReduceOp op) {
   const MPI_Op mop = op == ReduceOp::sum ? MPI_SUM : op == ReduceOp::max ? MPI_MAX : MPI_MIN;

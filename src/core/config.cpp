@@ -7,7 +7,9 @@
 
 namespace cpattn {
 
-const char* to_string(Strategy strategy) { return strategy == Strategy::ulysses ? "ulysses" : "all_gather"; }
+const char* to_string(Strategy strategy) {
+  return strategy == Strategy::ulysses ? "ulysses" : "all_gather";
+}
 
 const char* to_string(ShardLayout layout) {
   return layout == ShardLayout::dual_chunk_swap ? "dual_chunk_swap" : "contiguous";
@@ -41,7 +43,8 @@ class Rules {
   }
   bool positive(const std::string& field, std::int64_t value) {
     if (value > 0) return true;
-    add({field}, std::to_string(value), field + " (" + std::to_string(value) + ") must be a positive integer");
+    add({field}, std::to_string(value),
+        field + " (" + std::to_string(value) + ") must be a positive integer");
     return false;
   }
   std::vector<ErrorItem> take() { return std::move(items_); }
@@ -50,7 +53,9 @@ class Rules {
   std::vector<ErrorItem> items_;
 };
 
-std::string str(std::int64_t v) { return std::to_string(v); }
+std::string str(std::int64_t v) {
+  return std::to_string(v);
+}
 
 }  // namespace
 
@@ -68,8 +73,9 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
   const bool tp_ok = rules.positive("tp", p.tp);
 
   if (a.seq_len > std::numeric_limits<std::int32_t>::max()) {
-    rules.add({"seq_len"}, str(a.seq_len),
-              "seq_len (" + str(a.seq_len) + ") is too long; token positions are int32, valid: 1..2147483647");
+    rules.add(
+        {"seq_len"}, str(a.seq_len),
+        "seq_len (" + str(a.seq_len) + ") is too long; token positions are int32, valid: 1..2147483647");
   }
   if (a.head_dim > kMaxHeadDim) {
     rules.add({"head_dim"}, str(a.head_dim),
@@ -108,8 +114,9 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
               "load_balance (true) is for all_gather only; ulysses gives every rank the same work, set "
               "load_balance to false");
   } else if (layout == ShardLayout::dual_chunk_swap && !p.load_balance) {
-    rules.add({"layout", "load_balance"}, "dual_chunk_swap",
-              "layout dual_chunk_swap needs all_gather with load_balance true; valid layout here: contiguous");
+    rules.add(
+        {"layout", "load_balance"}, "dual_chunk_swap",
+        "layout dual_chunk_swap needs all_gather with load_balance true; valid layout here: contiguous");
   } else if (layout == ShardLayout::contiguous && p.load_balance) {
     rules.add({"layout", "load_balance"}, "contiguous",
               "load_balance (true) needs layout dual_chunk_swap (chunks r and 2*cp-1-r on rank r)");
@@ -145,8 +152,8 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
     const std::string local = p.tp > 1 ? " per tp rank (heads / tp, tp=" + str(p.tp) + ")" : "";
     if (hq % p.cp != 0) {
       rules.add({"num_q_heads", "cp"}, str(hq),
-                "ulysses needs num_q_heads" + local + " (" + str(hq) + ") to be divisible by cp (" + str(p.cp) +
-                    ")");
+                "ulysses needs num_q_heads" + local + " (" + str(hq) + ") to be divisible by cp (" +
+                    str(p.cp) + ")");
     }
     if (hkv % p.cp != 0 && p.cp % hkv != 0) {
       rules.add({"num_kv_heads", "cp"}, str(hkv),

@@ -81,7 +81,8 @@ ConfigValues parse_config_yaml(const std::string& text, const std::string& name)
   ConfigValues v;
   if (root.IsNull()) return v;
   if (!root.IsMap()) {
-    throw Error(ErrorKind::invalid_input, name, "", name + ": the top level must be a mapping of keys to values");
+    throw Error(ErrorKind::invalid_input, name, "",
+                name + ": the top level must be a mapping of keys to values");
   }
   for (const auto& entry : root) {
     if (!entry.first.IsScalar()) continue;
@@ -135,7 +136,8 @@ Specs to_specs(const ConfigValues& v, std::vector<ErrorItem>& errors) {
     if (value) {
       out = *value;
     } else {
-      errors.push_back({{field}, "unset", std::string(field) + " is not set; give " + flag + " or its config key"});
+      errors.push_back(
+          {{field}, "unset", std::string(field) + " is not set; give " + flag + " or its config key"});
       out = 0;  // the caller reports this before checking any rule that involves it
     }
   };

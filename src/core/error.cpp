@@ -18,10 +18,14 @@ std::string join_messages(const std::vector<ErrorItem>& items) {
 
 const char* to_string(ErrorKind kind) {
   switch (kind) {
-    case ErrorKind::invalid_config: return "invalid_config";
-    case ErrorKind::invalid_input: return "invalid_input";
-    case ErrorKind::communication: return "communication";
-    case ErrorKind::internal: return "internal";
+    case ErrorKind::invalid_config:
+      return "invalid_config";
+    case ErrorKind::invalid_input:
+      return "invalid_input";
+    case ErrorKind::communication:
+      return "communication";
+    case ErrorKind::internal:
+      return "internal";
   }
   return "unknown";
 }
@@ -33,8 +37,9 @@ Error::Error(ErrorKind kind, std::string field, std::string value, std::string m
     : Error(kind, std::vector<ErrorItem>{{{std::move(field)}, std::move(value), std::move(message)}}) {}
 
 void fail_invariant(const char* expr, const char* file, int line) {
-  throw Error(ErrorKind::internal, "invariant", expr,
-              std::string("cpattn internal error: ") + expr + " failed at " + file + ":" + std::to_string(line));
+  throw Error(
+      ErrorKind::internal, "invariant", expr,
+      std::string("cpattn internal error: ") + expr + " failed at " + file + ":" + std::to_string(line));
 }
 
 }  // namespace cpattn

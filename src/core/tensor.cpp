@@ -8,9 +8,13 @@
 
 namespace cpattn {
 
-const char* to_string(DType dtype) { return dtype == DType::f32 ? "fp32" : "bf16"; }
+const char* to_string(DType dtype) {
+  return dtype == DType::f32 ? "fp32" : "bf16";
+}
 
-std::size_t dtype_size(DType dtype) { return dtype == DType::f32 ? 4 : 2; }
+std::size_t dtype_size(DType dtype) {
+  return dtype == DType::f32 ? 4 : 2;
+}
 
 DType parse_dtype(const std::string& text, const std::string& field) {
   if (text == "fp32" || text == "float32" || text == "f32" || text == "float") return DType::f32;
@@ -20,11 +24,13 @@ DType parse_dtype(const std::string& text, const std::string& field) {
 }
 
 std::string to_string(const Shape4& shape) {
-  return "[" + std::to_string(shape.b) + ", " + std::to_string(shape.s) + ", " + std::to_string(shape.h) + ", " +
-         std::to_string(shape.d) + "]";
+  return "[" + std::to_string(shape.b) + ", " + std::to_string(shape.s) + ", " + std::to_string(shape.h) +
+         ", " + std::to_string(shape.d) + "]";
 }
 
-void Tensor::FreeAligned::operator()(std::byte* p) const { std::free(p); }
+void Tensor::FreeAligned::operator()(std::byte* p) const {
+  std::free(p);
+}
 
 Tensor::Tensor(DType dtype, Shape4 shape) : dtype_(dtype), shape_(shape) {
   CPATTN_ASSERT(shape.b >= 0 && shape.s >= 0 && shape.h >= 0 && shape.d >= 0);

@@ -37,8 +37,8 @@ AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor&
   AttentionOutput out;
   out.o = Tensor(attention.dtype, q.shape());
   out.lse.assign(static_cast<std::size_t>(B * hq * local_seq), 0.0f);
-  flash_forward(cref(q), cref(k_full), cref(v_full), mask(q_pos, kv_pos, seg_local, seg_full), attention.scale(),
-                kernel_config(), ref(out.o), out.lse.data(), &tiles);
+  flash_forward(cref(q), cref(k_full), cref(v_full), mask(q_pos, kv_pos, seg_local, seg_full),
+                attention.scale(), kernel_config(), ref(out.o), out.lse.data(), &tiles);
   if (!forward_only) {
     Saved s;
     s.q = q;

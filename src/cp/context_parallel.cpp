@@ -55,11 +55,12 @@ void ContextParallelAttention::Impl::check_inputs(const Tensor& q, const Tensor&
     if (!problem.empty()) return;
     if (!(t.shape() == want)) {
       field = name;
-      problem = std::string(name) + " has shape " + to_string(t.shape()) + "; the spec needs " + to_string(want) +
-                " ([B, S/cp, heads/tp, D])";
+      problem = std::string(name) + " has shape " + to_string(t.shape()) + "; the spec needs " +
+                to_string(want) + " ([B, S/cp, heads/tp, D])";
     } else if (t.dtype() != attention.dtype) {
       field = name;
-      problem = std::string(name) + " is " + to_string(t.dtype()) + "; the spec says " + to_string(attention.dtype);
+      problem =
+          std::string(name) + " is " + to_string(t.dtype()) + "; the spec says " + to_string(attention.dtype);
     }
   };
   expect("q", q, want_q);
@@ -67,8 +68,8 @@ void ContextParallelAttention::Impl::check_inputs(const Tensor& q, const Tensor&
   expect("v", v, want_kv);
   if (problem.empty() && !seg.empty() && static_cast<std::int64_t>(seg.size()) != B * local_seq) {
     field = "segment_ids";
-    problem = "segment_ids holds " + std::to_string(seg.size()) + " values; expected [B, S/cp] = " +
-              std::to_string(B * local_seq);
+    problem = "segment_ids holds " + std::to_string(seg.size()) +
+              " values; expected [B, S/cp] = " + std::to_string(B * local_seq);
   }
   // Every rank learns whether any rank is wrong (and which), and whether all agree on having segments.
   std::int64_t flags[3] = {problem.empty() ? -1 : rank, seg.empty() ? 0 : 1, seg.empty() ? 0 : 1};
@@ -79,9 +80,10 @@ void ContextParallelAttention::Impl::check_inputs(const Tensor& q, const Tensor&
     throw Error(ErrorKind::invalid_input, field, "", "rank " + std::to_string(rank) + ": " + problem);
   }
   if (flags[0] >= 0) {
-    throw Error(ErrorKind::invalid_input, "rank", std::to_string(flags[0]),
-                "rank " + std::to_string(rank) + ": rank " + std::to_string(flags[0]) +
-                    " passed tensors that disagree with the spec (its error names them); nothing was computed");
+    throw Error(
+        ErrorKind::invalid_input, "rank", std::to_string(flags[0]),
+        "rank " + std::to_string(rank) + ": rank " + std::to_string(flags[0]) +
+            " passed tensors that disagree with the spec (its error names them); nothing was computed");
   }
   if (flags[1] != flags[2]) {
     throw Error(ErrorKind::invalid_input, "segment_ids", "",
@@ -91,7 +93,8 @@ void ContextParallelAttention::Impl::check_inputs(const Tensor& q, const Tensor&
 
 void ContextParallelAttention::Impl::check_grad_input(const Tensor& d_out) {
   std::string problem;
-  if (!saved) problem = "backward needs a forward that kept its state (forward_only was set, or no forward ran)";
+  if (!saved)
+    problem = "backward needs a forward that kept its state (forward_only was set, or no forward ran)";
   const Shape4 want{attention.batch, local_seq, hq, attention.head_dim};
   if (problem.empty() && !(d_out.shape() == want && d_out.dtype() == attention.dtype)) {
     problem = "d_out has shape " + to_string(d_out.shape()) + " " + to_string(d_out.dtype()) + "; expected " +
@@ -99,15 +102,18 @@ void ContextParallelAttention::Impl::check_grad_input(const Tensor& d_out) {
   }
   std::int64_t bad = problem.empty() ? -1 : rank;
   comm.all_reduce(&bad, 1, ReduceOp::max);
-  if (!problem.empty()) throw Error(ErrorKind::invalid_input, "d_out", "", "rank " + std::to_string(rank) + ": " + problem);
+  if (!problem.empty())
+    throw Error(ErrorKind::invalid_input, "d_out", "", "rank " + std::to_string(rank) + ": " + problem);
   if (bad >= 0) {
     throw Error(ErrorKind::invalid_input, "rank", std::to_string(bad),
-                "rank " + std::to_string(rank) + ": rank " + std::to_string(bad) + " cannot run backward (its error says why)");
+                "rank " + std::to_string(rank) + ": rank " + std::to_string(bad) +
+                    " cannot run backward (its error says why)");
   }
 }
 
 AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                        std::span<const std::int32_t> seg, bool forward_only) {
+                                                        std::span<const std::int32_t> seg,
+                                                        bool forward_only) {
   check_inputs(q, k, v, seg);
   saved.reset();
   seg_local.assign(seg.begin(), seg.end());
@@ -122,20 +128,26 @@ AttentionGradients ContextParallelAttention::Impl::backward(const Tensor& d_out)
   return parallel.strategy == Strategy::ulysses ? ulysses_backward(d_out) : all_gather_backward(d_out);
 }
 
-ContextParallelAttention::ContextParallelAttention(const AttentionSpec& attention, const ParallelSpec& parallel,
-                                                   Communicator& comm, ContextParallelOptions options)
+ContextParallelAttention::ContextParallelAttention(const AttentionSpec& attention,
+                                                   const ParallelSpec& parallel, Communicator& comm,
+                                                   ContextParallelOptions options)
     : impl_(std::make_unique<Impl>(attention, parallel, comm, options)) {}
 
 ContextParallelAttention::~ContextParallelAttention() = default;
 
 AttentionOutput ContextParallelAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                  std::span<const std::int32_t> segment_ids, bool forward_only) {
+                                                  std::span<const std::int32_t> segment_ids,
+                                                  bool forward_only) {
   return impl_->forward(q, k, v, segment_ids, forward_only);
 }
 
-AttentionGradients ContextParallelAttention::backward(const Tensor& d_out) { return impl_->backward(d_out); }
+AttentionGradients ContextParallelAttention::backward(const Tensor& d_out) {
+  return impl_->backward(d_out);
+}
 
-const TileCounts& ContextParallelAttention::forward_tiles() const { return impl_->tiles; }
+const TileCounts& ContextParallelAttention::forward_tiles() const {
+  return impl_->tiles;
+}
 
 const std::vector<std::int32_t>& ContextParallelAttention::local_positions() const {
   return impl_->positions[impl_->rank];

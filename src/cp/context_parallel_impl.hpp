@@ -13,11 +13,12 @@ class ContextParallelAttention::Impl {
   Impl(const AttentionSpec& attention, const ParallelSpec& parallel, Communicator& comm,
        ContextParallelOptions options);
 
-  AttentionOutput forward(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const std::int32_t> seg,
-                          bool forward_only);
+  AttentionOutput forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                          std::span<const std::int32_t> seg, bool forward_only);
   AttentionGradients backward(const Tensor& d_out);
 
-  // Shapes checked against the spec on this rank, then agreed on by every rank (all_reduce), before data moves.
+  // Shapes checked against the spec on this rank, then agreed on by every rank (all_reduce), before data
+  // moves.
   void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const std::int32_t> seg);
   void check_grad_input(const Tensor& d_out);
 
@@ -35,16 +36,16 @@ class ContextParallelAttention::Impl {
   Communicator& comm;
   ContextParallelOptions options;
   std::int64_t cp = 1, rank = 0, local_seq = 0, hq = 0, hkv = 0;  // local heads (per tp rank)
-  cp::RankPositions positions;       // every rank's local positions
-  std::vector<std::int32_t> natural;  // 0..S-1, per batch row
+  cp::RankPositions positions;                                    // every rank's local positions
+  std::vector<std::int32_t> natural;                              // 0..S-1, per batch row
   TileCounts tiles;
 
   // What forward keeps for backward.
   struct Saved {
-    Tensor q, k, v;            // all_gather: local shards; ulysses: local shards (remat) or head-sharded
-    Tensor k_full, v_full;     // all_gather without remat: gathered K/V, natural order
-    Tensor o;                  // all_gather: local O; ulysses: head-sharded O
-    std::vector<float> lse;    // all_gather: [B, Hq, S/cp]; ulysses: [B, Hq/cp, S]
+    Tensor q, k, v;          // all_gather: local shards; ulysses: local shards (remat) or head-sharded
+    Tensor k_full, v_full;   // all_gather without remat: gathered K/V, natural order
+    Tensor o;                // all_gather: local O; ulysses: head-sharded O
+    std::vector<float> lse;  // all_gather: [B, Hq, S/cp]; ulysses: [B, Hq/cp, S]
     std::vector<std::int32_t> seg_local, seg_full;  // [B, S/cp], [B, S] natural (empty: no segments)
   };
   std::optional<Saved> saved;

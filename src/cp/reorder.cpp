@@ -6,9 +6,9 @@
 // inverse).
 #include <cstring>
 
-#include "sequence_collectives.hpp"
 #include "cpattn/context_parallel.hpp"
 #include "cpattn/error.hpp"
+#include "sequence_collectives.hpp"
 
 namespace cpattn {
 
@@ -30,13 +30,15 @@ Place place_of(ShardLayout layout, std::int64_t cp, std::int64_t chunk) {
 
 }  // namespace
 
-Tensor reorder_sequence(Communicator& comm, const Tensor& x, std::int64_t seq_len, ShardLayout from, ShardLayout to) {
+Tensor reorder_sequence(Communicator& comm, const Tensor& x, std::int64_t seq_len, ShardLayout from,
+                        ShardLayout to) {
   const std::int64_t cp = comm.size(), rank = comm.rank();
   const Shape4 s = x.shape();
   if (seq_len % (2 * cp) != 0 || s.s * cp != seq_len) {
     throw Error(ErrorKind::invalid_input, "seq_len", std::to_string(seq_len),
                 "reorder_sequence needs seq_len (" + std::to_string(seq_len) + ") divisible by 2*cp (" +
-                    std::to_string(2 * cp) + ") and shards of seq_len/cp tokens (got " + std::to_string(s.s) + ")");
+                    std::to_string(2 * cp) + ") and shards of seq_len/cp tokens (got " + std::to_string(s.s) +
+                    ")");
   }
   if (from == to) return x;
   const std::int64_t c = s.s / 2;
@@ -64,7 +66,8 @@ Tensor reorder_sequence(Communicator& comm, const Tensor& x, std::int64_t seq_le
     const std::int64_t slot = sent_slot[rank];
     for (std::int64_t b = 0; b < s.b; ++b) {
       std::memcpy(send.data() + static_cast<std::size_t>(b * c) * run,
-                  src + static_cast<std::size_t>(b * s.s + slot * c) * run, static_cast<std::size_t>(c) * run);
+                  src + static_cast<std::size_t>(b * s.s + slot * c) * run,
+                  static_cast<std::size_t>(c) * run);
     }
     comm.collective_permute(send.data(), recv.data(), s.b * c * s.h * s.d, cp::comm_dtype(x.dtype()), dest);
     for (std::int64_t p = 0; p < cp; ++p) {

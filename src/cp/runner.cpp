@@ -31,7 +31,8 @@ void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p,
   const std::int64_t sl = a.seq_len / p.cp;
   const auto pos = local_positions(p.effective_layout(), a.seq_len, p.cp, rank);
   ContextParallelAttention attn(a, p, comm, options);
-  const Tensor q = take_tokens(problem.q, pos), k = take_tokens(problem.k, pos), v = take_tokens(problem.v, pos);
+  const Tensor q = take_tokens(problem.q, pos), k = take_tokens(problem.k, pos),
+               v = take_tokens(problem.v, pos);
   const auto seg = take_tokens(problem.segment_ids, a.batch, pos);
   RankReport& report = result.ranks[rank];
 
@@ -71,11 +72,14 @@ void share_whole_result(Communicator& comm, const AttentionSpec& a, const Parall
   cp::RankPositions positions;
   for (std::int64_t r = 0; r < p.cp; ++r) {
     std::vector<std::int32_t> pos;
-    for (auto x : local_positions(p.effective_layout(), a.seq_len, p.cp, r)) pos.push_back(static_cast<std::int32_t>(x));
+    for (auto x : local_positions(p.effective_layout(), a.seq_len, p.cp, r))
+      pos.push_back(static_cast<std::int32_t>(x));
     positions.push_back(std::move(pos));
   }
   const auto mine = local_positions(p.effective_layout(), a.seq_len, p.cp, rank);
-  auto share = [&](Tensor& whole) { whole = cp::all_gather_sequence(comm, take_tokens(whole, mine), positions); };
+  auto share = [&](Tensor& whole) {
+    whole = cp::all_gather_sequence(comm, take_tokens(whole, mine), positions);
+  };
   share(result.o);
   if (!forward_only) {
     share(result.dq);
@@ -87,13 +91,15 @@ void share_whole_result(Communicator& comm, const AttentionSpec& a, const Parall
   Tensor lse_t(DType::f32, {a.batch, S, hq, 1});
   for (std::int64_t b = 0; b < a.batch; ++b) {
     for (std::int64_t h = 0; h < hq; ++h) {
-      for (std::int64_t i = 0; i < S; ++i) lse_t.data<float>()[(b * S + i) * hq + h] = result.lse[(b * hq + h) * S + i];
+      for (std::int64_t i = 0; i < S; ++i)
+        lse_t.data<float>()[(b * S + i) * hq + h] = result.lse[(b * hq + h) * S + i];
     }
   }
   share(lse_t);
   for (std::int64_t b = 0; b < a.batch; ++b) {
     for (std::int64_t h = 0; h < hq; ++h) {
-      for (std::int64_t i = 0; i < S; ++i) result.lse[(b * hq + h) * S + i] = lse_t.data<float>()[(b * S + i) * hq + h];
+      for (std::int64_t i = 0; i < S; ++i)
+        result.lse[(b * hq + h) * S + i] = lse_t.data<float>()[(b * S + i) * hq + h];
     }
   }
   // Tiles and timings: each rank fills its slot, the sum gives everyone all of them.
@@ -109,8 +115,9 @@ void share_whole_result(Communicator& comm, const AttentionSpec& a, const Parall
   }
 }
 
-WholeResult run_in_process(const AttentionSpec& a, const ParallelSpec& p, const ContextParallelOptions& options,
-                           const WholeProblem& problem, bool forward_only) {
+WholeResult run_in_process(const AttentionSpec& a, const ParallelSpec& p,
+                           const ContextParallelOptions& options, const WholeProblem& problem,
+                           bool forward_only) {
   validate(a, p);
   WholeResult result = make_whole_result(a, p, forward_only);
   InProcessGroup group(static_cast<int>(p.cp));

@@ -23,7 +23,9 @@ const unsigned char* row_ptr(const Tensor& t, std::int64_t b, std::int64_t s, st
 
 }  // namespace
 
-CommDType comm_dtype(DType dtype) { return dtype == DType::f32 ? CommDType::f32 : CommDType::bf16; }
+CommDType comm_dtype(DType dtype) {
+  return dtype == DType::f32 ? CommDType::f32 : CommDType::bf16;
+}
 
 Tensor all_to_all_sequence_to_heads(Communicator& comm, const Tensor& x) {
   const int cp = comm.size();
@@ -82,7 +84,8 @@ Tensor all_to_all_heads_to_sequence(Communicator& comm, const Tensor& y) {
 }
 
 std::vector<float> all_to_all_lse_heads_to_sequence(Communicator& comm, const std::vector<float>& lse,
-                                                    std::int64_t batch, std::int64_t local_heads, std::int64_t seq) {
+                                                    std::int64_t batch, std::int64_t local_heads,
+                                                    std::int64_t seq) {
   const int cp = comm.size();
   const std::int64_t sl = seq / cp;
   std::vector<float> send(static_cast<std::size_t>(batch * local_heads * seq)), recv(send.size());
@@ -90,8 +93,8 @@ std::vector<float> all_to_all_lse_heads_to_sequence(Communicator& comm, const st
   for (int p = 0; p < cp; ++p) {
     for (std::int64_t b = 0; b < batch; ++b) {
       for (std::int64_t h = 0; h < local_heads; ++h) {
-        std::memcpy(&send[((p * batch + b) * local_heads + h) * sl], &lse[(b * local_heads + h) * seq + p * sl],
-                    static_cast<std::size_t>(sl) * 4);
+        std::memcpy(&send[((p * batch + b) * local_heads + h) * sl],
+                    &lse[(b * local_heads + h) * seq + p * sl], static_cast<std::size_t>(sl) * 4);
       }
     }
   }
@@ -101,8 +104,8 @@ std::vector<float> all_to_all_lse_heads_to_sequence(Communicator& comm, const st
   for (int p = 0; p < cp; ++p) {
     for (std::int64_t b = 0; b < batch; ++b) {
       for (std::int64_t h = 0; h < local_heads; ++h) {
-        std::memcpy(&out[(b * heads + p * local_heads + h) * sl], &recv[((p * batch + b) * local_heads + h) * sl],
-                    static_cast<std::size_t>(sl) * 4);
+        std::memcpy(&out[(b * heads + p * local_heads + h) * sl],
+                    &recv[((p * batch + b) * local_heads + h) * sl], static_cast<std::size_t>(sl) * 4);
       }
     }
   }
@@ -134,7 +137,8 @@ std::vector<std::int32_t> all_gather_segments(Communicator& comm, const std::vec
   comm.all_gather(ids.data(), recv.data(), static_cast<std::int64_t>(ids.size()), CommDType::i32);
   for (int p = 0; p < cp; ++p) {
     for (std::int64_t b = 0; b < batch; ++b) {
-      for (std::int64_t t = 0; t < sl; ++t) out[b * sl * cp + positions[p][t]] = recv[(p * batch + b) * sl + t];
+      for (std::int64_t t = 0; t < sl; ++t)
+        out[b * sl * cp + positions[p][t]] = recv[(p * batch + b) * sl + t];
     }
   }
   return out;
@@ -150,7 +154,8 @@ Tensor reduce_scatter_sequence(Communicator& comm, const Tensor& partial, const 
   for (int p = 0; p < cp; ++p) {
     for (std::int64_t b = 0; b < s.b; ++b) {
       for (std::int64_t t = 0; t < sl; ++t) {
-        std::memcpy(send.data() + ((p * s.b + b) * sl + t) * run, row_ptr(partial, b, positions[p][t], 0), run);
+        std::memcpy(send.data() + ((p * s.b + b) * sl + t) * run, row_ptr(partial, b, positions[p][t], 0),
+                    run);
       }
     }
   }

@@ -18,7 +18,8 @@ Tensor all_to_all_sequence_to_heads(Communicator& comm, const Tensor& x);
 Tensor all_to_all_heads_to_sequence(Communicator& comm, const Tensor& y);
 // lse: [B, H/cp, S] -> [B, H, S/cp].
 std::vector<float> all_to_all_lse_heads_to_sequence(Communicator& comm, const std::vector<float>& lse,
-                                                    std::int64_t batch, std::int64_t local_heads, std::int64_t seq);
+                                                    std::int64_t batch, std::int64_t local_heads,
+                                                    std::int64_t seq);
 
 // positions[p][t]: the global position of rank p's local token t (the same for every batch row).
 using RankPositions = std::vector<std::vector<std::int32_t>>;

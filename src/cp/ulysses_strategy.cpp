@@ -1,9 +1,9 @@
 // ulysses: all-to-all from sequence shards [B, S/cp, H, D] to head shards [B, S, H/cp, D]; the kernel runs
 // locally over the whole sequence; O and LSE come back by the reverse all-to-all. When Hkv < cp the kv heads
-// are first repeated rep = cp/Hkv times in grouped order ([kv0, kv0, kv1, kv1] at Hkv=2, cp=4), so rank r holds
-// kv head r/rep: exactly the one its q heads [r*Hq/cp, (r+1)*Hq/cp) read. In backward each replica's gradient
-// holds its own q heads' contribution; the rep replicas are summed back onto their head (the transpose of the
-// repeat; no 1/rep factor).
+// are first repeated rep = cp/Hkv times in grouped order ([kv0, kv0, kv1, kv1] at Hkv=2, cp=4), so rank r
+// holds kv head r/rep: exactly the one its q heads [r*Hq/cp, (r+1)*Hq/cp) read. In backward each replica's
+// gradient holds its own q heads' contribution; the rep replicas are summed back onto their head (the
+// transpose of the repeat; no 1/rep factor).
 #include <cstring>
 
 #include "context_parallel_impl.hpp"
@@ -31,8 +31,8 @@ Tensor repeat_heads(const Tensor& x, const std::vector<std::int64_t>& order) {
 
 // g: [B, S/cp, slots, D] fp32 replica gradients -> [B, S/cp, Hkv, D]: for each head the sum over its slots in
 // slot order (the transpose of repeat_heads), or one of the wrong variants kept as negative controls.
-Tensor sum_replicas(const Tensor& g, const std::vector<std::int64_t>& order, std::int64_t hkv, std::int64_t rep,
-                    NegativeControl control) {
+Tensor sum_replicas(const Tensor& g, const std::vector<std::int64_t>& order, std::int64_t hkv,
+                    std::int64_t rep, NegativeControl control) {
   const Shape4 s = g.shape();
   Tensor out(DType::f32, {s.b, s.s, hkv, s.d});
   const float* src = g.data<float>();
@@ -83,12 +83,13 @@ HeadSharded to_heads(Communicator& comm, const Tensor& q, const Tensor& k, const
 
 }  // namespace
 
-AttentionOutput ContextParallelAttention::Impl::ulysses_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                                bool forward_only) {
+AttentionOutput ContextParallelAttention::Impl::ulysses_forward(const Tensor& q, const Tensor& k,
+                                                                const Tensor& v, bool forward_only) {
   const std::int64_t B = attention.batch, S = attention.seq_len;
   const std::int64_t rep = kv_replication_factor(hkv, cp);
-  const auto order = options.negative_control == NegativeControl::tiled_kv_order ? tiled_repeat_heads(hkv, rep)
-                                                                                  : grouped_repeat_heads(hkv, rep);
+  const auto order = options.negative_control == NegativeControl::tiled_kv_order
+                         ? tiled_repeat_heads(hkv, rep)
+                         : grouped_repeat_heads(hkv, rep);
   HeadSharded h = to_heads(comm, q, k, v, order);
   std::vector<std::int32_t> seg_full;
   if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, B, positions);
@@ -126,8 +127,9 @@ AttentionGradients ContextParallelAttention::Impl::ulysses_backward(const Tensor
   Saved& s = *saved;
   const std::int64_t B = attention.batch, S = attention.seq_len;
   const std::int64_t rep = kv_replication_factor(hkv, cp);
-  const auto order = options.negative_control == NegativeControl::tiled_kv_order ? tiled_repeat_heads(hkv, rep)
-                                                                                  : grouped_repeat_heads(hkv, rep);
+  const auto order = options.negative_control == NegativeControl::tiled_kv_order
+                         ? tiled_repeat_heads(hkv, rep)
+                         : grouped_repeat_heads(hkv, rep);
   Tensor do_heads = cp::all_to_all_sequence_to_heads(comm, d_out);
   HeadSharded h;
   if (options.remat) {

@@ -14,7 +14,9 @@ namespace {
   throw Error(ErrorKind::invalid_input, name, what, name + ": not a readable .npy file: " + what);
 }
 
-std::size_t element_size(NpyDType t) { return t == NpyDType::f64 ? 8 : 4; }
+std::size_t element_size(NpyDType t) {
+  return t == NpyDType::f64 ? 8 : 4;
+}
 
 // Finds `'key':` in the header dict and returns the text after it.
 std::string value_after(const std::string& header, const std::string& key, const std::string& name) {
@@ -76,7 +78,8 @@ void write_raw(const std::string& path, const char* descr, const std::vector<std
   const char len_bytes[2] = {static_cast<char>(len & 0xff), static_cast<char>(len >> 8)};
   out.write(len_bytes, 2);
   out.write(header.data(), static_cast<std::streamsize>(header.size()));
-  out.write(static_cast<const char*>(values), static_cast<std::streamsize>(static_cast<std::size_t>(n) * elem));
+  out.write(static_cast<const char*>(values),
+            static_cast<std::streamsize>(static_cast<std::size_t>(n) * elem));
   if (!out) throw Error(ErrorKind::invalid_input, path, "", path + ": write failed");
 }
 
@@ -128,11 +131,13 @@ NpyArray parse_npy(const std::string& c, const std::string& name) {
   const int major = static_cast<unsigned char>(c[6]);
   std::size_t header_len = 0, offset = 0;
   if (major == 1) {
-    header_len = static_cast<unsigned char>(c[8]) | (static_cast<std::size_t>(static_cast<unsigned char>(c[9])) << 8);
+    header_len =
+        static_cast<unsigned char>(c[8]) | (static_cast<std::size_t>(static_cast<unsigned char>(c[9])) << 8);
     offset = 10;
   } else if (major == 2 || major == 3) {
     if (c.size() < 12) bad(name, "truncated header");
-    for (int i = 0; i < 4; ++i) header_len |= static_cast<std::size_t>(static_cast<unsigned char>(c[8 + i])) << (8 * i);
+    for (int i = 0; i < 4; ++i)
+      header_len |= static_cast<std::size_t>(static_cast<unsigned char>(c[8 + i])) << (8 * i);
     offset = 12;
   } else {
     bad(name, "unsupported format version " + std::to_string(major));

@@ -109,9 +109,9 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
     const BlockMeta& kb = grid.kv[b][task % kv_blocks];
     Workspace& w = spaces[worker];
     prepare(w);
-    // dK and dV sum over every (q head, q block) tile: each tile's 64-row sum in fp32 registers, the running sum
-    // over tiles in fp64, so the error does not grow with the sequence and the group size (strategies that split
-    // the sum differently then agree to ~1e-7 of max |grad|).
+    // dK and dV sum over every (q head, q block) tile: each tile's 64-row sum in fp32 registers, the running
+    // sum over tiles in fp64, so the error does not grow with the sequence and the group size (strategies
+    // that split the sum differently then agree to ~1e-7 of max |grad|).
     w.acc_a.resize(Bk * Dp);
     w.acc_b.resize(Bk * Dp);
     w.sum_a.assign(Bk * Dp, 0.0);
@@ -178,7 +178,8 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
       // dQ[i] += sum_j dS[i][j] K[j]
       axpy_rows(w.dp.data(), 1, Bk, w.krows.data(), Dp, Bk, rows, Dp, w.acc_a.data(), Dp);
     }
-    for (std::int64_t r = 0; r < qb.length; ++r) store_row(dq, b, qb.begin + r, h, w.acc_a.data() + r * Dp, grad_scale);
+    for (std::int64_t r = 0; r < qb.length; ++r)
+      store_row(dq, b, qb.begin + r, h, w.acc_a.data() + r * Dp, grad_scale);
   });
 
   if (tiles != nullptr) {
@@ -192,18 +193,18 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   }
 }
 
-FlashBackwardResult flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o,
-                                             const std::vector<float>& lse, const Tensor& d_out,
-                                             const AttentionMask& mask, double scale, const FlashConfig& config,
-                                             DType kv_grad_dtype) {
+FlashBackwardResult flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const Tensor& o, const std::vector<float>& lse,
+                                             const Tensor& d_out, const AttentionMask& mask, double scale,
+                                             const FlashConfig& config, DType kv_grad_dtype) {
   FlashBackwardResult r;
   r.dq = Tensor(q.dtype(), q.shape());
   r.dk = Tensor(kv_grad_dtype, k.shape());
   r.dv = Tensor(kv_grad_dtype, k.shape());
   if (static_cast<std::int64_t>(lse.size()) != q.shape().b * q.shape().h * q.shape().s) {
     throw Error(ErrorKind::invalid_input, "lse", std::to_string(lse.size()),
-                "lse holds " + std::to_string(lse.size()) + " values; expected B*Hq*Sq = " +
-                    std::to_string(q.shape().b * q.shape().h * q.shape().s));
+                "lse holds " + std::to_string(lse.size()) +
+                    " values; expected B*Hq*Sq = " + std::to_string(q.shape().b * q.shape().h * q.shape().s));
   }
   flash_backward(cref(q), cref(k), cref(v), cref(o), lse.data(), cref(d_out), mask, scale, config, ref(r.dq),
                  ref(r.dk), ref(r.dv), &r.tiles);

@@ -16,29 +16,36 @@ void check_forward_args(const ConstTensorRef& q, const ConstTensorRef& k, const 
     throw Error(ErrorKind::invalid_input, field, value, message);
   };
   check_same_shape("v", v.shape, ks);
-  if (ks.b != qs.b) fail("k", to_string(ks), "k batch (" + std::to_string(ks.b) + ") differs from q's (" + std::to_string(qs.b) + ")");
-  if (ks.d != qs.d) fail("k", to_string(ks), "k head_dim (" + std::to_string(ks.d) + ") differs from q's (" + std::to_string(qs.d) + ")");
-  if (qs.d < 1 || qs.d > 512) fail("head_dim", std::to_string(qs.d), "head_dim (" + std::to_string(qs.d) + ") must be in 1..512");
+  if (ks.b != qs.b)
+    fail("k", to_string(ks),
+         "k batch (" + std::to_string(ks.b) + ") differs from q's (" + std::to_string(qs.b) + ")");
+  if (ks.d != qs.d)
+    fail("k", to_string(ks),
+         "k head_dim (" + std::to_string(ks.d) + ") differs from q's (" + std::to_string(qs.d) + ")");
+  if (qs.d < 1 || qs.d > 512)
+    fail("head_dim", std::to_string(qs.d), "head_dim (" + std::to_string(qs.d) + ") must be in 1..512");
   if (ks.h < 1 || qs.h % ks.h != 0) {
     fail("num_kv_heads", std::to_string(ks.h),
          "k's heads (" + std::to_string(ks.h) + ") must divide q's heads (" + std::to_string(qs.h) + ")");
   }
   for (const auto* t : {&q, &k, &v}) {
-    if (t->stride[3] != 1) fail("stride", std::to_string(t->stride[3]), "the head_dim axis must be contiguous");
+    if (t->stride[3] != 1)
+      fail("stride", std::to_string(t->stride[3]), "the head_dim axis must be contiguous");
   }
   if (static_cast<std::int64_t>(mask.q_positions.size()) != qs.b * qs.s) {
     fail("q_positions", std::to_string(mask.q_positions.size()),
-         "q_positions holds " + std::to_string(mask.q_positions.size()) + " entries; expected B*Sq = " +
-             std::to_string(qs.b * qs.s));
+         "q_positions holds " + std::to_string(mask.q_positions.size()) +
+             " entries; expected B*Sq = " + std::to_string(qs.b * qs.s));
   }
   if (static_cast<std::int64_t>(mask.kv_positions.size()) != ks.b * ks.s) {
     fail("kv_positions", std::to_string(mask.kv_positions.size()),
-         "kv_positions holds " + std::to_string(mask.kv_positions.size()) + " entries; expected B*Skv = " +
-             std::to_string(ks.b * ks.s));
+         "kv_positions holds " + std::to_string(mask.kv_positions.size()) +
+             " entries; expected B*Skv = " + std::to_string(ks.b * ks.s));
   }
   if (mask.has_segments() && (static_cast<std::int64_t>(mask.q_segments.size()) != qs.b * qs.s ||
                               static_cast<std::int64_t>(mask.kv_segments.size()) != ks.b * ks.s)) {
-    fail("segment_ids", std::to_string(mask.q_segments.size()) + "," + std::to_string(mask.kv_segments.size()),
+    fail("segment_ids",
+         std::to_string(mask.q_segments.size()) + "," + std::to_string(mask.kv_segments.size()),
          "segment ids must hold B*Sq (" + std::to_string(qs.b * qs.s) + ") and B*Skv (" +
              std::to_string(ks.b * ks.s) + ") entries");
   }

@@ -73,7 +73,8 @@ inline void apply_mask(float* s, std::int64_t rows_padded, std::int64_t cols, co
   for (std::int64_t r = 0; r < rows_padded; ++r) {
     float* row = s + r * cols;
     for (std::int64_t j = 0; j < cols; ++j) {
-      const bool seen = r < qb.length && j < kb.length && mask.visible(b, qb.begin + r, kb.begin + j, sq, skv);
+      const bool seen =
+          r < qb.length && j < kb.length && mask.visible(b, qb.begin + r, kb.begin + j, sq, skv);
       row[j] = seen ? row[j] : fill;
     }
   }

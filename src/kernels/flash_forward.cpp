@@ -110,7 +110,8 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
 }
 
 FlashForwardResult flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                           const AttentionMask& mask, double scale, const FlashConfig& config) {
+                                           const AttentionMask& mask, double scale,
+                                           const FlashConfig& config) {
   FlashForwardResult r;
   r.o = Tensor(q.dtype(), q.shape());
   r.lse.assign(static_cast<std::size_t>(q.shape().b * q.shape().h * q.shape().s), 0.0f);

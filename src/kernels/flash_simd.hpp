@@ -19,8 +19,12 @@ inline constexpr int kTileRows = 4;  // rows of a register tile; blocks are padd
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 
-inline std::int64_t lanes() { return static_cast<std::int64_t>(hn::Lanes(DF())); }
-inline std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+inline std::int64_t lanes() {
+  return static_cast<std::int64_t>(hn::Lanes(DF()));
+}
+inline std::int64_t round_up(std::int64_t x, std::int64_t m) {
+  return (x + m - 1) / m * m;
+}
 
 // 2^x for x <= ~0 (the softmax's s - m). Inputs below -126, -inf among them, give exactly 0; x = 0 gives
 // exactly 1, so a rescale by exp2(m - m) is an exact no-op. Taylor polynomial of degree 7 on the reduced
@@ -103,14 +107,16 @@ inline void dot_rows(const float* a, std::int64_t as, const float* bt, std::int6
                      std::int64_t rows, std::int64_t cols, float* out, std::int64_t os) {
   const std::int64_t step = 4 * lanes();
   for (std::int64_t r = 0; r < rows; r += kTileRows) {
-    for (std::int64_t j = 0; j < cols; j += step) dot_tile<4>(a + r * as, as, bt + j, bs, depth, out + r * os + j, os);
+    for (std::int64_t j = 0; j < cols; j += step)
+      dot_tile<4>(a + r * as, as, bt + j, bs, depth, out + r * os + j, os);
   }
 }
 
-// axpy_tile over `rows` output rows and `width` columns (a multiple of the lane count), 4 vectors at a time and
-// the remainder with fewer.
+// axpy_tile over `rows` output rows and `width` columns (a multiple of the lane count), 4 vectors at a time
+// and the remainder with fewer.
 inline void axpy_rows(const float* coef, std::int64_t ct, std::int64_t cr, const float* x, std::int64_t xs,
-                      std::int64_t count, std::int64_t rows, std::int64_t width, float* out, std::int64_t os) {
+                      std::int64_t count, std::int64_t rows, std::int64_t width, float* out,
+                      std::int64_t os) {
   const std::int64_t n = lanes();
   for (std::int64_t r = 0; r < rows; r += kTileRows) {
     const float* cf = coef + r * cr;
@@ -118,10 +124,17 @@ inline void axpy_rows(const float* coef, std::int64_t ct, std::int64_t cr, const
     std::int64_t c = 0;
     for (; c + 4 * n <= width; c += 4 * n) axpy_tile<4>(cf, ct, cr, x + c, xs, count, o + c, os);
     switch ((width - c) / n) {
-      case 3: axpy_tile<3>(cf, ct, cr, x + c, xs, count, o + c, os); break;
-      case 2: axpy_tile<2>(cf, ct, cr, x + c, xs, count, o + c, os); break;
-      case 1: axpy_tile<1>(cf, ct, cr, x + c, xs, count, o + c, os); break;
-      default: break;
+      case 3:
+        axpy_tile<3>(cf, ct, cr, x + c, xs, count, o + c, os);
+        break;
+      case 2:
+        axpy_tile<2>(cf, ct, cr, x + c, xs, count, o + c, os);
+        break;
+      case 1:
+        axpy_tile<1>(cf, ct, cr, x + c, xs, count, o + c, os);
+        break;
+      default:
+        break;
     }
   }
 }

@@ -7,8 +7,8 @@
 
 namespace cpattn {
 
-ReferenceResult reference_attention(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t, const Tensor* d_out,
-                                    const AttentionMask& mask, double scale) {
+ReferenceResult reference_attention(const Tensor& q_t, const Tensor& k_t, const Tensor& v_t,
+                                    const Tensor* d_out, const AttentionMask& mask, double scale) {
   const Shape4 qs = q_t.shape();
   const Shape4 ks = k_t.shape();
   CPATTN_ASSERT(ks == v_t.shape() && qs.b == ks.b && qs.d == ks.d && ks.h > 0 && qs.h % ks.h == 0);
@@ -84,8 +84,8 @@ ReferenceResult reference_attention(const Tensor& q_t, const Tensor& k_t, const 
 
 namespace cpattn {
 
-ReferenceRowsResult reference_attention_rows(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor* d_out,
-                                             const AttentionMask& mask, double scale,
+ReferenceRowsResult reference_attention_rows(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             const Tensor* d_out, const AttentionMask& mask, double scale,
                                              const std::vector<ReferenceRow>& rows) {
   const Shape4 qs = q.shape(), ks = k.shape();
   const std::int64_t D = qs.d, Skv = ks.s, G = qs.h / ks.h;

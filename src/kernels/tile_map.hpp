@@ -1,5 +1,6 @@
 // Tile classification on the kernel's (Bq, Bk) grid from token metadata: each (q block, kv block) pair is
-// empty (skipped), full (every row sees every key: no mask arithmetic) or partial (mask applied by selection).
+// empty (skipped), full (every row sees every key: no mask arithmetic) or partial (mask applied by
+// selection).
 #pragma once
 
 #include <algorithm>

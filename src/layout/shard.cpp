@@ -30,7 +30,8 @@ void put_tokens(Tensor& whole, const Tensor& local, const std::vector<std::int64
   const auto* src = static_cast<const unsigned char*>(local.raw());
   auto* dst = static_cast<unsigned char*>(whole.raw());
   for (std::int64_t b = 0; b < s.b; ++b) {
-    for (std::int64_t i = 0; i < n; ++i) std::memcpy(dst + (b * s.s + positions[i]) * run, src + (b * n + i) * run, run);
+    for (std::int64_t i = 0; i < n; ++i)
+      std::memcpy(dst + (b * s.s + positions[i]) * run, src + (b * n + i) * run, run);
   }
 }
 

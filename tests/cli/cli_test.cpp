@@ -18,7 +18,8 @@ struct Result {
 };
 
 Result run(const std::string& args) {
-  const auto err_path = std::filesystem::temp_directory_path() / ("cpattn_cli_err_" + std::to_string(::getpid()));
+  const auto err_path =
+      std::filesystem::temp_directory_path() / ("cpattn_cli_err_" + std::to_string(::getpid()));
   const std::string cmd = std::string(CPATTN_EXE) + " " + args + " 2>" + err_path.string();
   Result r;
   FILE* pipe = ::popen(cmd.c_str(), "r");
@@ -77,7 +78,8 @@ TEST(CliValidate, InvalidConfigListsEveryErrorAsJsonAndExits2) {
   EXPECT_EQ(j["errors"][0]["value"], 1001);
   EXPECT_EQ(j["errors"][2]["field"], "num_kv_heads");
   EXPECT_EQ(j["errors"][2]["fields"], (std::vector<std::string>{"num_kv_heads", "cp"}));
-  EXPECT_NE(r.err.find("ulysses needs num_kv_heads (3) to divide cp (4) or be divisible by it"), std::string::npos)
+  EXPECT_NE(r.err.find("ulysses needs num_kv_heads (3) to divide cp (4) or be divisible by it"),
+            std::string::npos)
       << r.err;
 }
 
@@ -85,9 +87,10 @@ TEST(CliValidate, ReadsSeedYamlAndFlagsWin) {
   const std::string model = write_temp("cpattn_model.yml",
                                        "base_num_query_heads: 32\nbase_num_kv_heads: 2\nhead_dim: 256\n"
                                        "base_emb_dim: 4096\nbase_num_decoder_layers: 60\n");
-  const std::string run_cfg = write_temp("cpattn_run.yml",
-                                         "context_parallel_strategy: \"ulysses\"\nici_context_parallelism: 4\n"
-                                         "max_target_length: 65536\ncontext_parallel_load_balance: false\n");
+  const std::string run_cfg =
+      write_temp("cpattn_run.yml",
+                 "context_parallel_strategy: \"ulysses\"\nici_context_parallelism: 4\n"
+                 "max_target_length: 65536\ncontext_parallel_load_balance: false\n");
   Result r = run("validate --json --config " + model + " --config " + run_cfg);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(nlohmann::json::parse(r.out)["replication"], 2);
@@ -103,7 +106,8 @@ TEST(CliValidate, BadInputExits2WithAMessage) {
       {"validate --cp abc --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8", "--cp"},
       {"validate --no-such-flag", "no-such-flag"},
       {"validate --strategy ring --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8", "'ring' is not a strategy"},
-      {"validate --config " + bad_type + " --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8", "ici_context_parallelism"},
+      {"validate --config " + bad_type + " --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8",
+       "ici_context_parallelism"},
       {"validate --config " + not_yaml, "not valid YAML"},
       {"validate --config /nonexistent.yml", "nonexistent.yml"},
       {"validate --q-heads 8", "seq_len is not set"},
@@ -118,21 +122,25 @@ TEST(CliValidate, BadInputExits2WithAMessage) {
   }
 }
 
-TEST(CliValidate, HelpExits0) { EXPECT_EQ(run("validate --help").exit_code, 0); }
+TEST(CliValidate, HelpExits0) {
+  EXPECT_EQ(run("validate --help").exit_code, 0);
+}
 
 }  // namespace
 
 namespace {
 
 TEST(CliRun, UlyssesCheckPassesAndPrintsTheJsonScriptsRead) {
-  const Result r = run("run --json --strategy ulysses --cp 4 --q-heads 8 --kv-heads 2 --head-dim 32 --seq 256 "
-                       "--segments 200,56 --check --threads 1");
+  const Result r =
+      run("run --json --strategy ulysses --cp 4 --q-heads 8 --kv-heads 2 --head-dim 32 --seq 256 "
+          "--segments 200,56 --check --threads 1");
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   const auto j = nlohmann::json::parse(r.out);
   const auto& sd = j["check"]["single_device"];
   for (const char* k : {"o", "lse"}) EXPECT_EQ(sd["max_abs_diff"][k].get<double>(), 0.0) << k;
   for (const char* k : {"dq", "dk", "dv"}) EXPECT_LE(sd["max_rel_diff"][k].get<double>(), 1e-6) << k;
-  for (const char* k : {"o", "dq", "dk", "dv"}) EXPECT_LE(j["check"]["reference"]["max_rel_diff"][k].get<double>(), 1e-5);
+  for (const char* k : {"o", "dq", "dk", "dv"})
+    EXPECT_LE(j["check"]["reference"]["max_rel_diff"][k].get<double>(), 1e-5);
   EXPECT_TRUE(j["check"]["pass"].get<bool>());
   EXPECT_EQ(j["tiles_per_rank"].size(), 4u);
   EXPECT_GT(j["seconds"]["forward"].get<double>(), 0.0);
@@ -161,7 +169,8 @@ TEST(CliRun, SavesOutputsAndLoadsInputsWhoseShapesWin) {
   std::filesystem::copy_file(CPATTN_TEST_DATA "/attention/gqa4_noncausal/k.npy", dir / "in" / "k.npy");
   std::filesystem::copy_file(CPATTN_TEST_DATA "/attention/gqa4_noncausal/v.npy", dir / "in" / "v.npy");
   std::filesystem::copy_file(CPATTN_TEST_DATA "/attention/gqa4_noncausal/do.npy", dir / "in" / "do.npy");
-  r = run("run --json --strategy ulysses --cp 2 --no-causal --check --threads 1 --load " + (dir / "in").string());
+  r = run("run --json --strategy ulysses --cp 2 --no-causal --check --threads 1 --load " +
+          (dir / "in").string());
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(nlohmann::json::parse(r.out)["problem"]["q_heads"], 8);
   r = run("run --strategy ulysses --cp 2 --q-heads 4 --load " + (dir / "in").string());

@@ -73,8 +73,8 @@ double time_collective(Communicator& comm, const std::string& kind, std::int64_t
 #ifdef CPATTN_WITH_MPI
     if (raw_mpi) {
       auto& mpi = static_cast<MpiCommunicator&>(comm);
-      MPI_Alltoall(send.data(), static_cast<int>(block), MPI_FLOAT, recv.data(), static_cast<int>(block), MPI_FLOAT,
-                   mpi.comm());
+      MPI_Alltoall(send.data(), static_cast<int>(block), MPI_FLOAT, recv.data(), static_cast<int>(block),
+                   MPI_FLOAT, mpi.comm());
       return;
     }
 #else
@@ -91,7 +91,8 @@ double time_collective(Communicator& comm, const std::string& kind, std::int64_t
   comm.barrier();
   std::int64_t warm_ns = static_cast<std::int64_t>(seconds_since(t0) * 1e9);
   comm.all_reduce(&warm_ns, 1, ReduceOp::max);
-  const int iters = static_cast<int>(std::clamp<std::int64_t>(200'000'000 / std::max<std::int64_t>(warm_ns, 1), 3, 200));
+  const int iters =
+      static_cast<int>(std::clamp<std::int64_t>(200'000'000 / std::max<std::int64_t>(warm_ns, 1), 3, 200));
   comm.barrier();
   t0 = clock_type::now();
   for (int i = 0; i < iters; ++i) once();
@@ -112,8 +113,13 @@ int bench_comm(const CommOptions& opt) {
     const double mem_t = memcpy_seconds(n, static_cast<std::size_t>(moved));
     memcpy_gbps = std::max(memcpy_gbps, moved * n / mem_t / 1e9);
     const double algbw = static_cast<double>(bytes) / t / 1e9;
-    out["results"].push_back({{"backend", backend}, {"collective", kind}, {"ranks", n}, {"bytes_per_rank", bytes},
-                              {"seconds", t}, {"algbw_gbps", algbw}, {"busbw_gbps", algbw * (n - 1) / n},
+    out["results"].push_back({{"backend", backend},
+                              {"collective", kind},
+                              {"ranks", n},
+                              {"bytes_per_rank", bytes},
+                              {"seconds", t},
+                              {"algbw_gbps", algbw},
+                              {"busbw_gbps", algbw * (n - 1) / n},
                               {"fraction_of_memcpy", mem_t / t}});
   };
   if (opt.backend == "inproc") {
@@ -145,7 +151,8 @@ int bench_comm(const CommOptions& opt) {
       }
     }
 #else
-    throw Error(ErrorKind::invalid_config, "--backend", opt.backend, "this build has no MPI backend; valid: inproc");
+    throw Error(ErrorKind::invalid_config, "--backend", opt.backend,
+                "this build has no MPI backend; valid: inproc");
 #endif
   }
   if (!print) return 0;
@@ -154,16 +161,19 @@ int bench_comm(const CommOptions& opt) {
     std::cout << out.dump(2) << "\n";
     return 0;
   }
-  std::cout << "memcpy (same threads, same bytes): up to " << std::setprecision(3) << memcpy_gbps << " GB/s\n";
-  std::cout << std::left << std::setw(9) << "backend" << std::setw(16) << "collective" << std::setw(6) << "ranks"
-            << std::setw(12) << "bytes/rank" << std::setw(12) << "seconds" << std::setw(11) << "algbw GB/s"
-            << std::setw(11) << "busbw GB/s" << "of memcpy\n";
+  std::cout << "memcpy (same threads, same bytes): up to " << std::setprecision(3) << memcpy_gbps
+            << " GB/s\n";
+  std::cout << std::left << std::setw(9) << "backend" << std::setw(16) << "collective" << std::setw(6)
+            << "ranks" << std::setw(12) << "bytes/rank" << std::setw(12) << "seconds" << std::setw(11)
+            << "algbw GB/s" << std::setw(11) << "busbw GB/s"
+            << "of memcpy\n";
   for (const auto& r : out["results"]) {
     std::cout << std::left << std::setw(9) << r["backend"].get<std::string>() << std::setw(16)
               << r["collective"].get<std::string>() << std::setw(6) << r["ranks"].get<int>() << std::setw(12)
               << r["bytes_per_rank"].get<std::int64_t>() << std::setw(12) << std::setprecision(4)
-              << r["seconds"].get<double>() << std::setw(11) << std::setprecision(3) << r["algbw_gbps"].get<double>()
-              << std::setw(11) << r["busbw_gbps"].get<double>() << r["fraction_of_memcpy"].get<double>() << "\n";
+              << r["seconds"].get<double>() << std::setw(11) << std::setprecision(3)
+              << r["algbw_gbps"].get<double>() << std::setw(11) << r["busbw_gbps"].get<double>()
+              << r["fraction_of_memcpy"].get<double>() << "\n";
   }
   return 0;
 }
@@ -217,8 +227,13 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
     configs.push_back({"all_gather_load_balanced", Strategy::all_gather, true, cp});
   }
   nlohmann::ordered_json out;
-  out["problem"] = {{"batch", a.batch}, {"seq", a.seq_len}, {"q_heads", a.num_q_heads}, {"kv_heads", a.num_kv_heads},
-                    {"head_dim", a.head_dim}, {"causal", a.causal}, {"dtype", to_string(a.dtype)},
+  out["problem"] = {{"batch", a.batch},
+                    {"seq", a.seq_len},
+                    {"q_heads", a.num_q_heads},
+                    {"kv_heads", a.num_kv_heads},
+                    {"head_dim", a.head_dim},
+                    {"causal", a.causal},
+                    {"dtype", to_string(a.dtype)},
                     {"cores", std::thread::hardware_concurrency()}};
   out["results"] = nlohmann::ordered_json::array();
   double single = 0;
@@ -242,26 +257,34 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
       tmax = std::max(tmax, rank.tiles);
     }
     if (c.cp == 1) single = fwd + bwd;
-    out["results"].push_back({{"name", c.name}, {"cp", c.cp}, {"forward_seconds", fwd}, {"backward_seconds", bwd},
-                              {"total_seconds", fwd + bwd}, {"ratio_to_single_device", (fwd + bwd) / single},
-                              {"tiles_skew", static_cast<double>(tmax) / static_cast<double>(std::max<std::int64_t>(tmin, 1))}});
+    out["results"].push_back(
+        {{"name", c.name},
+         {"cp", c.cp},
+         {"forward_seconds", fwd},
+         {"backward_seconds", bwd},
+         {"total_seconds", fwd + bwd},
+         {"ratio_to_single_device", (fwd + bwd) / single},
+         {"tiles_skew", static_cast<double>(tmax) / static_cast<double>(std::max<std::int64_t>(tmin, 1))}});
   }
   if (opt.json) {
     std::cout << out.dump(2) << "\n";
     return 0;
   }
   std::cout << "bench strategy: B=" << a.batch << " S=" << a.seq_len << " Hq=" << a.num_q_heads
-            << " Hkv=" << a.num_kv_heads << " D=" << a.head_dim << (a.causal ? " causal " : " ") << to_string(a.dtype)
-            << ", " << std::thread::hardware_concurrency() << " cores; each rank max(1, cores/cp) threads\n";
+            << " Hkv=" << a.num_kv_heads << " D=" << a.head_dim << (a.causal ? " causal " : " ")
+            << to_string(a.dtype) << ", " << std::thread::hardware_concurrency()
+            << " cores; each rank max(1, cores/cp) threads\n";
   for (const auto& r : out["results"]) {
-    std::cout << std::left << std::setw(26) << r["name"].get<std::string>() << "cp " << std::setw(3) << r["cp"].get<int>();
+    std::cout << std::left << std::setw(26) << r["name"].get<std::string>() << "cp " << std::setw(3)
+              << r["cp"].get<int>();
     if (r.contains("skipped")) {
       std::cout << "skipped: " << r["skipped"].get<std::string>() << "\n";
       continue;
     }
     std::cout << std::setprecision(3) << "forward " << std::setw(8) << r["forward_seconds"].get<double>()
-              << "backward " << std::setw(8) << r["backward_seconds"].get<double>() << "x single " << std::setw(7)
-              << r["ratio_to_single_device"].get<double>() << "tiles max/min " << r["tiles_skew"].get<double>() << "\n";
+              << "backward " << std::setw(8) << r["backward_seconds"].get<double>() << "x single "
+              << std::setw(7) << r["ratio_to_single_device"].get<double>() << "tiles max/min "
+              << r["tiles_skew"].get<double>() << "\n";
   }
   return 0;
 }
@@ -272,7 +295,8 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   CLI::App* bench = app.add_subcommand("bench", "benchmarks with same-run baselines");
   bench->require_subcommand(1);
   auto comm_opt = std::make_shared<CommOptions>();
-  CLI::App* comm = bench->add_subcommand("comm", "collective bandwidth against memcpy (and raw MPI_Alltoall)");
+  CLI::App* comm =
+      bench->add_subcommand("comm", "collective bandwidth against memcpy (and raw MPI_Alltoall)");
   comm->add_option("--backend", comm_opt->backend, "inproc or mpi (under mpirun)");
   comm->add_option("--ranks", comm_opt->ranks, "in-process group sizes")->delimiter(',');
   comm->add_option("--min-bytes", comm_opt->min_bytes, "smallest per-rank size");

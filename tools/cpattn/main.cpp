@@ -38,11 +38,13 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::cerr << "error: " << e.what() << "\n" << "run 'cpattn --help' for the flags\n";
+    std::cerr << "error: " << e.what() << "\n"
+              << "run 'cpattn --help' for the flags\n";
     return 2;
   } catch (const cpattn::Error& e) {
     std::cerr << "error: " << e.what() << "\n";
-    return e.kind() == cpattn::ErrorKind::invalid_config || e.kind() == cpattn::ErrorKind::invalid_input ? 2 : 1;
+    return e.kind() == cpattn::ErrorKind::invalid_config || e.kind() == cpattn::ErrorKind::invalid_input ? 2
+                                                                                                         : 1;
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << "\n";
     return 1;

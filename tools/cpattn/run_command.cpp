@@ -51,15 +51,18 @@ std::vector<std::int64_t> parse_segments(const std::string& text, std::int64_t s
       used = 0;
     }
     if (used != part.size() || n <= 0) {
-      bad_input("--segments", text, "--segments '" + text + "': '" + part + "' is not a positive document length");
+      bad_input("--segments", text,
+                "--segments '" + text + "': '" + part + "' is not a positive document length");
     }
     lengths.push_back(n);
     total += n;
   }
   if (lengths.empty() || total != seq) {
     bad_input("--segments", text,
-              "--segments '" + text + "' sums to " + std::to_string(total) + "; the document lengths must add up to "
-              "--seq (" + std::to_string(seq) + ")");
+              "--segments '" + text + "' sums to " + std::to_string(total) +
+                  "; the document lengths must add up to "
+                  "--seq (" +
+                  std::to_string(seq) + ")");
   }
   return lengths;
 }
@@ -72,7 +75,8 @@ Tensor random_tensor(DType dtype, Shape4 shape, std::uint32_t seed) {
   return Tensor::from_floats(dtype, shape, v);
 }
 
-// Reads DIR/{q,k,v,do}.npy (+ segment_ids.npy) and sets the sizes they imply, refusing disagreements with flags.
+// Reads DIR/{q,k,v,do}.npy (+ segment_ids.npy) and sets the sizes they imply, refusing disagreements with
+// flags.
 WholeProblem load_problem(const std::string& dir, ConfigValues& values) {
   namespace fs = std::filesystem;
   auto load4 = [&](const char* name) {
@@ -87,8 +91,8 @@ WholeProblem load_problem(const std::string& dir, ConfigValues& values) {
   auto agree = [&](std::optional<std::int64_t>& flag, std::int64_t file_value, const char* what) {
     if (flag && *flag != file_value) {
       bad_input(what, std::to_string(*flag),
-                std::string(what) + " (" + std::to_string(*flag) + ") disagrees with " + dir + "/q.npy and k.npy (" +
-                    std::to_string(file_value) + ")");
+                std::string(what) + " (" + std::to_string(*flag) + ") disagrees with " + dir +
+                    "/q.npy and k.npy (" + std::to_string(file_value) + ")");
     }
     flag = file_value;
   };
@@ -97,7 +101,8 @@ WholeProblem load_problem(const std::string& dir, ConfigValues& values) {
   agree(values.num_q_heads, q.shape[2], "--q-heads");
   agree(values.head_dim, q.shape[3], "--head-dim");
   agree(values.num_kv_heads, k.shape[2], "--kv-heads");
-  if (k.shape != v.shape || k.shape[0] != q.shape[0] || k.shape[1] != q.shape[1] || k.shape[3] != q.shape[3]) {
+  if (k.shape != v.shape || k.shape[0] != q.shape[0] || k.shape[1] != q.shape[1] ||
+      k.shape[3] != q.shape[3]) {
     bad_input(dir + "/k.npy", "", dir + ": k.npy and v.npy must be [B, S, Hkv, D] with q.npy's B, S and D");
   }
   if (d_out.shape != q.shape) bad_input(dir + "/do.npy", "", dir + "/do.npy must have q.npy's shape");
@@ -110,8 +115,9 @@ WholeProblem load_problem(const std::string& dir, ConfigValues& values) {
   if (fs::exists(seg_path)) {
     const NpyArray s = read_npy(seg_path.string());
     if (s.dtype != NpyDType::i32 || s.shape != std::vector<std::int64_t>{q.shape[0], q.shape[1]}) {
-      bad_input(seg_path.string(), "", seg_path.string() + ": expected int32 [B, S] = [" + std::to_string(q.shape[0]) +
-                                           ", " + std::to_string(q.shape[1]) + "]");
+      bad_input(seg_path.string(), "",
+                seg_path.string() + ": expected int32 [B, S] = [" + std::to_string(q.shape[0]) + ", " +
+                    std::to_string(q.shape[1]) + "]");
     }
     p.segment_ids = s.as_int32();
   }
@@ -200,11 +206,13 @@ int run(const CLI::App& app, RunOptions& opt) {
   const char* backends = "inproc (this build has no MPI)";
 #endif
   if (opt.backend != "inproc" && !(opt.backend == "mpi" && std::string(backends) == "inproc or mpi")) {
-    bad_input("--backend", opt.backend, "--backend '" + opt.backend + "' is not available; valid: " + backends);
+    bad_input("--backend", opt.backend,
+              "--backend '" + opt.backend + "' is not available; valid: " + backends);
   }
   const AttentionSpec& a = specs.attention;
   const ParallelSpec& p = specs.parallel;
-  if (p.tp != 1) bad_input("--tp", std::to_string(p.tp), "cpattn run simulates one tensor-parallel group; use --tp 1");
+  if (p.tp != 1)
+    bad_input("--tp", std::to_string(p.tp), "cpattn run simulates one tensor-parallel group; use --tp 1");
   if (opt.load_dir.empty()) {
     problem.q = random_tensor(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, opt.seed);
     problem.k = random_tensor(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, opt.seed + 1);
@@ -233,11 +241,21 @@ int run(const CLI::App& app, RunOptions& opt) {
 
   nlohmann::ordered_json out;
   out["ok"] = true;
-  out["problem"] = {{"strategy", to_string(p.strategy)}, {"cp", p.cp}, {"batch", a.batch}, {"seq", a.seq_len},
-                    {"q_heads", a.num_q_heads}, {"kv_heads", a.num_kv_heads}, {"head_dim", a.head_dim},
-                    {"causal", a.causal}, {"dtype", to_string(a.dtype)}, {"load_balance", p.load_balance},
-                    {"remat", opt.remat}, {"forward_only", opt.forward_only}, {"backend", opt.backend},
-                    {"threads_per_rank", threads_per_rank}, {"segments", opt.segments}};
+  out["problem"] = {{"strategy", to_string(p.strategy)},
+                    {"cp", p.cp},
+                    {"batch", a.batch},
+                    {"seq", a.seq_len},
+                    {"q_heads", a.num_q_heads},
+                    {"kv_heads", a.num_kv_heads},
+                    {"head_dim", a.head_dim},
+                    {"causal", a.causal},
+                    {"dtype", to_string(a.dtype)},
+                    {"load_balance", p.load_balance},
+                    {"remat", opt.remat},
+                    {"forward_only", opt.forward_only},
+                    {"backend", opt.backend},
+                    {"threads_per_rank", threads_per_rank},
+                    {"segments", opt.segments}};
   double fwd_s = 0, bwd_s = 0;
   std::vector<std::int64_t> tiles;
   for (const auto& r : result.ranks) {
@@ -245,11 +263,16 @@ int run(const CLI::App& app, RunOptions& opt) {
     bwd_s = std::max(bwd_s, r.backward_seconds);
     tiles.push_back(r.tiles);
   }
-  out["seconds"] = {{"forward", fwd_s}, {"backward", opt.forward_only ? nlohmann::ordered_json() : nlohmann::ordered_json(bwd_s)}};
+  out["seconds"] = {
+      {"forward", fwd_s},
+      {"backward", opt.forward_only ? nlohmann::ordered_json() : nlohmann::ordered_json(bwd_s)}};
   out["collectives"] = nlohmann::ordered_json::array();
   for (const auto& c : result.ranks.front().collectives) {
-    out["collectives"].push_back({{"kind", to_string(c.kind)}, {"phase", c.phase}, {"count", c.count},
-                                  {"bytes", c.bytes}, {"bytes_sent_per_rank", c.bytes_sent_per_rank}});
+    out["collectives"].push_back({{"kind", to_string(c.kind)},
+                                  {"phase", c.phase},
+                                  {"count", c.count},
+                                  {"bytes", c.bytes},
+                                  {"bytes_sent_per_rank", c.bytes_sent_per_rank}});
   }
   out["tiles_per_rank"] = tiles;
   const auto [tmin, tmax] = std::minmax_element(tiles.begin(), tiles.end());
@@ -275,8 +298,8 @@ int run(const CLI::App& app, RunOptions& opt) {
     const bool bf16 = a.dtype == DType::bf16;
     pass = pass && sd_abs["o"].get<double>() == 0.0 && sd_abs["lse"].get<double>() == 0.0;
     if (!opt.forward_only) {
-      const auto bwd = flash_attention_backward(problem.q, problem.k, problem.v, fwd.o, fwd.lse, problem.d_out, mask,
-                                                a.scale(), all_cores, a.dtype);
+      const auto bwd = flash_attention_backward(problem.q, problem.k, problem.v, fwd.o, fwd.lse,
+                                                problem.d_out, mask, a.scale(), all_cores, a.dtype);
       const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> grads[] = {
           {"dq", {&result.dq, &bwd.dq}}, {"dk", {&result.dk, &bwd.dk}}, {"dv", {&result.dv, &bwd.dv}}};
       for (const auto& [name, tensors] : grads) {
@@ -293,8 +316,8 @@ int run(const CLI::App& app, RunOptions& opt) {
     std::string ref_scope;
     if (work <= 1.5e9) {
       ref_scope = "whole problem";
-      const auto ref = reference_attention(problem.q, problem.k, problem.v, opt.forward_only ? nullptr : &problem.d_out,
-                                           mask, a.scale());
+      const auto ref = reference_attention(problem.q, problem.k, problem.v,
+                                           opt.forward_only ? nullptr : &problem.d_out, mask, a.scale());
       ref_rel["o"] = diff(result.o.to_floats(), ref.o).rel();
       if (!opt.forward_only) {
         ref_rel["dq"] = diff(result.dq.to_floats(), ref.dq).rel();
@@ -307,12 +330,14 @@ int run(const CLI::App& app, RunOptions& opt) {
       for (std::int64_t b = 0; b < a.batch; ++b) {
         for (std::int64_t hi = 0; hi < heads; ++hi) {
           const std::int64_t h = hi * a.num_q_heads / heads;
-          for (std::int64_t n = 0; n < per_head; ++n) rows.push_back({b, h, n * (a.seq_len - 1) / (per_head - 1)});
+          for (std::int64_t n = 0; n < per_head; ++n)
+            rows.push_back({b, h, n * (a.seq_len - 1) / (per_head - 1)});
         }
       }
       ref_scope = "sampled " + std::to_string(rows.size()) + " rows (O, dQ; dK/dV need every row)";
-      const auto ref = reference_attention_rows(problem.q, problem.k, problem.v,
-                                                opt.forward_only ? nullptr : &problem.d_out, mask, a.scale(), rows);
+      const auto ref =
+          reference_attention_rows(problem.q, problem.k, problem.v,
+                                   opt.forward_only ? nullptr : &problem.d_out, mask, a.scale(), rows);
       std::vector<float> o_rows, dq_rows;
       for (const auto& r : rows) {
         for (std::int64_t d = 0; d < a.head_dim; ++d) {
@@ -332,19 +357,24 @@ int run(const CLI::App& app, RunOptions& opt) {
     }
     out["check"] = {{"single_device", {{"max_abs_diff", sd_abs}, {"max_rel_diff", sd_rel}}},
                     {"reference", {{"max_rel_diff", ref_rel}, {"scope", ref_scope}}},
-                    {"tolerances", {{"forward", "bit-identical"},
-                                    {"grad_vs_single_device", bf16 ? 1e-2 : 1e-6},
-                                    {"vs_reference", ref_tol}}},
+                    {"tolerances",
+                     {{"forward", "bit-identical"},
+                      {"grad_vs_single_device", bf16 ? 1e-2 : 1e-6},
+                      {"vs_reference", ref_tol}}},
                     {"pass", pass}};
     std::ostringstream t;
-    t << "check vs the single-device kernel: max abs diff o " << fmt(sd_abs["o"]) << ", lse " << fmt(sd_abs["lse"]);
+    t << "check vs the single-device kernel: max abs diff o " << fmt(sd_abs["o"]) << ", lse "
+      << fmt(sd_abs["lse"]);
     if (!opt.forward_only) {
-      t << "; max rel diff dq " << fmt(sd_rel["dq"]) << ", dk " << fmt(sd_rel["dk"]) << ", dv " << fmt(sd_rel["dv"]);
+      t << "; max rel diff dq " << fmt(sd_rel["dq"]) << ", dk " << fmt(sd_rel["dk"]) << ", dv "
+        << fmt(sd_rel["dv"]);
     }
     t << "\ncheck vs the float64 reference (" << ref_scope << "): max rel diff";
-    for (const auto& [name, value] : ref_rel.items()) t << " " << name << " " << (value.is_null() ? "-" : fmt(value));
+    for (const auto& [name, value] : ref_rel.items())
+      t << " " << name << " " << (value.is_null() ? "-" : fmt(value));
     t << "\ncheck: " << (pass ? "PASS" : "FAIL") << " (forward bit-identical; gradients within "
-      << (bf16 ? "1e-2" : "1e-6") << " of the single-device kernel; within " << fmt(ref_tol) << " of the reference)\n";
+      << (bf16 ? "1e-2" : "1e-6") << " of the single-device kernel; within " << fmt(ref_tol)
+      << " of the reference)\n";
     check_text = t.str();
   }
 
@@ -357,7 +387,8 @@ int run(const CLI::App& app, RunOptions& opt) {
       write_npy((fs::path(opt.save_dir) / name).string(), {s.b, s.s, s.h, s.d}, f.data());
     };
     save("o.npy", result.o);
-    write_npy((fs::path(opt.save_dir) / "lse.npy").string(), {a.batch, a.num_q_heads, a.seq_len}, result.lse.data());
+    write_npy((fs::path(opt.save_dir) / "lse.npy").string(), {a.batch, a.num_q_heads, a.seq_len},
+              result.lse.data());
     if (!opt.forward_only) {
       save("dq.npy", result.dq);
       save("dk.npy", result.dk);
@@ -372,8 +403,9 @@ int run(const CLI::App& app, RunOptions& opt) {
               << (opt.remat ? " remat" : "") << ", cp=" << p.cp
               << (opt.backend == "mpi" ? " over MPI (" : " on the in-process group (") << threads_per_rank
               << " thread(s) per rank); B=" << a.batch << " S=" << a.seq_len << " Hq=" << a.num_q_heads
-              << " Hkv=" << a.num_kv_heads << " D=" << a.head_dim << (a.causal ? " causal" : " non-causal") << " "
-              << to_string(a.dtype) << (opt.segments.empty() ? "" : " segments " + opt.segments) << "\n";
+              << " Hkv=" << a.num_kv_heads << " D=" << a.head_dim << (a.causal ? " causal" : " non-causal")
+              << " " << to_string(a.dtype) << (opt.segments.empty() ? "" : " segments " + opt.segments)
+              << "\n";
     if (p.strategy == Strategy::ulysses) {
       std::cout << "placement: replication " << kv_replication_factor(a.num_kv_heads, p.cp) << ";";
       for (const auto& r : head_placement(a, p)) {
@@ -385,11 +417,12 @@ int run(const CLI::App& app, RunOptions& opt) {
     std::cout << "seconds: forward " << fmt(fwd_s);
     if (!opt.forward_only) std::cout << ", backward " << fmt(bwd_s);
     std::cout << "\ncollectives (per rank):\n";
-    std::cout << "  " << std::left << std::setw(20) << "kind" << std::setw(10) << "phase" << std::setw(7) << "count"
-              << std::setw(14) << "bytes" << "bytes sent per rank\n";
+    std::cout << "  " << std::left << std::setw(20) << "kind" << std::setw(10) << "phase" << std::setw(7)
+              << "count" << std::setw(14) << "bytes"
+              << "bytes sent per rank\n";
     for (const auto& c : result.ranks.front().collectives) {
-      std::cout << "  " << std::left << std::setw(20) << to_string(c.kind) << std::setw(10) << c.phase << std::setw(7)
-                << c.count << std::setw(14) << c.bytes << c.bytes_sent_per_rank << "\n";
+      std::cout << "  " << std::left << std::setw(20) << to_string(c.kind) << std::setw(10) << c.phase
+                << std::setw(7) << c.count << std::setw(14) << c.bytes << c.bytes_sent_per_rank << "\n";
     }
     std::cout << "tiles per rank (forward):";
     for (auto t : tiles) std::cout << " " << t;
@@ -402,12 +435,14 @@ int run(const CLI::App& app, RunOptions& opt) {
 
 void add_run_command(CLI::App& app, int& exit_code) {
   auto opt = std::make_shared<RunOptions>();
-  CLI::App* sub = app.add_subcommand("run", "run distributed attention (forward + backward) on the in-process group");
+  CLI::App* sub =
+      app.add_subcommand("run", "run distributed attention (forward + backward) on the in-process group");
   opt->problem.add_to(*sub);
   sub->add_option("--segments", opt->segments, "packed document lengths, e.g. 6144,2048 (sum = --seq)");
   sub->add_flag("--remat", opt->remat, "recompute (re-gather / re-exchange) in backward instead of keeping");
   sub->add_flag("--forward-only", opt->forward_only, "prefill: forward only, no state kept");
-  sub->add_option("--backend", opt->backend, "inproc (the in-process group) or mpi (one process per rank, mpirun)");
+  sub->add_option("--backend", opt->backend,
+                  "inproc (the in-process group) or mpi (one process per rank, mpirun)");
   sub->add_option("--threads", opt->threads, "kernel threads per rank (default max(1, cores / cp))");
   sub->add_option("--seed", opt->seed, "seed of the random inputs");
   sub->add_flag("--check", opt->check, "compare with the single-device kernel and the float64 reference");
