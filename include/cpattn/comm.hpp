@@ -92,14 +92,21 @@ class Communicator {
 
  protected:
   // The accounting for one call; backends call it once per collective, after it succeeded.
-  void count_all_to_all(std::int64_t count, CommDType dtype);
-  void count_all_gather(std::int64_t count, CommDType dtype);
-  void count_reduce_scatter(std::int64_t count, CommDType dtype);
-  void count_permute(std::int64_t count, CommDType dtype, const std::vector<int>& dest);
+  void count(CollectiveKind kind, std::int64_t count, CommDType dtype, const std::vector<int>* dest = nullptr);
 
  private:
   CollectiveCounters counters_;
 };
+
+// DESIGN.md's accounting of one call that moves `count` elements per block (all_to_all, reduce_scatter: per
+// destination block; all_gather: the input; permute: the operand) over `ranks` ranks. The communicators and the
+// planner both use it. dest: a permute's destinations (sent is 0 when nothing changes rank).
+struct CollectiveCost {
+  std::int64_t bytes = 0;
+  std::int64_t bytes_sent_per_rank = 0;
+};
+CollectiveCost collective_cost(CollectiveKind kind, std::int64_t count, std::size_t element_size, int ranks,
+                               const std::vector<int>* dest = nullptr);
 
 // Checks a permutation's shape before any rank waits on it; throws Error(invalid_input).
 void check_permutation(const std::vector<int>& dest, int size);

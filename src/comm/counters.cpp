@@ -77,27 +77,21 @@ CollectiveCounters::PhaseScope::~PhaseScope() {
   counters_.set_phase(previous_);
 }
 
-void Communicator::count_all_to_all(std::int64_t count, CommDType dtype) {
-  const std::int64_t e = static_cast<std::int64_t>(comm_dtype_size(dtype));
-  counters_.record(CollectiveKind::all_to_all, count * size() * e, count * (size() - 1) * e);
-}
-
-void Communicator::count_all_gather(std::int64_t count, CommDType dtype) {
-  const std::int64_t e = static_cast<std::int64_t>(comm_dtype_size(dtype));
-  counters_.record(CollectiveKind::all_gather, count * size() * e, count * (size() - 1) * e);
-}
-
-void Communicator::count_reduce_scatter(std::int64_t count, CommDType dtype) {
-  const std::int64_t e = static_cast<std::int64_t>(comm_dtype_size(dtype));
-  counters_.record(CollectiveKind::reduce_scatter, count * size() * e, count * (size() - 1) * e);
-}
-
-void Communicator::count_permute(std::int64_t count, CommDType dtype, const std::vector<int>& dest) {
-  const std::int64_t bytes = count * static_cast<std::int64_t>(comm_dtype_size(dtype));
+CollectiveCost collective_cost(CollectiveKind kind, std::int64_t count, std::size_t element_size, int ranks,
+                               const std::vector<int>* dest) {
+  const std::int64_t e = static_cast<std::int64_t>(element_size);
+  if (kind != CollectiveKind::collective_permute) return {count * ranks * e, count * (ranks - 1) * e};
+  const std::int64_t bytes = count * e;
   bool any_moves = false;
-  for (std::size_t p = 0; p < dest.size(); ++p)
-    any_moves = any_moves || (dest[p] >= 0 && dest[p] != static_cast<int>(p));
-  counters_.record(CollectiveKind::collective_permute, bytes, any_moves ? bytes : 0);
+  for (std::size_t p = 0; dest != nullptr && p < dest->size(); ++p) {
+    any_moves = any_moves || ((*dest)[p] >= 0 && (*dest)[p] != static_cast<int>(p));
+  }
+  return {bytes, any_moves ? bytes : 0};
+}
+
+void Communicator::count(CollectiveKind kind, std::int64_t count, CommDType dtype, const std::vector<int>* dest) {
+  const CollectiveCost c = collective_cost(kind, count, comm_dtype_size(dtype), size(), dest);
+  counters_.record(kind, c.bytes, c.bytes_sent_per_rank);
 }
 
 void check_permutation(const std::vector<int>& dest, int size) {

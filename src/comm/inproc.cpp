@@ -124,24 +124,24 @@ class InProcessCommunicator final : public Communicator {
 
   void all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
     state_.collective(rank_, {Call::all_to_all, send, recv, count, dtype, nullptr, ReduceOp::sum});
-    count_all_to_all(count, dtype);
+    this->count(CollectiveKind::all_to_all, count, dtype);
   }
   void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
     state_.collective(rank_, {Call::all_gather, send, recv, count, dtype, nullptr, ReduceOp::sum});
-    count_all_gather(count, dtype);
+    this->count(CollectiveKind::all_gather, count, dtype);
   }
   void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
     if (dtype == CommDType::i32) {
       throw Error(ErrorKind::invalid_input, "dtype", "i32", "reduce_scatter_sum takes f32 or bf16, not i32");
     }
     state_.collective(rank_, {Call::reduce_scatter, send, recv, count, dtype, nullptr, ReduceOp::sum});
-    count_reduce_scatter(count, dtype);
+    this->count(CollectiveKind::reduce_scatter, count, dtype);
   }
   void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
                           const std::vector<int>& dest) override {
     check_permutation(dest, size());
     state_.collective(rank_, {Call::permute, send, recv, count, dtype, &dest, ReduceOp::sum});
-    count_permute(count, dtype, dest);
+    this->count(CollectiveKind::collective_permute, count, dtype, &dest);
   }
   void barrier() override {
     state_.collective(rank_, {Call::barrier, nullptr, nullptr, 0, CommDType::i32, nullptr, ReduceOp::sum});

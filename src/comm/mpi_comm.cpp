@@ -75,13 +75,13 @@ MpiCommunicator::~MpiCommunicator() {
 void MpiCommunicator::all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) {
   const int n = as_int(count, "all_to_all");
   check(MPI_Alltoall(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_), "MPI_Alltoall", rank_);
-  count_all_to_all(count, dtype);
+  this->count(CollectiveKind::all_to_all, count, dtype);
 }
 
 void MpiCommunicator::all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) {
   const int n = as_int(count, "all_gather");
   check(MPI_Allgather(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_), "MPI_Allgather", rank_);
-  count_all_gather(count, dtype);
+  this->count(CollectiveKind::all_gather, count, dtype);
 }
 
 void MpiCommunicator::reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) {
@@ -92,7 +92,7 @@ void MpiCommunicator::reduce_scatter_sum(const void* send, void* recv, std::int6
   const MPI_Op op = dtype == CommDType::f32 ? MPI_SUM : bf16_sum_;
   check(MPI_Reduce_scatter_block(send, recv, n, mpi_type(dtype), op, comm_), "MPI_Reduce_scatter_block",
         rank_);
-  count_reduce_scatter(count, dtype);
+  this->count(CollectiveKind::reduce_scatter, count, dtype);
 }
 
 void MpiCommunicator::collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
@@ -115,7 +115,7 @@ void MpiCommunicator::collective_permute(const void* send, void* recv, std::int6
   }
   if (to == rank_ && bytes > 0) std::memcpy(recv, send, bytes);
   check(MPI_Waitall(pending, requests, MPI_STATUSES_IGNORE), "MPI_Waitall", rank_);
-  count_permute(count, dtype, dest);
+  this->count(CollectiveKind::collective_permute, count, dtype, &dest);
 }
 
 void MpiCommunicator::barrier() {

@@ -28,7 +28,32 @@ Place place_of(ShardLayout layout, std::int64_t cp, std::int64_t chunk) {
   return chunk < cp ? Place{chunk, 0} : Place{2 * cp - 1 - chunk, 1};
 }
 
+// Call `call` (0 or 1) of a reorder: the local slot each rank sends and where its chunk lands.
+struct ReorderCall {
+  std::vector<std::int64_t> sent_slot;
+  std::vector<Place> goes_to;
+  std::vector<int> dest;
+};
+
+ReorderCall reorder_call(std::int64_t cp, ShardLayout from, ShardLayout to, std::int64_t call) {
+  const bool by_source_slot = from == ShardLayout::contiguous;
+  ReorderCall c;
+  for (std::int64_t p = 0; p < cp; ++p) {
+    const std::int64_t slot =
+        by_source_slot ? call : (place_of(to, cp, chunk_at(from, cp, p, 0)).slot == call ? 0 : 1);
+    c.sent_slot.push_back(slot);
+    c.goes_to.push_back(place_of(to, cp, chunk_at(from, cp, p, slot)));
+    c.dest.push_back(static_cast<int>(c.goes_to.back().rank));
+  }
+  return c;
+}
+
 }  // namespace
+
+std::vector<std::vector<int>> reorder_destinations(std::int64_t cp, ShardLayout from, ShardLayout to) {
+  if (from == to) return {};
+  return {reorder_call(cp, from, to, 0).dest, reorder_call(cp, from, to, 1).dest};
+}
 
 Tensor reorder_sequence(Communicator& comm, const Tensor& x, std::int64_t seq_len, ShardLayout from,
                         ShardLayout to) {
@@ -48,22 +73,10 @@ Tensor reorder_sequence(Communicator& comm, const Tensor& x, std::int64_t seq_le
   Tensor y(x.dtype(), s);
   const auto* src = static_cast<const unsigned char*>(x.raw());
   auto* dst = static_cast<unsigned char*>(y.raw());
-  const bool by_source_slot = from == ShardLayout::contiguous;
   for (std::int64_t call = 0; call < 2; ++call) {
-    // The local slot each rank sends in this call, and where its chunk goes.
-    std::vector<std::int64_t> sent_slot(static_cast<std::size_t>(cp));
-    std::vector<Place> goes_to(static_cast<std::size_t>(cp));
-    std::vector<int> dest(static_cast<std::size_t>(cp));
-    for (std::int64_t p = 0; p < cp; ++p) {
-      if (by_source_slot) {
-        sent_slot[p] = call;
-      } else {
-        sent_slot[p] = place_of(to, cp, chunk_at(from, cp, p, 0)).slot == call ? 0 : 1;
-      }
-      goes_to[p] = place_of(to, cp, chunk_at(from, cp, p, sent_slot[p]));
-      dest[p] = static_cast<int>(goes_to[p].rank);
-    }
-    const std::int64_t slot = sent_slot[rank];
+    const ReorderCall plan = reorder_call(cp, from, to, call);
+    const std::vector<int>& dest = plan.dest;
+    const std::int64_t slot = plan.sent_slot[rank];
     for (std::int64_t b = 0; b < s.b; ++b) {
       std::memcpy(send.data() + static_cast<std::size_t>(b * c) * run,
                   src + static_cast<std::size_t>(b * s.s + slot * c) * run,
@@ -72,7 +85,7 @@ Tensor reorder_sequence(Communicator& comm, const Tensor& x, std::int64_t seq_le
     comm.collective_permute(send.data(), recv.data(), s.b * c * s.h * s.d, cp::comm_dtype(x.dtype()), dest);
     for (std::int64_t p = 0; p < cp; ++p) {
       if (dest[p] != rank) continue;
-      const Place at = goes_to[p];
+      const Place at = plan.goes_to[p];
       for (std::int64_t b = 0; b < s.b; ++b) {
         std::memcpy(dst + static_cast<std::size_t>(b * s.s + at.slot * c) * run,
                     recv.data() + static_cast<std::size_t>(b * c) * run, static_cast<std::size_t>(c) * run);

@@ -195,3 +195,37 @@ TEST(CliRun, BadInputExits2) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(CliPlan, SeedPresetJsonHasEveryStrategy) {
+  const Result r = run("plan --json --preset qwen3.5-397b-a17b --seq 65536 --dtype bf16 --cp 4 --segments 61440,4096");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["strategies"].size(), 3u);
+  for (const auto& s : j["strategies"]) {
+    EXPECT_TRUE(s["possible"].get<bool>());
+    for (const char* key : {"collectives", "tiles_per_rank_per_q_head", "memory_bytes_per_rank", "estimated_seconds"}) {
+      EXPECT_TRUE(s.contains(key)) << s["name"] << " " << key;
+    }
+  }
+  // K and V (64 MiB each, the seed's figure) and the packed segment ids (S int32).
+  EXPECT_EQ(j["strategies"][0]["collectives"][0]["bytes"], 2 * 64 * (1 << 20) + 65536 * 4);
+  EXPECT_TRUE(j["recommendation"].is_string());
+}
+
+TEST(CliPlan, BadInputExits2) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"plan --preset gpt5 --seq 1024", "--preset 'gpt5'"},
+      {"plan --preset llama3-70b --seq 1001 --cp 4", "seq_len (1001) must be divisible by cp (4)"},
+      {"plan --preset llama3-70b --seq 1024 --hardware tpu-v1", "--hardware 'tpu-v1'"},
+      {"plan --preset llama3-70b --seq 1024 --segments 1000,20", "segments"},
+  };
+  for (const auto& [args, phrase] : cases) {
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
+    EXPECT_NE(r.err.find(phrase), std::string::npos) << args << "\nstderr: " << r.err;
+  }
+}
+
+}  // namespace

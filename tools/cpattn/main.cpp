@@ -11,6 +11,7 @@
 #include <mpi.h>
 #endif
 #include "bench_command.hpp"
+#include "plan_command.hpp"
 #include "run_command.hpp"
 #include "validate_command.hpp"
 
@@ -21,6 +22,7 @@ int main(int argc, char** argv) {
   cpattn::cli::add_validate_command(app, exit_code);
   cpattn::cli::add_run_command(app, exit_code);
   cpattn::cli::add_bench_command(app, exit_code);
+  cpattn::cli::add_plan_command(app, exit_code);
   std::string names;
   bool known = false;
   for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {

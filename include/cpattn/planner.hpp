@@ -1,0 +1,92 @@
+// The planner: what each strategy moves, how balanced it is, what it holds and what it costs, computed from a
+// model description without running anything. It shares its sources of truth with what runs: head placement
+// (placement.hpp), sequence layouts (sequence_layout.hpp), the kernel's tile classification, the collective
+// accounting (collective_cost) and the reorder's permutations.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cpattn/comm.hpp"
+#include "cpattn/config.hpp"
+
+namespace cpattn {
+
+struct ModelShape {
+  std::string name;
+  std::int64_t emb_dim = 0;          // width of the activations the reorder moves
+  std::int64_t num_layers = 1;
+  std::int64_t attention_every = 1;  // full attention on every N-th layer (layers N-1, 2N-1, ...)
+  std::int64_t attention_layers() const { return num_layers / attention_every; }
+  // Other layers (GDN, ...) need contiguous order when not every layer is attention.
+  bool other_layers_need_contiguous_order() const { return attention_every > 1; }
+};
+
+struct ModelPreset {
+  ModelShape model;
+  std::int64_t num_q_heads = 0, num_kv_heads = 0, head_dim = 0;
+};
+const std::vector<ModelPreset>& model_presets();
+const ModelPreset* find_preset(const std::string& name);
+
+struct HardwareProfile {
+  std::string name;
+  double flops = 0;      // dense bf16 FLOP/s per device
+  double bandwidth = 0;  // bytes/s one device sends to its peers (each way)
+  std::string source;
+};
+const std::vector<HardwareProfile>& hardware_profiles();
+const HardwareProfile* find_hardware(const std::string& name);
+
+struct PlanRequest {
+  AttentionSpec attention;
+  ParallelSpec parallel;  // cp and tp are used; the strategies are all planned
+  ModelShape model;
+  std::int64_t block = 512;             // square tiles Bq = Bk
+  std::vector<std::int64_t> segments;   // packed document lengths (sum S), empty: one document
+  bool remat = false;
+  HardwareProfile hardware;
+};
+
+struct StrategyPlan {
+  std::string name;  // all_gather, all_gather_load_balanced, ulysses
+  Strategy strategy = Strategy::all_gather;
+  bool load_balance = false;
+  bool possible = true;
+  std::vector<ErrorItem> why_not;  // the validation errors when not possible
+  // One attention layer, in DESIGN.md's accounting (what ContextParallelAttention issues).
+  std::vector<CollectiveRecord> collectives;
+  // The reorder permutes around one attention layer (load balance with contiguous-order neighbours).
+  std::vector<CollectiveRecord> reorder;
+  std::vector<std::int64_t> tiles_per_rank_per_q_head;  // per rank, one q head (ulysses: a local head)
+  std::vector<std::int64_t> tiles_per_rank;             // per rank, every local head and batch row
+  double tiles_skew = 1.0;                              // max / min over ranks
+  std::int64_t memory_bytes_per_rank = 0;               // saved for backward by one attention layer
+  std::int64_t kv_buffer_bytes_per_rank = 0;            // the K/V the kernel reads while it runs
+  // Estimates for one attention layer (seconds); no overlap of communication with compute is assumed.
+  std::vector<double> compute_seconds_per_rank;
+  int straggler_rank = 0;
+  double communication_seconds = 0;  // attention collectives + reorder
+  double exposed_seconds = 0;        // communication + waiting for the straggler
+  double layer_seconds = 0;          // straggler compute + communication
+  double model_seconds = 0;          // layer_seconds x attention layers
+  std::int64_t model_bytes_sent_per_rank = 0;
+};
+
+struct Plan {
+  std::vector<StrategyPlan> strategies;
+  std::string recommendation;
+};
+
+// The collectives one attention layer issues (forward, remat, backward), aggregated by (kind, phase) in issue
+// order; `packed`: segment ids are exchanged too.
+std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& attention, const ParallelSpec& parallel,
+                                                    bool remat, bool packed);
+
+// Validates the request's general rules first (Error(invalid_config), as validate does); a strategy whose own
+// rules fail is planned as not possible, with the reasons.
+Plan make_plan(const PlanRequest& request);
+
+}  // namespace cpattn

@@ -1,0 +1,282 @@
+#include "cpattn/planner.hpp"
+
+#include <algorithm>
+#include <numeric>
+#include <sstream>
+
+#include "../kernels/tile_map.hpp"
+#include "cpattn/context_parallel.hpp"
+#include "cpattn/placement.hpp"
+#include "cpattn/sequence_layout.hpp"
+
+namespace cpattn {
+
+const std::vector<ModelPreset>& model_presets() {
+  static const std::vector<ModelPreset> presets = {
+      {{"qwen3.5-397b-a17b", 4096, 60, 4}, 32, 2, 256},
+      {{"qwen3-next-80b-a3b", 2048, 48, 4}, 16, 2, 256},
+      {{"llama3-70b", 8192, 80, 1}, 64, 8, 128},
+  };
+  return presets;
+}
+
+const ModelPreset* find_preset(const std::string& name) {
+  for (const auto& p : model_presets()) {
+    if (p.model.name == name) return &p;
+  }
+  return nullptr;
+}
+
+const std::vector<HardwareProfile>& hardware_profiles() {
+  static const std::vector<HardwareProfile> profiles = {
+      {"h100", 989e12, 450e9,
+       "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16; NVLink 900 GB/s total, 450 GB/s each way"},
+      {"h200", 989e12, 450e9,
+       "NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16; NVLink 900 GB/s total, 450 GB/s each way"},
+      {"tpu-v7x", 2307e12, 600e9,
+       "Google Ironwood (TPU v7) announcement, April 2025: 4,614 TFLOP/s FP8 per chip (BF16 taken as half), ICI "
+       "1.2 TB/s bidirectional (600 GB/s each way); a TPU v7x-like approximation"},
+  };
+  return profiles;
+}
+
+const HardwareProfile* find_hardware(const std::string& name) {
+  for (const auto& h : hardware_profiles()) {
+    if (h.name == name) return &h;
+  }
+  return nullptr;
+}
+
+namespace {
+
+// Appends one call to the (kind, phase)-aggregated list, as CollectiveCounters does.
+void add_call(std::vector<CollectiveRecord>& list, CollectiveKind kind, const std::string& phase, std::int64_t count,
+              std::size_t element_size, int ranks, const std::vector<int>* dest = nullptr) {
+  const CollectiveCost c = collective_cost(kind, count, element_size, ranks, dest);
+  for (auto& r : list) {
+    if (r.kind == kind && r.phase == phase) {
+      ++r.count;
+      r.bytes += c.bytes;
+      r.bytes_sent_per_rank += c.bytes_sent_per_rank;
+      return;
+    }
+  }
+  list.push_back({kind, phase, 1, c.bytes, c.bytes_sent_per_rank});
+}
+
+// Tiles of one q head for the query tokens `q_positions` (local order) against the whole sequence.
+std::int64_t count_tiles(const std::vector<std::int32_t>& q_positions, const std::vector<std::int32_t>& q_segments,
+                         const std::vector<std::int32_t>& kv_positions, const std::vector<std::int32_t>& kv_segments,
+                         bool causal, std::int64_t block) {
+  const auto qb = kernels::block_meta(q_positions, q_segments, 0, static_cast<std::int64_t>(q_positions.size()), block);
+  const auto kb =
+      kernels::block_meta(kv_positions, kv_segments, 0, static_cast<std::int64_t>(kv_positions.size()), block);
+  std::int64_t n = 0;
+  for (const auto& q : qb) {
+    for (const auto& k : kb) n += kernels::classify_tile(q, k, causal, !q_segments.empty(), block) != kernels::TileKind::empty;
+  }
+  return n;
+}
+
+}  // namespace
+
+std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, const ParallelSpec& p, bool remat,
+                                                    bool packed) {
+  const int cp = static_cast<int>(p.cp);
+  const std::int64_t B = a.batch, D = a.head_dim, sl = a.seq_len / p.cp;
+  const std::int64_t hq = a.num_q_heads / p.tp, hkv = a.num_kv_heads / p.tp;
+  const std::size_t E = dtype_size(a.dtype);
+  std::vector<CollectiveRecord> list;
+  if (p.strategy == Strategy::ulysses) {
+    const std::int64_t slots = hkv * kv_replication_factor(hkv, p.cp);
+    const std::int64_t q = B * sl * (hq / cp) * D, kv = B * sl * (slots / cp) * D;
+    add_call(list, CollectiveKind::all_to_all, "forward", q, E, cp);
+    add_call(list, CollectiveKind::all_to_all, "forward", kv, E, cp);
+    add_call(list, CollectiveKind::all_to_all, "forward", kv, E, cp);
+    if (packed) add_call(list, CollectiveKind::all_gather, "forward", B * sl, 4, cp);
+    add_call(list, CollectiveKind::all_to_all, "forward", q, E, cp);                 // O back
+    add_call(list, CollectiveKind::all_to_all, "forward", B * (hq / cp) * sl, 4, cp);  // LSE back
+    add_call(list, CollectiveKind::all_to_all, "backward", q, E, cp);                // dO in
+    if (remat) {
+      add_call(list, CollectiveKind::all_to_all, "remat", q, E, cp);
+      add_call(list, CollectiveKind::all_to_all, "remat", kv, E, cp);
+      add_call(list, CollectiveKind::all_to_all, "remat", kv, E, cp);
+    }
+    add_call(list, CollectiveKind::all_to_all, "backward", q, E, cp);   // dQ back
+    add_call(list, CollectiveKind::all_to_all, "backward", kv, 4, cp);  // dK_rep back, fp32
+    add_call(list, CollectiveKind::all_to_all, "backward", kv, 4, cp);  // dV_rep back, fp32
+  } else {
+    const std::int64_t kv = B * sl * hkv * D;
+    add_call(list, CollectiveKind::all_gather, "forward", kv, E, cp);
+    add_call(list, CollectiveKind::all_gather, "forward", kv, E, cp);
+    if (packed) add_call(list, CollectiveKind::all_gather, "forward", B * sl, 4, cp);
+    if (remat) {
+      add_call(list, CollectiveKind::all_gather, "remat", kv, E, cp);
+      add_call(list, CollectiveKind::all_gather, "remat", kv, E, cp);
+    }
+    add_call(list, CollectiveKind::reduce_scatter, "backward", kv, 4, cp);
+    add_call(list, CollectiveKind::reduce_scatter, "backward", kv, 4, cp);
+  }
+  return list;
+}
+
+namespace {
+
+StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Strategy strategy, bool load_balance) {
+  const AttentionSpec& a = req.attention;
+  ParallelSpec p = req.parallel;
+  p.strategy = strategy;
+  p.load_balance = load_balance;
+  p.layout.reset();
+  StrategyPlan s;
+  s.name = name;
+  s.strategy = strategy;
+  s.load_balance = load_balance;
+  s.why_not = validation_errors(a, p);
+  if (!s.why_not.empty()) {
+    s.possible = false;
+    return s;
+  }
+  const std::int64_t cp = p.cp, B = a.batch, S = a.seq_len, D = a.head_dim, sl = S / cp;
+  const std::int64_t hq = a.num_q_heads / p.tp, hkv = a.num_kv_heads / p.tp;
+  const std::int64_t E = static_cast<std::int64_t>(dtype_size(a.dtype));
+  const bool packed = !req.segments.empty();
+  s.collectives = attention_collectives(a, p, req.remat, packed);
+
+  // Reorders around a load-balanced layer whose neighbours need contiguous order: entry (contiguous -> dual
+  // chunk swap) and exit in forward, their transposes in backward, and the forward's again under remat.
+  if (load_balance && req.model.other_layers_need_contiguous_order()) {
+    const std::int64_t chunk = B * (S / (2 * cp)) * req.model.emb_dim;
+    const auto entry = reorder_destinations(cp, ShardLayout::contiguous, ShardLayout::dual_chunk_swap);
+    const auto exit = reorder_destinations(cp, ShardLayout::dual_chunk_swap, ShardLayout::contiguous);
+    auto both = [&](const std::string& phase, const std::vector<std::vector<int>>& first,
+                    const std::vector<std::vector<int>>& second) {
+      for (const auto& dest : first) add_call(s.reorder, CollectiveKind::collective_permute, phase, chunk, E, static_cast<int>(cp), &dest);
+      for (const auto& dest : second) add_call(s.reorder, CollectiveKind::collective_permute, phase, chunk, E, static_cast<int>(cp), &dest);
+    };
+    both("forward", entry, exit);
+    if (req.remat) both("remat", entry, exit);
+    both("backward", entry, exit);  // the transposes: exit's gradient enters, entry's leaves
+  }
+
+  // Tiles on the block grid, with the kernel's classification.
+  std::vector<std::int32_t> natural(static_cast<std::size_t>(S)), segments;
+  std::iota(natural.begin(), natural.end(), 0);
+  for (std::size_t d = 0; d < req.segments.size(); ++d) {
+    segments.insert(segments.end(), static_cast<std::size_t>(req.segments[d]), static_cast<std::int32_t>(d));
+  }
+  const std::int64_t local_heads = strategy == Strategy::ulysses ? hq / cp : hq;
+  for (std::int64_t r = 0; r < cp; ++r) {
+    std::int64_t per_head;
+    if (strategy == Strategy::ulysses) {
+      per_head = count_tiles(natural, segments, natural, segments, a.causal, req.block);
+    } else {
+      std::vector<std::int32_t> q_pos, q_seg;
+      for (auto x : local_positions(p.effective_layout(), S, cp, r)) {
+        q_pos.push_back(static_cast<std::int32_t>(x));
+        if (packed) q_seg.push_back(segments[x]);
+      }
+      per_head = count_tiles(q_pos, q_seg, natural, segments, a.causal, req.block);
+    }
+    s.tiles_per_rank_per_q_head.push_back(per_head);
+    s.tiles_per_rank.push_back(per_head * local_heads * B);
+  }
+  const auto [mn, mx] = std::minmax_element(s.tiles_per_rank.begin(), s.tiles_per_rank.end());
+  s.tiles_skew = *mn > 0 ? static_cast<double>(*mx) / static_cast<double>(*mn) : 1.0;
+
+  // Memory: what forward keeps for backward, and the K/V the kernel reads.
+  const std::int64_t seg_bytes = packed ? B * sl * 4 + B * S * 4 : 0;
+  if (strategy == Strategy::ulysses) {
+    const std::int64_t slots = hkv * kv_replication_factor(hkv, cp);
+    const std::int64_t q_heads = B * S * (hq / cp) * D * E, kv_heads = 2 * B * S * (slots / cp) * D * E;
+    const std::int64_t inputs = req.remat ? B * sl * (hq + 2 * hkv) * D * E : q_heads + kv_heads;
+    s.memory_bytes_per_rank = inputs + q_heads /* O */ + B * (hq / cp) * S * 4 + (packed ? B * S * 4 : 0);
+    s.kv_buffer_bytes_per_rank = kv_heads;
+  } else {
+    const std::int64_t kv_full = 2 * B * S * hkv * D * E;
+    s.memory_bytes_per_rank = 2 * B * sl * hq * D * E /* q, O */ + B * hq * sl * 4 +
+                              (req.remat ? 2 * B * sl * hkv * D * E : kv_full) + seg_bytes;
+    s.kv_buffer_bytes_per_rank = kv_full;
+  }
+
+  // Time: tiles x tile FLOPs (4 B^2 D forward, 2.5x that backward, the forward again under remat).
+  const double tile_flops = 4.0 * static_cast<double>(req.block) * static_cast<double>(req.block) * static_cast<double>(D);
+  const double passes = 1.0 + 2.5 + (req.remat ? 1.0 : 0.0);
+  std::int64_t sent = 0;
+  for (const auto& c : s.collectives) sent += c.bytes_sent_per_rank;
+  for (const auto& c : s.reorder) sent += c.bytes_sent_per_rank;
+  s.communication_seconds = static_cast<double>(sent) / req.hardware.bandwidth;
+  double fastest = 1e300, slowest = 0;
+  for (std::int64_t r = 0; r < cp; ++r) {
+    const double t = static_cast<double>(s.tiles_per_rank[r]) * tile_flops * passes / req.hardware.flops;
+    s.compute_seconds_per_rank.push_back(t);
+    if (t > slowest) {
+      slowest = t;
+      s.straggler_rank = static_cast<int>(r);
+    }
+    fastest = std::min(fastest, t);
+  }
+  s.exposed_seconds = s.communication_seconds + (slowest - fastest);
+  s.layer_seconds = slowest + s.communication_seconds;
+  s.model_seconds = s.layer_seconds * static_cast<double>(req.model.attention_layers());
+  s.model_bytes_sent_per_rank = sent * req.model.attention_layers();
+  return s;
+}
+
+std::string fmt(double x) {
+  std::ostringstream o;
+  o.precision(3);
+  o << x;
+  return o.str();
+}
+
+}  // namespace
+
+Plan make_plan(const PlanRequest& req) {
+  if (req.block < 1) {
+    throw Error(ErrorKind::invalid_config, "block", std::to_string(req.block), "block must be a positive tile size");
+  }
+  ParallelSpec general = req.parallel;
+  general.strategy = Strategy::all_gather;
+  general.load_balance = false;
+  general.layout.reset();
+  validate(req.attention, general);
+  if (!req.segments.empty()) {
+    std::int64_t total = 0;
+    for (auto n : req.segments) total += n > 0 ? n : -1'000'000'000'000;
+    if (total != req.attention.seq_len) {
+      throw Error(ErrorKind::invalid_config, "segments", std::to_string(total),
+                  "segments must be positive document lengths adding up to seq_len (" +
+                      std::to_string(req.attention.seq_len) + ")");
+    }
+  }
+  if (!(req.hardware.flops > 0) || !(req.hardware.bandwidth > 0)) {
+    throw Error(ErrorKind::invalid_config, "hardware", req.hardware.name, "flops and bandwidth must be positive");
+  }
+  Plan plan;
+  plan.strategies.push_back(plan_strategy(req, "all_gather", Strategy::all_gather, false));
+  plan.strategies.push_back(plan_strategy(req, "all_gather_load_balanced", Strategy::all_gather, true));
+  plan.strategies.push_back(plan_strategy(req, "ulysses", Strategy::ulysses, false));
+
+  const StrategyPlan* best = nullptr;
+  for (const auto& s : plan.strategies) {
+    if (s.possible && (best == nullptr || s.layer_seconds < best->layer_seconds)) best = &s;
+  }
+  std::ostringstream why;
+  why << best->name << ": the shortest estimated attention layer (" << fmt(best->layer_seconds * 1e3) << " ms: "
+      << fmt(best->communication_seconds * 1e3) << " ms of communication, tiles max/min " << fmt(best->tiles_skew)
+      << ")";
+  for (const auto& s : plan.strategies) {
+    if (&s == best) continue;
+    if (!s.possible) {
+      why << "; " << s.name << " is impossible: " << s.why_not.front().message;
+    } else {
+      why << "; " << s.name << " " << fmt(s.layer_seconds * 1e3) << " ms (communication "
+          << fmt(s.communication_seconds * 1e3) << " ms, tiles max/min " << fmt(s.tiles_skew) << ")";
+    }
+  }
+  plan.recommendation = why.str();
+  return plan;
+}
+
+}  // namespace cpattn

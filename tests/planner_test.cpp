@@ -1,0 +1,163 @@
+// The planner against the seed's figures, hand formulas, and what the strategies really do.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "cp_harness.hpp"
+#include "cpattn/placement.hpp"
+#include "cpattn/planner.hpp"
+
+namespace cpattn {
+namespace {
+
+constexpr std::int64_t kMiB = 1 << 20;
+
+PlanRequest seed_request(std::int64_t cp) {
+  const ModelPreset* q = find_preset("qwen3.5-397b-a17b");
+  PlanRequest r;
+  r.attention.seq_len = 65536;
+  r.attention.num_q_heads = q->num_q_heads;
+  r.attention.num_kv_heads = q->num_kv_heads;
+  r.attention.head_dim = q->head_dim;
+  r.attention.dtype = DType::bf16;
+  r.parallel.cp = cp;
+  r.model = q->model;
+  r.hardware = *find_hardware("h200");
+  return r;
+}
+
+const StrategyPlan& by_name(const Plan& p, const std::string& name) {
+  return *std::find_if(p.strategies.begin(), p.strategies.end(), [&](const StrategyPlan& s) { return s.name == name; });
+}
+
+TEST(Planner, SeedAllGatherMoves64MiBPerKvTensor) {
+  const Plan p = make_plan(seed_request(4));
+  const auto& ag = by_name(p, "all_gather");
+  ASSERT_EQ(ag.collectives.front().kind, CollectiveKind::all_gather);
+  EXPECT_EQ(ag.collectives.front().count, 2);
+  EXPECT_EQ(ag.collectives.front().bytes / 2, 64 * kMiB);
+  EXPECT_EQ(find_preset("qwen3.5-397b-a17b")->model.attention_layers(), 15);
+}
+
+TEST(Planner, SeedPlacementAtCp4AndCp8) {
+  for (std::int64_t cp : {4, 8}) {
+    const PlanRequest r = seed_request(cp);
+    ParallelSpec p = r.parallel;
+    p.strategy = Strategy::ulysses;
+    const auto ranks = head_placement(r.attention, p);
+    for (std::int64_t rank = 0; rank < cp; ++rank) {
+      EXPECT_EQ(ranks[rank].q_heads.begin, 32 / cp * rank);
+      EXPECT_EQ(ranks[rank].kv_heads, std::vector<std::int64_t>{rank / (cp / 2)});
+    }
+  }
+}
+
+TEST(Planner, CausalTilesFollowTheFormulas) {
+  const Plan p = make_plan(seed_request(4));
+  const std::int64_t n = 65536 / 512 / 4, T = 65536 / 512;
+  const auto& ag = by_name(p, "all_gather");
+  for (std::int64_t r = 0; r < 4; ++r) EXPECT_EQ(ag.tiles_per_rank_per_q_head[r], n * n * r + n * (n + 1) / 2);
+  const auto& lb = by_name(p, "all_gather_load_balanced");
+  for (auto t : lb.tiles_per_rank_per_q_head) EXPECT_EQ(t, lb.tiles_per_rank_per_q_head[0]);
+  EXPECT_DOUBLE_EQ(lb.tiles_skew, 1.0);
+  const auto& u = by_name(p, "ulysses");
+  for (auto t : u.tiles_per_rank_per_q_head) EXPECT_EQ(t, T * (T + 1) / 2);
+  EXPECT_EQ(lb.tiles_per_rank, u.tiles_per_rank);
+}
+
+TEST(Planner, PackedSegmentsSkewLoadBalanceAgainButNotUlysses) {
+  PlanRequest r = seed_request(4);
+  r.segments = {61440, 4096};
+  const Plan p = make_plan(r);
+  EXPECT_GT(by_name(p, "all_gather_load_balanced").tiles_skew, 1.2);
+  EXPECT_DOUBLE_EQ(by_name(p, "ulysses").tiles_skew, 1.0);
+}
+
+TEST(Planner, ReorderIsEightPermutesOf64MiBPerLayer) {
+  const Plan p = make_plan(seed_request(4));
+  const auto& lb = by_name(p, "all_gather_load_balanced");
+  std::int64_t count = 0;
+  for (const auto& c : lb.reorder) {
+    EXPECT_EQ(c.kind, CollectiveKind::collective_permute);
+    EXPECT_EQ(c.bytes, c.count * 64 * kMiB);
+    count += c.count;
+  }
+  EXPECT_EQ(count, 8);
+  EXPECT_TRUE(by_name(p, "all_gather").reorder.empty());
+  EXPECT_TRUE(by_name(p, "ulysses").reorder.empty());
+}
+
+TEST(Planner, ImpossibleUlyssesIsExplained) {
+  PlanRequest r = seed_request(4);
+  r.attention.num_q_heads = 6;
+  r.attention.num_kv_heads = 2;
+  const Plan p = make_plan(r);
+  EXPECT_FALSE(by_name(p, "ulysses").possible);
+  EXPECT_NE(p.recommendation.find("ulysses is impossible"), std::string::npos) << p.recommendation;
+  r.attention.seq_len = 65537;  // a general rule: an error, as validate gives
+  EXPECT_THROW(make_plan(r), Error);
+}
+
+// The planner's collectives are the ones the strategies count when they run.
+TEST(Planner, PredictionsEqualWhatRunCounted) {
+  auto sorted = [](std::vector<CollectiveRecord> v) {
+    std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) {
+      return std::tie(a.kind, a.phase) < std::tie(b.kind, b.phase);
+    });
+    return v;
+  };
+  for (int variant = 0; variant < 3; ++variant) {
+    for (bool remat : {false, true}) {
+      for (bool packed : {false, true}) {
+        testing::CpCase c;
+        c.strategy = variant == 0 ? Strategy::ulysses : Strategy::all_gather;
+        c.load_balance = variant == 2;
+        c.remat = remat;
+        c.hq = 8;
+        c.hkv = 2;
+        c.dim = 16;
+        c.seq = 128;
+        c.batch = 2;
+        c.dtype = variant == 1 ? DType::bf16 : DType::f32;
+        if (packed) c.segments = {100, 28};
+        SCOPED_TRACE(c.name());
+        const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
+        const auto predicted = attention_collectives(c.attention(), c.parallel(), remat, packed);
+        for (const auto& counted : run.records) EXPECT_EQ(sorted(counted), sorted(predicted));
+      }
+    }
+  }
+}
+
+TEST(Planner, ReorderPredictionEqualsWhatReorderCounted) {
+  const std::int64_t cp = 4, S = 64, emb = 8;
+  InProcessGroup group(4);
+  std::vector<std::vector<CollectiveRecord>> counted(4);
+  group.run([&](Communicator& comm) {
+    CollectiveCounters::PhaseScope phase(comm.counters(), "forward");
+    const Tensor x(DType::bf16, {1, S / cp, 1, emb});
+    const Tensor y = reorder_sequence(comm, x, S, ShardLayout::contiguous, ShardLayout::dual_chunk_swap);
+    reorder_sequence(comm, y, S, ShardLayout::dual_chunk_swap, ShardLayout::contiguous);
+    counted[comm.rank()] = comm.counters().records();
+  });
+  PlanRequest r;
+  r.attention.seq_len = S;
+  r.attention.num_q_heads = 4;
+  r.attention.num_kv_heads = 4;
+  r.attention.head_dim = 8;
+  r.attention.dtype = DType::bf16;
+  r.parallel.cp = cp;
+  r.model = {"test", emb, 2, 2};
+  r.block = 8;
+  r.hardware = *find_hardware("h100");
+  const Plan plan = make_plan(r);
+  const auto& lb = by_name(plan, "all_gather_load_balanced");
+  std::vector<CollectiveRecord> forward;
+  for (const auto& c : lb.reorder) {
+    if (c.phase == "forward") forward.push_back(c);
+  }
+  for (const auto& c : counted) EXPECT_EQ(c, forward);
+}
+
+}  // namespace
+}  // namespace cpattn

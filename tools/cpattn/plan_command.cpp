@@ -1,0 +1,225 @@
+#include "plan_command.hpp"
+
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "cpattn/planner.hpp"
+#include "problem_flags.hpp"
+
+namespace cpattn::cli {
+namespace {
+
+struct PlanOptions {
+  ProblemFlags problem;
+  std::string preset, hardware = "h200", segments;
+  std::optional<std::int64_t> emb_dim, layers, attention_every;
+  std::int64_t block = 512;
+  bool remat = false, json = false;
+  std::optional<double> flops, bandwidth;
+};
+
+std::string mib(std::int64_t bytes) {
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(bytes % (1 << 20) == 0 ? 0 : 2) << static_cast<double>(bytes) / (1 << 20)
+    << " MiB";
+  return o.str();
+}
+
+std::vector<std::int64_t> parse_lengths(const std::string& text) {
+  std::vector<std::int64_t> out;
+  std::stringstream ss(text);
+  std::string part;
+  while (std::getline(ss, part, ',')) {
+    std::size_t used = 0;
+    std::int64_t n = 0;
+    try {
+      n = std::stoll(part, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != part.size() || n <= 0) {
+      throw Error(ErrorKind::invalid_input, "--segments", text,
+                  "--segments '" + text + "': '" + part + "' is not a positive document length");
+    }
+    out.push_back(n);
+  }
+  return out;
+}
+
+std::string fmt_double(double x) {
+  std::ostringstream o;
+  o << std::setprecision(3) << x;
+  return o.str();
+}
+
+int run_plan(const CLI::App& app, const PlanOptions& opt) {
+  ConfigValues values;
+  if (!opt.preset.empty()) {
+    const ModelPreset* p = find_preset(opt.preset);
+    if (p == nullptr) {
+      std::string names;
+      for (const auto& x : model_presets()) names += (names.empty() ? "" : ", ") + x.model.name;
+      throw Error(ErrorKind::invalid_input, "--preset", opt.preset,
+                  "--preset '" + opt.preset + "' is not a preset; valid: " + names);
+    }
+    values.num_q_heads = p->num_q_heads;
+    values.num_kv_heads = p->num_kv_heads;
+    values.head_dim = p->head_dim;
+    values.emb_dim = p->model.emb_dim;
+    values.num_layers = p->model.num_layers;
+    values.attention_every = p->model.attention_every;
+  }
+  values.merge_from(opt.problem.resolve(app));
+  if (opt.emb_dim) values.emb_dim = opt.emb_dim;
+  if (opt.layers) values.num_layers = opt.layers;
+  if (opt.attention_every) values.attention_every = opt.attention_every;
+  values.strategy.reset();
+
+  PlanRequest req;
+  Specs specs;
+  std::vector<ErrorItem> errors;
+  specs = to_specs(values, errors);
+  const HardwareProfile* hw = find_hardware(opt.hardware);
+  if (hw == nullptr) {
+    std::string names;
+    for (const auto& h : hardware_profiles()) names += (names.empty() ? "" : ", ") + h.name;
+    errors.push_back({{"--hardware"}, opt.hardware, "--hardware '" + opt.hardware + "' is unknown; valid: " + names});
+  }
+  auto positive = [&](const std::optional<std::int64_t>& v, const char* field) {
+    if (v && *v < 1) errors.push_back({{field}, std::to_string(*v), std::string(field) + " must be positive"});
+  };
+  positive(values.num_layers, "--layers");
+  positive(values.attention_every, "--attention-every");
+  positive(values.emb_dim, "--emb-dim");
+  if (errors.empty()) {
+    ParallelSpec general = specs.parallel;
+    general.load_balance = false;
+    general.layout.reset();
+    errors = validation_errors(specs.attention, general);
+  }
+  if (!errors.empty()) {
+    if (opt.json) std::cout << "{\"valid\": false, \"errors\": " << errors_to_json(errors) << "}\n";
+    print_errors(errors);
+    return 2;
+  }
+  req.attention = specs.attention;
+  req.parallel = specs.parallel;
+  req.model = {opt.preset.empty() ? "custom" : opt.preset, values.emb_dim.value_or(0), values.num_layers.value_or(1),
+               values.attention_every.value_or(1)};
+  req.block = opt.block;
+  if (!opt.segments.empty()) req.segments = parse_lengths(opt.segments);
+  req.remat = opt.remat;
+  req.hardware = *hw;
+  if (opt.flops) req.hardware.flops = *opt.flops;
+  if (opt.bandwidth) req.hardware.bandwidth = *opt.bandwidth;
+  if (opt.flops || opt.bandwidth) req.hardware.source += " (overridden by --flops / --bandwidth)";
+  const Plan plan = make_plan(req);
+
+  nlohmann::ordered_json out;
+  out["valid"] = true;
+  out["problem"] = {{"model", req.model.name}, {"seq", req.attention.seq_len}, {"batch", req.attention.batch},
+                    {"q_heads", req.attention.num_q_heads}, {"kv_heads", req.attention.num_kv_heads},
+                    {"head_dim", req.attention.head_dim}, {"dtype", to_string(req.attention.dtype)},
+                    {"cp", req.parallel.cp}, {"tp", req.parallel.tp}, {"block", req.block}, {"segments", req.segments},
+                    {"remat", req.remat}, {"emb_dim", req.model.emb_dim}, {"layers", req.model.num_layers},
+                    {"attention_layers", req.model.attention_layers()}};
+  out["hardware"] = {{"name", req.hardware.name}, {"flops", req.hardware.flops},
+                     {"bandwidth_bytes_per_second", req.hardware.bandwidth}, {"source", req.hardware.source}};
+  out["strategies"] = nlohmann::ordered_json::array();
+  auto records_json = [](const std::vector<CollectiveRecord>& list) {
+    nlohmann::ordered_json a = nlohmann::ordered_json::array();
+    for (const auto& c : list) {
+      a.push_back({{"kind", to_string(c.kind)}, {"phase", c.phase}, {"count", c.count}, {"bytes", c.bytes},
+                   {"bytes_sent_per_rank", c.bytes_sent_per_rank}});
+    }
+    return a;
+  };
+  for (const auto& s : plan.strategies) {
+    nlohmann::ordered_json j;
+    j["name"] = s.name;
+    j["possible"] = s.possible;
+    if (!s.possible) {
+      j["why_not"] = nlohmann::ordered_json::parse(errors_to_json(s.why_not));
+      out["strategies"].push_back(j);
+      continue;
+    }
+    j["collectives"] = records_json(s.collectives);
+    j["reorder_collectives"] = records_json(s.reorder);
+    j["tiles_per_rank_per_q_head"] = s.tiles_per_rank_per_q_head;
+    j["tiles_per_rank"] = s.tiles_per_rank;
+    j["tiles_skew"] = s.tiles_skew;
+    j["memory_bytes_per_rank"] = s.memory_bytes_per_rank;
+    j["kv_buffer_bytes_per_rank"] = s.kv_buffer_bytes_per_rank;
+    j["estimated_seconds"] = {{"compute_per_rank", s.compute_seconds_per_rank}, {"straggler_rank", s.straggler_rank},
+                              {"communication", s.communication_seconds}, {"exposed", s.exposed_seconds},
+                              {"layer", s.layer_seconds}, {"model", s.model_seconds}};
+    j["model_bytes_sent_per_rank"] = s.model_bytes_sent_per_rank;
+    out["strategies"].push_back(j);
+  }
+  out["recommendation"] = plan.recommendation;
+  if (opt.json) {
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << "cpattn plan: " << req.model.name << ", S=" << req.attention.seq_len << " B=" << req.attention.batch
+            << " Hq=" << req.attention.num_q_heads << " Hkv=" << req.attention.num_kv_heads
+            << " D=" << req.attention.head_dim << " " << to_string(req.attention.dtype) << ", cp=" << req.parallel.cp
+            << " tp=" << req.parallel.tp << ", block " << req.block << ", "
+            << (req.segments.empty() ? "one document" : "segments " + opt.segments) << (req.remat ? ", remat" : "")
+            << "; " << req.model.attention_layers() << " attention layers of " << req.model.num_layers << "; "
+            << req.hardware.name << "\n";
+  for (const auto& s : plan.strategies) {
+    std::cout << "\n== " << s.name << "\n";
+    if (!s.possible) {
+      std::cout << "  impossible: " << s.why_not.front().message << "\n";
+      continue;
+    }
+    std::cout << "  per attention layer:\n  " << std::left << std::setw(20) << "kind" << std::setw(10) << "phase"
+              << std::setw(7) << "count" << std::setw(16) << "bytes" << "sent per rank\n";
+    for (const auto* list : {&s.collectives, &s.reorder}) {
+      for (const auto& c : *list) {
+        std::cout << "  " << std::left << std::setw(20) << to_string(c.kind) << std::setw(10) << c.phase
+                  << std::setw(7) << c.count << std::setw(16) << mib(c.bytes) << mib(c.bytes_sent_per_rank) << "\n";
+      }
+    }
+    std::cout << "  tiles per rank per q head:";
+    for (auto t : s.tiles_per_rank_per_q_head) std::cout << " " << t;
+    std::cout << "  (all local heads:";
+    for (auto t : s.tiles_per_rank) std::cout << " " << t;
+    std::cout << "; max/min " << fmt_double(s.tiles_skew) << ")\n";
+    std::cout << "  memory per rank saved for backward " << mib(s.memory_bytes_per_rank) << ", K/V buffers "
+              << mib(s.kv_buffer_bytes_per_rank) << "\n";
+    std::cout << "  estimate per layer: compute " << fmt_double(s.compute_seconds_per_rank[s.straggler_rank] * 1e3)
+              << " ms on the straggler (rank " << s.straggler_rank << "), communication "
+              << fmt_double(s.communication_seconds * 1e3) << " ms, exposed " << fmt_double(s.exposed_seconds * 1e3)
+              << " ms, layer " << fmt_double(s.layer_seconds * 1e3) << " ms; model " << fmt_double(s.model_seconds * 1e3)
+              << " ms\n";
+  }
+  std::cout << "\nrecommendation: " << plan.recommendation << "\n";
+  return 0;
+}
+
+}  // namespace
+
+void add_plan_command(CLI::App& app, int& exit_code) {
+  auto opt = std::make_shared<PlanOptions>();
+  CLI::App* sub = app.add_subcommand("plan", "plan every strategy for a model: bytes, balance, memory, time");
+  opt->problem.add_to(*sub);
+  sub->add_option("--preset", opt->preset, "qwen3.5-397b-a17b, qwen3-next-80b-a3b or llama3-70b");
+  sub->add_option("--emb-dim", opt->emb_dim, "model width (the reorder moves [B, S/cp, emb_dim])");
+  sub->add_option("--layers", opt->layers, "decoder layers");
+  sub->add_option("--attention-every", opt->attention_every, "full attention on every N-th layer");
+  sub->add_option("--block", opt->block, "square tile size (default 512)");
+  sub->add_option("--segments", opt->segments, "packed document lengths, e.g. 61440,4096");
+  sub->add_flag("--remat", opt->remat, "recompute attention's forward in backward");
+  sub->add_option("--hardware", opt->hardware, "h100, h200 or tpu-v7x");
+  sub->add_option("--flops", opt->flops, "override the FLOP rate (FLOP/s)");
+  sub->add_option("--bandwidth", opt->bandwidth, "override the link bandwidth (bytes/s each way)");
+  sub->add_flag("--json", opt->json, "print JSON");
+  sub->callback([sub, opt, &exit_code] { exit_code = run_plan(*sub, *opt); });
+}
+
+}  // namespace cpattn::cli
