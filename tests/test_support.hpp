@@ -18,11 +18,7 @@
 namespace cpattn::testing {
 
 inline Tensor random_tensor(DType dtype, Shape4 shape, std::uint32_t seed, float scale = 1.0f) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> dist(0.0f, scale);
-  std::vector<float> values(static_cast<std::size_t>(shape.numel()));
-  for (auto& x : values) x = dist(gen);
-  return Tensor::from_floats(dtype, shape, values);
+  return random_normal(dtype, shape, seed, scale);
 }
 
 // Positions 0..S-1 for each of B rows.

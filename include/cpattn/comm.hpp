@@ -92,15 +92,16 @@ class Communicator {
 
  protected:
   // The accounting for one call; backends call it once per collective, after it succeeded.
-  void count(CollectiveKind kind, std::int64_t count, CommDType dtype, const std::vector<int>* dest = nullptr);
+  void count(CollectiveKind kind, std::int64_t count, CommDType dtype,
+             const std::vector<int>* dest = nullptr);
 
  private:
   CollectiveCounters counters_;
 };
 
 // DESIGN.md's accounting of one call that moves `count` elements per block (all_to_all, reduce_scatter: per
-// destination block; all_gather: the input; permute: the operand) over `ranks` ranks. The communicators and the
-// planner both use it. dest: a permute's destinations (sent is 0 when nothing changes rank).
+// destination block; all_gather: the input; permute: the operand) over `ranks` ranks. The communicators and
+// the planner both use it. dest: a permute's destinations (sent is 0 when nothing changes rank).
 struct CollectiveCost {
   std::int64_t bytes = 0;
   std::int64_t bytes_sent_per_rank = 0;

@@ -80,8 +80,8 @@ class ContextParallelAttention {
 Tensor reorder_sequence(Communicator& comm, const Tensor& x, std::int64_t seq_len, ShardLayout from,
                         ShardLayout to);
 
-// The destinations of the two collective permutes reorder_sequence issues (empty when from == to); the planner
-// uses them to count the chunks that change rank.
+// The destinations of the two collective permutes reorder_sequence issues (empty when from == to); the
+// planner uses them to count the chunks that change rank.
 std::vector<std::vector<int>> reorder_destinations(std::int64_t cp, ShardLayout from, ShardLayout to);
 
 }  // namespace cpattn

@@ -16,7 +16,7 @@ namespace cpattn {
 
 struct ModelShape {
   std::string name;
-  std::int64_t emb_dim = 0;          // width of the activations the reorder moves
+  std::int64_t emb_dim = 0;  // width of the activations the reorder moves
   std::int64_t num_layers = 1;
   std::int64_t attention_every = 1;  // full attention on every N-th layer (layers N-1, 2N-1, ...)
   std::int64_t attention_layers() const { return num_layers / attention_every; }
@@ -44,8 +44,8 @@ struct PlanRequest {
   AttentionSpec attention;
   ParallelSpec parallel;  // cp and tp are used; the strategies are all planned
   ModelShape model;
-  std::int64_t block = 512;             // square tiles Bq = Bk
-  std::vector<std::int64_t> segments;   // packed document lengths (sum S), empty: one document
+  std::int64_t block = 512;            // square tiles Bq = Bk
+  std::vector<std::int64_t> segments;  // packed document lengths (sum S), empty: one document
   bool remat = false;
   HardwareProfile hardware;
 };
@@ -82,8 +82,8 @@ struct Plan {
 
 // The collectives one attention layer issues (forward, remat, backward), aggregated by (kind, phase) in issue
 // order; `packed`: segment ids are exchanged too.
-std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& attention, const ParallelSpec& parallel,
-                                                    bool remat, bool packed);
+std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& attention,
+                                                    const ParallelSpec& parallel, bool remat, bool packed);
 
 // Validates the request's general rules first (Error(invalid_config), as validate does); a strategy whose own
 // rules fail is planned as not possible, with the reasons.

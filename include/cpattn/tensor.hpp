@@ -122,4 +122,7 @@ class Tensor {
   std::unique_ptr<std::byte[], FreeAligned> storage_;
 };
 
+// Deterministic inputs: standard normal values (times `scale`) from a fixed-seed mt19937, rounded to dtype.
+Tensor random_normal(DType dtype, Shape4 shape, std::uint32_t seed, float scale = 1.0f);
+
 }  // namespace cpattn

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <random>
 
 #include "cpattn/error.hpp"
 
@@ -97,6 +98,14 @@ Tensor Tensor::to(DType dtype) const {
   if (dtype == dtype_) return *this;
   const std::vector<float> values = to_floats();
   return from_floats(dtype, shape_, values);
+}
+
+Tensor random_normal(DType dtype, Shape4 shape, std::uint32_t seed, float scale) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> values(static_cast<std::size_t>(shape.numel()));
+  for (auto& x : values) x = dist(gen);
+  return Tensor::from_floats(dtype, shape, values);
 }
 
 }  // namespace cpattn

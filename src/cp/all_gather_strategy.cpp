@@ -15,12 +15,6 @@ std::vector<std::int32_t> per_batch(const std::vector<std::int32_t>& row, std::i
   return out;
 }
 
-std::vector<std::int32_t> iota_per_batch(std::int64_t seq, std::int64_t batch) {
-  std::vector<std::int32_t> row(static_cast<std::size_t>(seq));
-  for (std::int64_t i = 0; i < seq; ++i) row[i] = static_cast<std::int32_t>(i);
-  return per_batch(row, batch);
-}
-
 }  // namespace
 
 AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor& q, const Tensor& k,
@@ -33,7 +27,7 @@ AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor&
   if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, B, positions);
 
   const auto q_pos = per_batch(positions[rank], B);
-  const auto kv_pos = iota_per_batch(attention.seq_len, B);
+  const auto kv_pos = cp::natural_positions(attention.seq_len, B);
   AttentionOutput out;
   out.o = Tensor(attention.dtype, q.shape());
   out.lse.assign(static_cast<std::size_t>(B * hq * local_seq), 0.0f);
@@ -67,7 +61,7 @@ AttentionGradients ContextParallelAttention::Impl::all_gather_backward(const Ten
     s.v_full = cp::all_gather_sequence(comm, s.v, positions);
   }
   const auto q_pos = per_batch(positions[rank], B);
-  const auto kv_pos = iota_per_batch(attention.seq_len, B);
+  const auto kv_pos = cp::natural_positions(attention.seq_len, B);
   AttentionGradients g;
   g.dq = Tensor(attention.dtype, s.q.shape());
   Tensor dk_partial(DType::f32, s.k_full.shape()), dv_partial(DType::f32, s.v_full.shape());

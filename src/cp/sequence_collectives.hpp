@@ -21,6 +21,9 @@ std::vector<float> all_to_all_lse_heads_to_sequence(Communicator& comm, const st
                                                     std::int64_t batch, std::int64_t local_heads,
                                                     std::int64_t seq);
 
+// 0..S-1 for each of B rows: [B, S].
+std::vector<std::int32_t> natural_positions(std::int64_t seq, std::int64_t batch);
+
 // positions[p][t]: the global position of rank p's local token t (the same for every batch row).
 using RankPositions = std::vector<std::vector<std::int32_t>>;
 

@@ -55,14 +55,6 @@ Tensor sum_replicas(const Tensor& g, const std::vector<std::int64_t>& order, std
   return out;
 }
 
-std::vector<std::int32_t> iota_per_batch(std::int64_t seq, std::int64_t batch) {
-  std::vector<std::int32_t> p(static_cast<std::size_t>(seq * batch));
-  for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t i = 0; i < seq; ++i) p[b * seq + i] = static_cast<std::int32_t>(i);
-  }
-  return p;
-}
-
 }  // namespace
 
 namespace {
@@ -94,7 +86,7 @@ AttentionOutput ContextParallelAttention::Impl::ulysses_forward(const Tensor& q,
   std::vector<std::int32_t> seg_full;
   if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, B, positions);
 
-  const auto pos = iota_per_batch(S, B);
+  const auto pos = cp::natural_positions(S, B);
   const std::int64_t local_heads = hq / cp;
   Tensor o_heads(attention.dtype, h.q.shape());
   std::vector<float> lse_heads(static_cast<std::size_t>(B * local_heads * S));
@@ -140,7 +132,7 @@ AttentionGradients ContextParallelAttention::Impl::ulysses_backward(const Tensor
   const Tensor& k = options.remat ? h.k : s.k;
   const Tensor& v = options.remat ? h.v : s.v;
 
-  const auto pos = iota_per_batch(S, B);
+  const auto pos = cp::natural_positions(S, B);
   Tensor dq_heads(attention.dtype, q.shape());
   Tensor dk_heads(DType::f32, k.shape()), dv_heads(DType::f32, v.shape());
   flash_backward(cref(q), cref(k), cref(v), cref(s.o), s.lse.data(), cref(do_heads),

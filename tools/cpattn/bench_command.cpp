@@ -186,14 +186,6 @@ struct StrategyOptions {
   bool json = false;
 };
 
-Tensor random_tensor(DType dtype, Shape4 shape, std::uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> dist;
-  std::vector<float> v(static_cast<std::size_t>(shape.numel()));
-  for (auto& x : v) x = dist(gen);
-  return Tensor::from_floats(dtype, shape, v);
-}
-
 int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
   ConfigValues values = opt.problem.resolve(app);
   if (!values.seq_len) values.seq_len = 16384;
@@ -209,10 +201,10 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
     return 2;
   }
   const AttentionSpec& a = base.attention;
-  WholeProblem problem{random_tensor(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, 1),
-                       random_tensor(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, 2),
-                       random_tensor(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, 3),
-                       random_tensor(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, 4),
+  WholeProblem problem{random_normal(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, 1),
+                       random_normal(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, 2),
+                       random_normal(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, 3),
+                       random_normal(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, 4),
                        {}};
   struct Config {
     std::string name;

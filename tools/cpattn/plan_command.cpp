@@ -23,30 +23,9 @@ struct PlanOptions {
 
 std::string mib(std::int64_t bytes) {
   std::ostringstream o;
-  o << std::fixed << std::setprecision(bytes % (1 << 20) == 0 ? 0 : 2) << static_cast<double>(bytes) / (1 << 20)
-    << " MiB";
+  o << std::fixed << std::setprecision(bytes % (1 << 20) == 0 ? 0 : 2)
+    << static_cast<double>(bytes) / (1 << 20) << " MiB";
   return o.str();
-}
-
-std::vector<std::int64_t> parse_lengths(const std::string& text) {
-  std::vector<std::int64_t> out;
-  std::stringstream ss(text);
-  std::string part;
-  while (std::getline(ss, part, ',')) {
-    std::size_t used = 0;
-    std::int64_t n = 0;
-    try {
-      n = std::stoll(part, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != part.size() || n <= 0) {
-      throw Error(ErrorKind::invalid_input, "--segments", text,
-                  "--segments '" + text + "': '" + part + "' is not a positive document length");
-    }
-    out.push_back(n);
-  }
-  return out;
 }
 
 std::string fmt_double(double x) {
@@ -86,10 +65,12 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
   if (hw == nullptr) {
     std::string names;
     for (const auto& h : hardware_profiles()) names += (names.empty() ? "" : ", ") + h.name;
-    errors.push_back({{"--hardware"}, opt.hardware, "--hardware '" + opt.hardware + "' is unknown; valid: " + names});
+    errors.push_back(
+        {{"--hardware"}, opt.hardware, "--hardware '" + opt.hardware + "' is unknown; valid: " + names});
   }
   auto positive = [&](const std::optional<std::int64_t>& v, const char* field) {
-    if (v && *v < 1) errors.push_back({{field}, std::to_string(*v), std::string(field) + " must be positive"});
+    if (v && *v < 1)
+      errors.push_back({{field}, std::to_string(*v), std::string(field) + " must be positive"});
   };
   positive(values.num_layers, "--layers");
   positive(values.attention_every, "--attention-every");
@@ -107,10 +88,10 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
   }
   req.attention = specs.attention;
   req.parallel = specs.parallel;
-  req.model = {opt.preset.empty() ? "custom" : opt.preset, values.emb_dim.value_or(0), values.num_layers.value_or(1),
-               values.attention_every.value_or(1)};
+  req.model = {opt.preset.empty() ? "custom" : opt.preset, values.emb_dim.value_or(0),
+               values.num_layers.value_or(1), values.attention_every.value_or(1)};
   req.block = opt.block;
-  if (!opt.segments.empty()) req.segments = parse_lengths(opt.segments);
+  if (!opt.segments.empty()) req.segments = parse_document_lengths(opt.segments, "--segments");
   req.remat = opt.remat;
   req.hardware = *hw;
   if (opt.flops) req.hardware.flops = *opt.flops;
@@ -120,19 +101,33 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
 
   nlohmann::ordered_json out;
   out["valid"] = true;
-  out["problem"] = {{"model", req.model.name}, {"seq", req.attention.seq_len}, {"batch", req.attention.batch},
-                    {"q_heads", req.attention.num_q_heads}, {"kv_heads", req.attention.num_kv_heads},
-                    {"head_dim", req.attention.head_dim}, {"dtype", to_string(req.attention.dtype)},
-                    {"cp", req.parallel.cp}, {"tp", req.parallel.tp}, {"block", req.block}, {"segments", req.segments},
-                    {"remat", req.remat}, {"emb_dim", req.model.emb_dim}, {"layers", req.model.num_layers},
+  out["problem"] = {{"model", req.model.name},
+                    {"seq", req.attention.seq_len},
+                    {"batch", req.attention.batch},
+                    {"q_heads", req.attention.num_q_heads},
+                    {"kv_heads", req.attention.num_kv_heads},
+                    {"head_dim", req.attention.head_dim},
+                    {"dtype", to_string(req.attention.dtype)},
+                    {"cp", req.parallel.cp},
+                    {"tp", req.parallel.tp},
+                    {"block", req.block},
+                    {"segments", req.segments},
+                    {"remat", req.remat},
+                    {"emb_dim", req.model.emb_dim},
+                    {"layers", req.model.num_layers},
                     {"attention_layers", req.model.attention_layers()}};
-  out["hardware"] = {{"name", req.hardware.name}, {"flops", req.hardware.flops},
-                     {"bandwidth_bytes_per_second", req.hardware.bandwidth}, {"source", req.hardware.source}};
+  out["hardware"] = {{"name", req.hardware.name},
+                     {"flops", req.hardware.flops},
+                     {"bandwidth_bytes_per_second", req.hardware.bandwidth},
+                     {"source", req.hardware.source}};
   out["strategies"] = nlohmann::ordered_json::array();
   auto records_json = [](const std::vector<CollectiveRecord>& list) {
     nlohmann::ordered_json a = nlohmann::ordered_json::array();
     for (const auto& c : list) {
-      a.push_back({{"kind", to_string(c.kind)}, {"phase", c.phase}, {"count", c.count}, {"bytes", c.bytes},
+      a.push_back({{"kind", to_string(c.kind)},
+                   {"phase", c.phase},
+                   {"count", c.count},
+                   {"bytes", c.bytes},
                    {"bytes_sent_per_rank", c.bytes_sent_per_rank}});
     }
     return a;
@@ -153,9 +148,12 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
     j["tiles_skew"] = s.tiles_skew;
     j["memory_bytes_per_rank"] = s.memory_bytes_per_rank;
     j["kv_buffer_bytes_per_rank"] = s.kv_buffer_bytes_per_rank;
-    j["estimated_seconds"] = {{"compute_per_rank", s.compute_seconds_per_rank}, {"straggler_rank", s.straggler_rank},
-                              {"communication", s.communication_seconds}, {"exposed", s.exposed_seconds},
-                              {"layer", s.layer_seconds}, {"model", s.model_seconds}};
+    j["estimated_seconds"] = {{"compute_per_rank", s.compute_seconds_per_rank},
+                              {"straggler_rank", s.straggler_rank},
+                              {"communication", s.communication_seconds},
+                              {"exposed", s.exposed_seconds},
+                              {"layer", s.layer_seconds},
+                              {"model", s.model_seconds}};
     j["model_bytes_sent_per_rank"] = s.model_bytes_sent_per_rank;
     out["strategies"].push_back(j);
   }
@@ -164,25 +162,28 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
     std::cout << out.dump(2) << "\n";
     return 0;
   }
-  std::cout << "cpattn plan: " << req.model.name << ", S=" << req.attention.seq_len << " B=" << req.attention.batch
-            << " Hq=" << req.attention.num_q_heads << " Hkv=" << req.attention.num_kv_heads
-            << " D=" << req.attention.head_dim << " " << to_string(req.attention.dtype) << ", cp=" << req.parallel.cp
-            << " tp=" << req.parallel.tp << ", block " << req.block << ", "
-            << (req.segments.empty() ? "one document" : "segments " + opt.segments) << (req.remat ? ", remat" : "")
-            << "; " << req.model.attention_layers() << " attention layers of " << req.model.num_layers << "; "
-            << req.hardware.name << "\n";
+  std::cout << "cpattn plan: " << req.model.name << ", S=" << req.attention.seq_len
+            << " B=" << req.attention.batch << " Hq=" << req.attention.num_q_heads
+            << " Hkv=" << req.attention.num_kv_heads << " D=" << req.attention.head_dim << " "
+            << to_string(req.attention.dtype) << ", cp=" << req.parallel.cp << " tp=" << req.parallel.tp
+            << ", block " << req.block << ", "
+            << (req.segments.empty() ? "one document" : "segments " + opt.segments)
+            << (req.remat ? ", remat" : "") << "; " << req.model.attention_layers() << " attention layers of "
+            << req.model.num_layers << "; " << req.hardware.name << "\n";
   for (const auto& s : plan.strategies) {
     std::cout << "\n== " << s.name << "\n";
     if (!s.possible) {
       std::cout << "  impossible: " << s.why_not.front().message << "\n";
       continue;
     }
-    std::cout << "  per attention layer:\n  " << std::left << std::setw(20) << "kind" << std::setw(10) << "phase"
-              << std::setw(7) << "count" << std::setw(16) << "bytes" << "sent per rank\n";
+    std::cout << "  per attention layer:\n  " << std::left << std::setw(20) << "kind" << std::setw(10)
+              << "phase" << std::setw(7) << "count" << std::setw(16) << "bytes"
+              << "sent per rank\n";
     for (const auto* list : {&s.collectives, &s.reorder}) {
       for (const auto& c : *list) {
         std::cout << "  " << std::left << std::setw(20) << to_string(c.kind) << std::setw(10) << c.phase
-                  << std::setw(7) << c.count << std::setw(16) << mib(c.bytes) << mib(c.bytes_sent_per_rank) << "\n";
+                  << std::setw(7) << c.count << std::setw(16) << mib(c.bytes) << mib(c.bytes_sent_per_rank)
+                  << "\n";
       }
     }
     std::cout << "  tiles per rank per q head:";
@@ -192,11 +193,12 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
     std::cout << "; max/min " << fmt_double(s.tiles_skew) << ")\n";
     std::cout << "  memory per rank saved for backward " << mib(s.memory_bytes_per_rank) << ", K/V buffers "
               << mib(s.kv_buffer_bytes_per_rank) << "\n";
-    std::cout << "  estimate per layer: compute " << fmt_double(s.compute_seconds_per_rank[s.straggler_rank] * 1e3)
+    std::cout << "  estimate per layer: compute "
+              << fmt_double(s.compute_seconds_per_rank[s.straggler_rank] * 1e3)
               << " ms on the straggler (rank " << s.straggler_rank << "), communication "
-              << fmt_double(s.communication_seconds * 1e3) << " ms, exposed " << fmt_double(s.exposed_seconds * 1e3)
-              << " ms, layer " << fmt_double(s.layer_seconds * 1e3) << " ms; model " << fmt_double(s.model_seconds * 1e3)
-              << " ms\n";
+              << fmt_double(s.communication_seconds * 1e3) << " ms, exposed "
+              << fmt_double(s.exposed_seconds * 1e3) << " ms, layer " << fmt_double(s.layer_seconds * 1e3)
+              << " ms; model " << fmt_double(s.model_seconds * 1e3) << " ms\n";
   }
   std::cout << "\nrecommendation: " << plan.recommendation << "\n";
   return 0;

@@ -2,6 +2,7 @@
 
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 namespace cpattn::cli {
 
@@ -49,6 +50,29 @@ nlohmann::json value_json(const std::string& v) {
 }
 
 }  // namespace
+
+std::vector<std::int64_t> parse_document_lengths(const std::string& text, const std::string& flag) {
+  std::vector<std::int64_t> lengths;
+  std::stringstream ss(text);
+  std::string part;
+  while (std::getline(ss, part, ',')) {
+    std::size_t used = 0;
+    std::int64_t n = -1;
+    try {
+      n = std::stoll(part, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != part.size() || n <= 0) {
+      throw Error(ErrorKind::invalid_input, flag, text,
+                  flag + " '" + text + "': '" + part + "' is not a positive document length");
+    }
+    lengths.push_back(n);
+  }
+  if (lengths.empty())
+    throw Error(ErrorKind::invalid_input, flag, text, flag + " is empty; give lengths like 6144,2048");
+  return lengths;
+}
 
 std::string errors_to_json(const std::vector<ErrorItem>& errors) {
   nlohmann::json list = nlohmann::json::array();

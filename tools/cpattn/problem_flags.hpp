@@ -24,6 +24,9 @@ struct ProblemFlags {
   ConfigValues resolve(const CLI::App& app) const;
 };
 
+// "6144,2048" -> {6144, 2048}; each a positive integer, else Error(invalid_input) naming `flag`.
+std::vector<std::int64_t> parse_document_lengths(const std::string& text, const std::string& flag);
+
 // JSON for a list of errors: [{"field", "fields"?, "value", "message"}].
 std::string errors_to_json(const std::vector<ErrorItem>& errors);
 void print_errors(const std::vector<ErrorItem>& errors);

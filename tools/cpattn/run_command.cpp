@@ -38,41 +38,15 @@ struct RunOptions {
 }
 
 std::vector<std::int64_t> parse_segments(const std::string& text, std::int64_t seq) {
-  std::vector<std::int64_t> lengths;
-  std::stringstream ss(text);
-  std::string part;
+  const std::vector<std::int64_t> lengths = parse_document_lengths(text, "--segments");
   std::int64_t total = 0;
-  while (std::getline(ss, part, ',')) {
-    std::size_t used = 0;
-    std::int64_t n = -1;
-    try {
-      n = std::stoll(part, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != part.size() || n <= 0) {
-      bad_input("--segments", text,
-                "--segments '" + text + "': '" + part + "' is not a positive document length");
-    }
-    lengths.push_back(n);
-    total += n;
-  }
-  if (lengths.empty() || total != seq) {
+  for (auto n : lengths) total += n;
+  if (total != seq) {
     bad_input("--segments", text,
               "--segments '" + text + "' sums to " + std::to_string(total) +
-                  "; the document lengths must add up to "
-                  "--seq (" +
-                  std::to_string(seq) + ")");
+                  "; the document lengths must add up to --seq (" + std::to_string(seq) + ")");
   }
   return lengths;
-}
-
-Tensor random_tensor(DType dtype, Shape4 shape, std::uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> dist;
-  std::vector<float> v(static_cast<std::size_t>(shape.numel()));
-  for (auto& x : v) x = dist(gen);
-  return Tensor::from_floats(dtype, shape, v);
 }
 
 // Reads DIR/{q,k,v,do}.npy (+ segment_ids.npy) and sets the sizes they imply, refusing disagreements with
@@ -214,10 +188,10 @@ int run(const CLI::App& app, RunOptions& opt) {
   if (p.tp != 1)
     bad_input("--tp", std::to_string(p.tp), "cpattn run simulates one tensor-parallel group; use --tp 1");
   if (opt.load_dir.empty()) {
-    problem.q = random_tensor(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, opt.seed);
-    problem.k = random_tensor(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, opt.seed + 1);
-    problem.v = random_tensor(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, opt.seed + 2);
-    problem.d_out = random_tensor(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, opt.seed + 3);
+    problem.q = random_normal(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, opt.seed);
+    problem.k = random_normal(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, opt.seed + 1);
+    problem.v = random_normal(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, opt.seed + 2);
+    problem.d_out = random_normal(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, opt.seed + 3);
   }
   if (!opt.segments.empty()) {
     const auto lengths = parse_segments(opt.segments, a.seq_len);
