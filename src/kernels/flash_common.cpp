@@ -1,5 +1,7 @@
 #include "flash_common.hpp"
 
+#include "../core/parallel_for.hpp"
+
 namespace cpattn::kernels {
 
 void check_same_shape(const char* name, const Shape4& got, const Shape4& want) {
@@ -66,6 +68,30 @@ BlockGrid make_block_grid(const AttentionMask& mask, std::int64_t batch, std::in
     g.kv.push_back(block_meta(mask.kv_positions, mask.kv_segments, b * skv, skv, config.block_kv));
   }
   return g;
+}
+
+PackedBlocks::PackedBlocks(const ConstTensorRef& t, const std::vector<std::vector<BlockMeta>>& blocks,
+                           std::int64_t block, std::int64_t width, bool transposed, float factor, int threads) {
+  const std::int64_t B = t.shape.b, D = t.shape.d;
+  heads_ = t.shape.h;
+  per_row_ = blocks.empty() ? 0 : static_cast<std::int64_t>(blocks[0].size());
+  block_floats_ = transposed ? D * block : block * width;
+  data_.resize(static_cast<std::size_t>(B * heads_ * per_row_ * block_floats_));
+  parallel_for(B * heads_ * per_row_, threads, [&](std::int64_t task, int) {
+    const std::int64_t b = task / (heads_ * per_row_), h = (task / per_row_) % heads_, index = task % per_row_;
+    float* out = data_.data() + task * block_floats_;
+    const BlockMeta& blk = blocks[b][index];
+    if (transposed) {
+      std::vector<float> row(static_cast<std::size_t>(D));
+      std::memset(out, 0, static_cast<std::size_t>(block_floats_) * sizeof(float));
+      for (std::int64_t j = 0; j < blk.length; ++j) {
+        load_row(t, b, blk.begin + j, h, factor, D, row.data());
+        for (std::int64_t i = 0; i < D; ++i) out[i * block + j] = row[i];
+      }
+    } else {
+      pack_rows(t, b, h, blk, block, width, factor, out);
+    }
+  });
 }
 
 }  // namespace cpattn::kernels

@@ -92,4 +92,20 @@ struct BlockGrid {
 BlockGrid make_block_grid(const AttentionMask& mask, std::int64_t batch, std::int64_t sq, std::int64_t skv,
                           const FlashConfig& config);
 
+// Every block of t ([B, S, H, D]) on a grid, packed once per call and shared by all the tiles that read it:
+// transposed as [D][block] (keys along the vector axis, for S = Q K^T and dP = dO V^T) or as rows
+// [block][width] (for P V, dS K, and the q-side blocks), zero-padded, times `factor`.
+class PackedBlocks {
+ public:
+  PackedBlocks(const ConstTensorRef& t, const std::vector<std::vector<BlockMeta>>& blocks, std::int64_t block,
+               std::int64_t width, bool transposed, float factor, int threads);
+  const float* at(std::int64_t b, std::int64_t h, std::int64_t index) const {
+    return data_.data() + ((b * heads_ + h) * per_row_ + index) * block_floats_;
+  }
+
+ private:
+  std::int64_t heads_ = 0, per_row_ = 0, block_floats_ = 0;
+  std::vector<float> data_;
+};
+
 }  // namespace cpattn::kernels

@@ -29,8 +29,12 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
   std::vector<std::int64_t> task_tiles(static_cast<std::size_t>(B * Hq * q_blocks), 0);
   std::atomic<std::int64_t> full{0}, partial{0};
 
+  // K transposed and V as rows, packed once and shared by every q block and q head of the group.
+  const PackedBlocks kt(k, grid.kv, Bk, Dp, true, 1.0f, config.threads);
+  const PackedBlocks vp(v, grid.kv, Bk, Dp, false, 1.0f, config.threads);
+
   struct Workspace {
-    std::vector<float> qp, kt, vp, s, acc, m, l, row;
+    std::vector<float> qp, s, acc, m, l;
   };
   std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
 
@@ -41,26 +45,23 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
     const BlockMeta& qb = grid.q[b][task % q_blocks];
     Workspace& w = spaces[worker];
     w.qp.resize(Bq * Dp);
-    w.kt.resize(D * Bk);
-    w.vp.resize(Bk * Dp);
     w.s.resize(Bq * Bk);
     w.acc.assign(Bq * Dp, 0.0f);
     w.m.assign(Bq, neg_inf);
     w.l.assign(Bq, 0.0f);
-    w.row.resize(Dp);
     const std::int64_t rows = round_up(qb.length, kTileRows);
     pack_rows(q, b, h, qb, rows, Dp, q_factor, w.qp.data());
 
     std::int64_t computed = 0, computed_full = 0;
-    for (const BlockMeta& kb : grid.kv[b]) {
+    for (std::size_t kv_index = 0; kv_index < grid.kv[b].size(); ++kv_index) {
+      const BlockMeta& kb = grid.kv[b][kv_index];
       const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
       if (kind == TileKind::empty) continue;
       ++computed;
       computed_full += kind == TileKind::full;
-      pack_transposed(k, b, hk, kb, Bk, w.row.data(), w.kt.data());
-      pack_rows(v, b, hk, kb, Bk, Dp, 1.0f, w.vp.data());
+      const std::int64_t kvi = static_cast<std::int64_t>(kv_index);
       // s: [rows][Bk] = Q' K^T
-      dot_rows(w.qp.data(), Dp, w.kt.data(), Bk, D, rows, Bk, w.s.data(), Bk);
+      dot_rows(w.qp.data(), Dp, kt.at(b, hk, kvi), Bk, D, rows, Bk, w.s.data(), Bk);
       if (kind == TileKind::partial) apply_mask(w.s.data(), rows, Bk, qb, kb, b, mask, Sq, Skv, neg_inf);
       for (std::int64_t r = 0; r < rows; ++r) {
         float* srow = w.s.data() + r * Bk;
@@ -76,7 +77,7 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
         w.m[r] = m_new;
       }
       // acc: [rows][Dp] += P V
-      axpy_rows(w.s.data(), 1, Bk, w.vp.data(), Dp, Bk, rows, Dp, w.acc.data(), Dp);
+      axpy_rows(w.s.data(), 1, Bk, vp.at(b, hk, kvi), Dp, Bk, rows, Dp, w.acc.data(), Dp);
     }
     task_tiles[task] = computed;
     full += computed_full;
