@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -199,13 +200,15 @@ TEST(CliRun, BadInputExits2) {
 namespace {
 
 TEST(CliPlan, SeedPresetJsonHasEveryStrategy) {
-  const Result r = run("plan --json --preset qwen3.5-397b-a17b --seq 65536 --dtype bf16 --cp 4 --segments 61440,4096");
+  const Result r =
+      run("plan --json --preset qwen3.5-397b-a17b --seq 65536 --dtype bf16 --cp 4 --segments 61440,4096");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const auto j = nlohmann::json::parse(r.out);
   ASSERT_EQ(j["strategies"].size(), 3u);
   for (const auto& s : j["strategies"]) {
     EXPECT_TRUE(s["possible"].get<bool>());
-    for (const char* key : {"collectives", "tiles_per_rank_per_q_head", "memory_bytes_per_rank", "estimated_seconds"}) {
+    for (const char* key :
+         {"collectives", "tiles_per_rank_per_q_head", "memory_bytes_per_rank", "estimated_seconds"}) {
       EXPECT_TRUE(s.contains(key)) << s["name"] << " " << key;
     }
   }
@@ -225,6 +228,39 @@ TEST(CliPlan, BadInputExits2) {
     const Result r = run(args);
     EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
     EXPECT_NE(r.err.find(phrase), std::string::npos) << args << "\nstderr: " << r.err;
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// What `cpattn plan` predicts for an attention layer is what `cpattn run` counted.
+TEST(CliPlan, PredictedCollectivesEqualWhatRunCounted) {
+  const std::string shape =
+      " --q-heads 8 --kv-heads 2 --head-dim 16 --seq 256 --cp 4 --dtype bf16 --segments 200,56";
+  for (const std::string strategy : {"ulysses", "all_gather", "all_gather_load_balanced"}) {
+    for (const std::string remat : {"", " --remat"}) {
+      const std::string flags = strategy == "all_gather_load_balanced"
+                                    ? " --strategy all_gather --load-balance"
+                                    : " --strategy " + strategy;
+      const Result ran = run("run --json --threads 1" + flags + shape + remat);
+      ASSERT_EQ(ran.exit_code, 0) << ran.err;
+      const Result planned = run("plan --json --block 64" + shape + remat);
+      ASSERT_EQ(planned.exit_code, 0) << planned.err;
+      nlohmann::json predicted;
+      const auto plan = nlohmann::json::parse(planned.out);
+      for (const auto& s : plan["strategies"]) {
+        if (s["name"] == strategy) predicted = s["collectives"];
+      }
+      auto key = [](const nlohmann::json& list) {
+        std::vector<std::string> rows;
+        for (const auto& c : list) rows.push_back(c.dump());
+        std::sort(rows.begin(), rows.end());
+        return rows;
+      };
+      EXPECT_EQ(key(nlohmann::json::parse(ran.out)["collectives"]), key(predicted)) << strategy << remat;
+    }
   }
 }
 
