@@ -1,5 +1,7 @@
 // Flash attention forward. One task per (batch row, q head, q block); each walks the kv blocks of the fixed
 // global grid in order with an online softmax in base 2 (scale * log2(e) folded into Q when it is packed).
+// Per query row the operations are the same whatever its lane or block: the score is a sequential FMA chain over
+// d, the max and the sum run over the keys in kv order, the rescale and P V accumulate over kv blocks in order.
 #include <atomic>
 #include <cmath>
 
@@ -29,12 +31,16 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
   std::vector<std::int64_t> task_tiles(static_cast<std::size_t>(B * Hq * q_blocks), 0);
   std::atomic<std::int64_t> full{0}, partial{0};
 
-  // K transposed and V as rows, packed once and shared by every q block and q head of the group.
-  const PackedBlocks kt(k, grid.kv, Bk, Dp, true, 1.0f, config.threads);
+  // K and V as rows [Bk][Dp], packed once and shared by every q block and q head of the group.
+  const PackedBlocks kp(k, grid.kv, Bk, Dp, false, 1.0f, config.threads);
   const PackedBlocks vp(v, grid.kv, Bk, Dp, false, 1.0f, config.threads);
+  const std::int64_t n = lanes();
 
+  // The tile is computed transposed, S^T = K Q'^T, with the q rows along the vector axis: the online softmax
+  // then runs lane-wise (one lane per query row, max and sum over the keys in order, no horizontal
+  // reductions), and O^T += V^T P^T reuses the same register tiles.
   struct Workspace {
-    std::vector<float> qp, s, acc, m, l;
+    std::vector<float> qt, st, acc, m, l, alpha;
   };
   std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
 
@@ -43,15 +49,22 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
     const std::int64_t h = (task / q_blocks) % Hq;
     const std::int64_t hk = h / G;
     const BlockMeta& qb = grid.q[b][task % q_blocks];
+    const std::int64_t cols = round_up(qb.length, 4 * n);  // query rows, padded to whole register tiles
     Workspace& w = spaces[worker];
-    w.qp.resize(Bq * Dp);
-    w.s.resize(Bq * Bk);
-    w.acc.assign(Bq * Dp, 0.0f);
-    w.m.assign(Bq, neg_inf);
-    w.l.assign(Bq, 0.0f);
-    const std::int64_t rows = round_up(qb.length, kTileRows);
-    pack_rows(q, b, h, qb, rows, Dp, q_factor, w.qp.data());
-
+    w.qt.assign(D * cols, 0.0f);
+    w.st.resize(Bk * cols);
+    w.acc.assign(Dp * cols, 0.0f);
+    w.m.assign(cols, neg_inf);
+    w.l.assign(cols, 0.0f);
+    w.alpha.resize(cols);
+    {  // Q'^T: [D][cols]
+      std::vector<float> row(static_cast<std::size_t>(D));
+      for (std::int64_t r = 0; r < qb.length; ++r) {
+        load_row(q, b, qb.begin + r, h, q_factor, D, row.data());
+        for (std::int64_t d = 0; d < D; ++d) w.qt[d * cols + r] = row[d];
+      }
+    }
+    const DF df;
     std::int64_t computed = 0, computed_full = 0;
     for (std::size_t kv_index = 0; kv_index < grid.kv[b].size(); ++kv_index) {
       const BlockMeta& kb = grid.kv[b][kv_index];
@@ -60,39 +73,47 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
       ++computed;
       computed_full += kind == TileKind::full;
       const std::int64_t kvi = static_cast<std::int64_t>(kv_index);
-      // s: [rows][Bk] = Q' K^T
-      dot_rows(w.qp.data(), Dp, kt.at(b, hk, kvi), Bk, D, rows, Bk, w.s.data(), Bk);
-      if (kind == TileKind::partial) apply_mask(w.s.data(), rows, Bk, qb, kb, b, mask, Sq, Skv, neg_inf);
-      for (std::int64_t r = 0; r < rows; ++r) {
-        float* srow = w.s.data() + r * Bk;
-        const float m_new = std::max(w.m[r], max_of(srow, Bk));
-        if (m_new == neg_inf) {  // nothing visible yet: the tile must leave this row exactly as it was
-          std::fill(srow, srow + Bk, 0.0f);
-          continue;
-        }
-        const float alpha = exp2_scalar(w.m[r] - m_new);
-        const float sum = exp2_shifted_sum(srow, Bk, m_new);
-        w.l[r] = w.l[r] * alpha + sum;
-        scale_row(w.acc.data() + r * Dp, Dp, alpha);
-        w.m[r] = m_new;
+      // st: [Bk][cols] = K Q'^T
+      dot_rows(kp.at(b, hk, kvi), Dp, w.qt.data(), cols, D, Bk, cols, w.st.data(), cols);
+      if (kind == TileKind::partial) {
+        apply_mask_transposed(w.st.data(), Bk, cols, qb, kb, b, mask, Sq, Skv, neg_inf);
       }
-      // acc: [rows][Dp] += P V
-      axpy_rows(w.s.data(), 1, Bk, vp.at(b, hk, kvi), Dp, Bk, rows, Dp, w.acc.data(), Dp);
+      for (std::int64_t c = 0; c < cols; c += n) {
+        const VF m_old = hn::LoadU(df, w.m.data() + c);
+        VF m_new = m_old;
+        for (std::int64_t j = 0; j < Bk; ++j) m_new = hn::Max(m_new, hn::LoadU(df, w.st.data() + j * cols + c));
+        // A row that has seen nothing yet subtracts 0: its P is exp2(-inf) = 0 and its alpha 0 (acc is 0).
+        const VF m_use = hn::IfThenZeroElse(hn::Eq(m_new, hn::Set(df, neg_inf)), m_new);
+        const VF alpha = exp2_approx(hn::Sub(m_old, m_use));
+        VF sum = hn::Zero(df);
+        for (std::int64_t j = 0; j < Bk; ++j) {
+          const VF p = exp2_approx(hn::Sub(hn::LoadU(df, w.st.data() + j * cols + c), m_use));
+          hn::StoreU(p, df, w.st.data() + j * cols + c);
+          sum = hn::Add(sum, p);
+        }
+        hn::StoreU(hn::MulAdd(hn::LoadU(df, w.l.data() + c), alpha, sum), df, w.l.data() + c);
+        hn::StoreU(m_new, df, w.m.data() + c);
+        hn::StoreU(alpha, df, w.alpha.data() + c);
+      }
+      for (std::int64_t d = 0; d < Dp; ++d) {
+        float* a = w.acc.data() + d * cols;
+        for (std::int64_t c = 0; c < cols; c += n) {
+          hn::StoreU(hn::Mul(hn::LoadU(df, a + c), hn::LoadU(df, w.alpha.data() + c)), df, a + c);
+        }
+      }
+      // acc: [Dp][cols] += V^T P^T
+      axpy_rows(vp.at(b, hk, kvi), Dp, 1, w.st.data(), cols, Bk, Dp, cols, w.acc.data(), cols);
     }
     task_tiles[task] = computed;
     full += computed_full;
     partial += computed - computed_full;
 
+    std::vector<float> out(static_cast<std::size_t>(D));
     for (std::int64_t r = 0; r < qb.length; ++r) {
       const std::int64_t i = qb.begin + r;
-      float* a = w.acc.data() + r * Dp;
       const float l = w.l[r];
-      if (l > 0.0f) {
-        for (std::int64_t d = 0; d < D; ++d) a[d] = a[d] / l;
-      } else {
-        std::fill(a, a + D, 0.0f);
-      }
-      store_row(o, b, i, h, a, 1.0f);
+      for (std::int64_t d = 0; d < D; ++d) out[d] = l > 0.0f ? w.acc[d * cols + r] / l : 0.0f;
+      store_row(o, b, i, h, out.data(), 1.0f);
       if (lse != nullptr) {
         lse[(b * Hq + h) * Sq + i] =
             l > 0.0f ? static_cast<float>((static_cast<double>(w.m[r]) + std::log2(static_cast<double>(l))) *
