@@ -75,7 +75,7 @@ PackedBlocks::PackedBlocks(const ConstTensorRef& t, const std::vector<std::vecto
   const std::int64_t B = t.shape.b, D = t.shape.d;
   heads_ = t.shape.h;
   per_row_ = blocks.empty() ? 0 : static_cast<std::int64_t>(blocks[0].size());
-  block_floats_ = transposed ? D * block : block * width;
+  block_floats_ = transposed ? width * block : block * width;  // transposed: [width][block], rows >= D zero
   data_.resize(static_cast<std::size_t>(B * heads_ * per_row_ * block_floats_));
   parallel_for(B * heads_ * per_row_, threads, [&](std::int64_t task, int) {
     const std::int64_t b = task / (heads_ * per_row_), h = (task / per_row_) % heads_, index = task % per_row_;

@@ -106,7 +106,7 @@ BlockGrid make_block_grid(const AttentionMask& mask, std::int64_t batch, std::in
                           const FlashConfig& config);
 
 // Every block of t ([B, S, H, D]) on a grid, packed once per call and shared by all the tiles that read it:
-// transposed as [D][block] (keys along the vector axis, for S = Q K^T and dP = dO V^T) or as rows
+// transposed as [width][block] (rows past D zero; keys along the vector axis) or as rows
 // [block][width] (for P V, dS K, and the q-side blocks), zero-padded, times `factor`.
 class PackedBlocks {
  public:

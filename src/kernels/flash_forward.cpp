@@ -31,9 +31,10 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
   std::vector<std::int64_t> task_tiles(static_cast<std::size_t>(B * Hq * q_blocks), 0);
   std::atomic<std::int64_t> full{0}, partial{0};
 
-  // K and V as rows [Bk][Dp], packed once and shared by every q block and q head of the group.
+  // K as rows [Bk][Dp] and V transposed [Dp][Bk], packed once and shared by every q block and q head of the
+  // group; both are then read along their rows by the register tiles.
   const PackedBlocks kp(k, grid.kv, Bk, Dp, false, 1.0f, config.threads);
-  const PackedBlocks vp(v, grid.kv, Bk, Dp, false, 1.0f, config.threads);
+  const PackedBlocks vt(v, grid.kv, Bk, Dp, true, 1.0f, config.threads);
   const std::int64_t n = lanes();
 
   // The tile is computed transposed, S^T = K Q'^T, with the q rows along the vector axis: the online softmax
@@ -102,7 +103,7 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
         }
       }
       // acc: [Dp][cols] += V^T P^T
-      axpy_rows(vp.at(b, hk, kvi), Dp, 1, w.st.data(), cols, Bk, Dp, cols, w.acc.data(), cols);
+      axpy_rows(vt.at(b, hk, kvi), 1, Bk, w.st.data(), cols, Bk, Dp, cols, w.acc.data(), cols);
     }
     task_tiles[task] = computed;
     full += computed_full;
