@@ -27,7 +27,8 @@ PlanRequest seed_request(std::int64_t cp) {
 }
 
 const StrategyPlan& by_name(const Plan& p, const std::string& name) {
-  return *std::find_if(p.strategies.begin(), p.strategies.end(), [&](const StrategyPlan& s) { return s.name == name; });
+  return *std::find_if(p.strategies.begin(), p.strategies.end(),
+                       [&](const StrategyPlan& s) { return s.name == name; });
 }
 
 TEST(Planner, SeedAllGatherMoves64MiBPerKvTensor) {
@@ -56,7 +57,8 @@ TEST(Planner, CausalTilesFollowTheFormulas) {
   const Plan p = make_plan(seed_request(4));
   const std::int64_t n = 65536 / 512 / 4, T = 65536 / 512;
   const auto& ag = by_name(p, "all_gather");
-  for (std::int64_t r = 0; r < 4; ++r) EXPECT_EQ(ag.tiles_per_rank_per_q_head[r], n * n * r + n * (n + 1) / 2);
+  for (std::int64_t r = 0; r < 4; ++r)
+    EXPECT_EQ(ag.tiles_per_rank_per_q_head[r], n * n * r + n * (n + 1) / 2);
   const auto& lb = by_name(p, "all_gather_load_balanced");
   for (auto t : lb.tiles_per_rank_per_q_head) EXPECT_EQ(t, lb.tiles_per_rank_per_q_head[0]);
   EXPECT_DOUBLE_EQ(lb.tiles_skew, 1.0);

@@ -89,7 +89,8 @@ CollectiveCost collective_cost(CollectiveKind kind, std::int64_t count, std::siz
   return {bytes, any_moves ? bytes : 0};
 }
 
-void Communicator::count(CollectiveKind kind, std::int64_t count, CommDType dtype, const std::vector<int>* dest) {
+void Communicator::count(CollectiveKind kind, std::int64_t count, CommDType dtype,
+                         const std::vector<int>* dest) {
   const CollectiveCost c = collective_cost(kind, count, comm_dtype_size(dtype), size(), dest);
   counters_.record(kind, c.bytes, c.bytes_sent_per_rank);
 }

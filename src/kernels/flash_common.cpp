@@ -71,14 +71,16 @@ BlockGrid make_block_grid(const AttentionMask& mask, std::int64_t batch, std::in
 }
 
 PackedBlocks::PackedBlocks(const ConstTensorRef& t, const std::vector<std::vector<BlockMeta>>& blocks,
-                           std::int64_t block, std::int64_t width, bool transposed, float factor, int threads) {
+                           std::int64_t block, std::int64_t width, bool transposed, float factor,
+                           int threads) {
   const std::int64_t B = t.shape.b, D = t.shape.d;
   heads_ = t.shape.h;
   per_row_ = blocks.empty() ? 0 : static_cast<std::int64_t>(blocks[0].size());
   block_floats_ = transposed ? width * block : block * width;  // transposed: [width][block], rows >= D zero
   data_.resize(static_cast<std::size_t>(B * heads_ * per_row_ * block_floats_));
   parallel_for(B * heads_ * per_row_, threads, [&](std::int64_t task, int) {
-    const std::int64_t b = task / (heads_ * per_row_), h = (task / per_row_) % heads_, index = task % per_row_;
+    const std::int64_t b = task / (heads_ * per_row_), h = (task / per_row_) % heads_,
+                       index = task % per_row_;
     float* out = data_.data() + task * block_floats_;
     const BlockMeta& blk = blocks[b][index];
     if (transposed) {

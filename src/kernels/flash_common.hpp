@@ -82,12 +82,13 @@ inline void apply_mask(float* s, std::int64_t rows_padded, std::int64_t cols, co
 
 // The same for a transposed tile st[j][i] (keys as rows, query rows as columns).
 inline void apply_mask_transposed(float* st, std::int64_t keys, std::int64_t cols, const BlockMeta& qb,
-                                  const BlockMeta& kb, std::int64_t b, const AttentionMask& mask, std::int64_t sq,
-                                  std::int64_t skv, float fill) {
+                                  const BlockMeta& kb, std::int64_t b, const AttentionMask& mask,
+                                  std::int64_t sq, std::int64_t skv, float fill) {
   for (std::int64_t j = 0; j < keys; ++j) {
     float* row = st + j * cols;
     for (std::int64_t r = 0; r < cols; ++r) {
-      const bool seen = r < qb.length && j < kb.length && mask.visible(b, qb.begin + r, kb.begin + j, sq, skv);
+      const bool seen =
+          r < qb.length && j < kb.length && mask.visible(b, qb.begin + r, kb.begin + j, sq, skv);
       row[r] = seen ? row[r] : fill;
     }
   }

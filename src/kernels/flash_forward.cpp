@@ -1,7 +1,8 @@
 // Flash attention forward. One task per (batch row, q head, q block); each walks the kv blocks of the fixed
 // global grid in order with an online softmax in base 2 (scale * log2(e) folded into Q when it is packed).
-// Per query row the operations are the same whatever its lane or block: the score is a sequential FMA chain over
-// d, the max and the sum run over the keys in kv order, the rescale and P V accumulate over kv blocks in order.
+// Per query row the operations are the same whatever its lane or block: the score is a sequential FMA chain
+// over d, the max and the sum run over the keys in kv order, the rescale and P V accumulate over kv blocks in
+// order.
 #include <atomic>
 #include <cmath>
 
@@ -82,7 +83,8 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
       for (std::int64_t c = 0; c < cols; c += n) {
         const VF m_old = hn::LoadU(df, w.m.data() + c);
         VF m_new = m_old;
-        for (std::int64_t j = 0; j < Bk; ++j) m_new = hn::Max(m_new, hn::LoadU(df, w.st.data() + j * cols + c));
+        for (std::int64_t j = 0; j < Bk; ++j)
+          m_new = hn::Max(m_new, hn::LoadU(df, w.st.data() + j * cols + c));
         // A row that has seen nothing yet subtracts 0: its P is exp2(-inf) = 0 and its alpha 0 (acc is 0).
         const VF m_use = hn::IfThenZeroElse(hn::Eq(m_new, hn::Set(df, neg_inf)), m_new);
         const VF alpha = exp2_approx(hn::Sub(m_old, m_use));

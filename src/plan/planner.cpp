@@ -34,7 +34,8 @@ const std::vector<HardwareProfile>& hardware_profiles() {
       {"h200", 989e12, 450e9,
        "NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16; NVLink 900 GB/s total, 450 GB/s each way"},
       {"tpu-v7x", 2307e12, 600e9,
-       "Google Ironwood (TPU v7) announcement, April 2025: 4,614 TFLOP/s FP8 per chip (BF16 taken as half), ICI "
+       "Google Ironwood (TPU v7) announcement, April 2025: 4,614 TFLOP/s FP8 per chip (BF16 taken as half), "
+       "ICI "
        "1.2 TB/s bidirectional (600 GB/s each way); a TPU v7x-like approximation"},
   };
   return profiles;
@@ -50,8 +51,9 @@ const HardwareProfile* find_hardware(const std::string& name) {
 namespace {
 
 // Appends one call to the (kind, phase)-aggregated list, as CollectiveCounters does.
-void add_call(std::vector<CollectiveRecord>& list, CollectiveKind kind, const std::string& phase, std::int64_t count,
-              std::size_t element_size, int ranks, const std::vector<int>* dest = nullptr) {
+void add_call(std::vector<CollectiveRecord>& list, CollectiveKind kind, const std::string& phase,
+              std::int64_t count, std::size_t element_size, int ranks,
+              const std::vector<int>* dest = nullptr) {
   const CollectiveCost c = collective_cost(kind, count, element_size, ranks, dest);
   for (auto& r : list) {
     if (r.kind == kind && r.phase == phase) {
@@ -65,15 +67,18 @@ void add_call(std::vector<CollectiveRecord>& list, CollectiveKind kind, const st
 }
 
 // Tiles of one q head for the query tokens `q_positions` (local order) against the whole sequence.
-std::int64_t count_tiles(const std::vector<std::int32_t>& q_positions, const std::vector<std::int32_t>& q_segments,
-                         const std::vector<std::int32_t>& kv_positions, const std::vector<std::int32_t>& kv_segments,
-                         bool causal, std::int64_t block) {
-  const auto qb = kernels::block_meta(q_positions, q_segments, 0, static_cast<std::int64_t>(q_positions.size()), block);
-  const auto kb =
-      kernels::block_meta(kv_positions, kv_segments, 0, static_cast<std::int64_t>(kv_positions.size()), block);
+std::int64_t count_tiles(const std::vector<std::int32_t>& q_positions,
+                         const std::vector<std::int32_t>& q_segments,
+                         const std::vector<std::int32_t>& kv_positions,
+                         const std::vector<std::int32_t>& kv_segments, bool causal, std::int64_t block) {
+  const auto qb =
+      kernels::block_meta(q_positions, q_segments, 0, static_cast<std::int64_t>(q_positions.size()), block);
+  const auto kb = kernels::block_meta(kv_positions, kv_segments, 0,
+                                      static_cast<std::int64_t>(kv_positions.size()), block);
   std::int64_t n = 0;
   for (const auto& q : qb) {
-    for (const auto& k : kb) n += kernels::classify_tile(q, k, causal, !q_segments.empty(), block) != kernels::TileKind::empty;
+    for (const auto& k : kb)
+      n += kernels::classify_tile(q, k, causal, !q_segments.empty(), block) != kernels::TileKind::empty;
   }
   return n;
 }
@@ -94,9 +99,9 @@ std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, cons
     add_call(list, CollectiveKind::all_to_all, "forward", kv, E, cp);
     add_call(list, CollectiveKind::all_to_all, "forward", kv, E, cp);
     if (packed) add_call(list, CollectiveKind::all_gather, "forward", B * sl, 4, cp);
-    add_call(list, CollectiveKind::all_to_all, "forward", q, E, cp);                 // O back
+    add_call(list, CollectiveKind::all_to_all, "forward", q, E, cp);                   // O back
     add_call(list, CollectiveKind::all_to_all, "forward", B * (hq / cp) * sl, 4, cp);  // LSE back
-    add_call(list, CollectiveKind::all_to_all, "backward", q, E, cp);                // dO in
+    add_call(list, CollectiveKind::all_to_all, "backward", q, E, cp);                  // dO in
     if (remat) {
       add_call(list, CollectiveKind::all_to_all, "remat", q, E, cp);
       add_call(list, CollectiveKind::all_to_all, "remat", kv, E, cp);
@@ -122,7 +127,8 @@ std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, cons
 
 namespace {
 
-StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Strategy strategy, bool load_balance) {
+StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Strategy strategy,
+                           bool load_balance) {
   const AttentionSpec& a = req.attention;
   ParallelSpec p = req.parallel;
   p.strategy = strategy;
@@ -151,8 +157,10 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
     const auto exit = reorder_destinations(cp, ShardLayout::dual_chunk_swap, ShardLayout::contiguous);
     auto both = [&](const std::string& phase, const std::vector<std::vector<int>>& first,
                     const std::vector<std::vector<int>>& second) {
-      for (const auto& dest : first) add_call(s.reorder, CollectiveKind::collective_permute, phase, chunk, E, static_cast<int>(cp), &dest);
-      for (const auto& dest : second) add_call(s.reorder, CollectiveKind::collective_permute, phase, chunk, E, static_cast<int>(cp), &dest);
+      for (const auto& dest : first)
+        add_call(s.reorder, CollectiveKind::collective_permute, phase, chunk, E, static_cast<int>(cp), &dest);
+      for (const auto& dest : second)
+        add_call(s.reorder, CollectiveKind::collective_permute, phase, chunk, E, static_cast<int>(cp), &dest);
     };
     both("forward", entry, exit);
     if (req.remat) both("remat", entry, exit);
@@ -200,7 +208,8 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   }
 
   // Time: tiles x tile FLOPs (4 B^2 D forward, 2.5x that backward, the forward again under remat).
-  const double tile_flops = 4.0 * static_cast<double>(req.block) * static_cast<double>(req.block) * static_cast<double>(D);
+  const double tile_flops =
+      4.0 * static_cast<double>(req.block) * static_cast<double>(req.block) * static_cast<double>(D);
   const double passes = 1.0 + 2.5 + (req.remat ? 1.0 : 0.0);
   std::int64_t sent = 0;
   for (const auto& c : s.collectives) sent += c.bytes_sent_per_rank;
@@ -234,7 +243,8 @@ std::string fmt(double x) {
 
 Plan make_plan(const PlanRequest& req) {
   if (req.block < 1) {
-    throw Error(ErrorKind::invalid_config, "block", std::to_string(req.block), "block must be a positive tile size");
+    throw Error(ErrorKind::invalid_config, "block", std::to_string(req.block),
+                "block must be a positive tile size");
   }
   ParallelSpec general = req.parallel;
   general.strategy = Strategy::all_gather;
@@ -251,7 +261,8 @@ Plan make_plan(const PlanRequest& req) {
     }
   }
   if (!(req.hardware.flops > 0) || !(req.hardware.bandwidth > 0)) {
-    throw Error(ErrorKind::invalid_config, "hardware", req.hardware.name, "flops and bandwidth must be positive");
+    throw Error(ErrorKind::invalid_config, "hardware", req.hardware.name,
+                "flops and bandwidth must be positive");
   }
   Plan plan;
   plan.strategies.push_back(plan_strategy(req, "all_gather", Strategy::all_gather, false));
@@ -263,9 +274,9 @@ Plan make_plan(const PlanRequest& req) {
     if (s.possible && (best == nullptr || s.layer_seconds < best->layer_seconds)) best = &s;
   }
   std::ostringstream why;
-  why << best->name << ": the shortest estimated attention layer (" << fmt(best->layer_seconds * 1e3) << " ms: "
-      << fmt(best->communication_seconds * 1e3) << " ms of communication, tiles max/min " << fmt(best->tiles_skew)
-      << ")";
+  why << best->name << ": the shortest estimated attention layer (" << fmt(best->layer_seconds * 1e3)
+      << " ms: " << fmt(best->communication_seconds * 1e3) << " ms of communication, tiles max/min "
+      << fmt(best->tiles_skew) << ")";
   for (const auto& s : plan.strategies) {
     if (&s == best) continue;
     if (!s.possible) {

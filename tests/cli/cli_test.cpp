@@ -42,6 +42,16 @@ std::string write_temp(const std::string& name, const std::string& text) {
   return path.string();
 }
 
+// Each (arguments, phrase): exit 2 and the phrase on stderr.
+template <std::size_t N>
+void expect_bad_input(const std::pair<std::string, std::string> (&cases)[N]) {
+  for (const auto& [args, phrase] : cases) {
+    const Result r = run(args);
+    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
+    EXPECT_NE(r.err.find(phrase), std::string::npos) << args << "\nstderr: " << r.err;
+  }
+}
+
 const char* kSeed = "--q-heads 32 --kv-heads 2 --head-dim 256 --seq 65536";
 
 TEST(CliValidate, SeedUlyssesCp4PrintsThePlacement) {
@@ -116,11 +126,7 @@ TEST(CliValidate, BadInputExits2WithAMessage) {
       {"no-such-command", "no-such-command"},
       {"", "subcommand"},
   };
-  for (const auto& [args, phrase] : cases) {
-    const Result r = run(args);
-    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
-    EXPECT_NE(r.err.find(phrase), std::string::npos) << args << "\nstderr: " << r.err;
-  }
+  expect_bad_input(cases);
 }
 
 TEST(CliValidate, HelpExits0) {
@@ -188,11 +194,7 @@ TEST(CliRun, BadInputExits2) {
       {"run --strategy ulysses --cp 4 --q-heads 6 --kv-heads 2 --head-dim 8 --seq 64", "num_q_heads"},
       {"run --cp 2 --load /nonexistent/dir", "/nonexistent/dir/q.npy"},
   };
-  for (const auto& [args, phrase] : cases) {
-    const Result r = run(args);
-    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
-    EXPECT_NE(r.err.find(phrase), std::string::npos) << args << "\nstderr: " << r.err;
-  }
+  expect_bad_input(cases);
 }
 
 }  // namespace
@@ -224,11 +226,7 @@ TEST(CliPlan, BadInputExits2) {
       {"plan --preset llama3-70b --seq 1024 --hardware tpu-v1", "--hardware 'tpu-v1'"},
       {"plan --preset llama3-70b --seq 1024 --segments 1000,20", "segments"},
   };
-  for (const auto& [args, phrase] : cases) {
-    const Result r = run(args);
-    EXPECT_EQ(r.exit_code, 2) << args << "\n" << r.err;
-    EXPECT_NE(r.err.find(phrase), std::string::npos) << args << "\nstderr: " << r.err;
-  }
+  expect_bad_input(cases);
 }
 
 }  // namespace
