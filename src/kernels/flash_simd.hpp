@@ -48,13 +48,8 @@ HWY_INLINE VF exp2_approx(VF x) {
   return hn::IfThenZeroElse(tiny, hn::Mul(p, hn::BitCast(df, exponent)));
 }
 
-inline float exp2_scalar(float x) {
-  const DF df;
-  return hn::GetLane(exp2_approx(hn::Set(df, x)));
-}
-
 // out[r][j] = sum_{d < depth} a[r*as + d] * bt[d*bs + j] for r < kTileRows and j < C vectors of lanes:
-// the score tile S = Q K^T (bt = K^T) and dP = dO V^T (bt = V^T). The sum over d runs in order.
+// the score tiles (forward S^T = K Q^T; backward S = Q K^T, dP = dO V^T). The sum over d runs in order.
 template <int C>
 HWY_INLINE void dot_tile(const float* HWY_RESTRICT a, std::int64_t as, const float* HWY_RESTRICT bt,
                          std::int64_t bs, std::int64_t depth, float* HWY_RESTRICT out, std::int64_t os) {
@@ -78,7 +73,7 @@ HWY_INLINE void dot_tile(const float* HWY_RESTRICT a, std::int64_t as, const flo
 }
 
 // out[r][:] += sum_{t < count} coef[t*ct + r*cr] * x[t*xs + :] for r < kTileRows, over C vectors of columns:
-// O += P V, dV += P^T dO, dK += dS^T Q, dQ += dS K. The sum over t runs in order.
+// O^T += V^T P^T, dV += P^T dO, dK += dS^T Q, dQ += dS K. The sum over t runs in order.
 template <int C>
 HWY_INLINE void axpy_tile(const float* HWY_RESTRICT coef, std::int64_t ct, std::int64_t cr,
                           const float* HWY_RESTRICT x, std::int64_t xs, std::int64_t count,
@@ -137,34 +132,6 @@ inline void axpy_rows(const float* coef, std::int64_t ct, std::int64_t cr, const
         break;
     }
   }
-}
-
-// Maximum of `count` floats (a multiple of the lane count); max is exact, so the order does not matter.
-inline float max_of(const float* x, std::int64_t count) {
-  const DF df;
-  VF m = hn::Set(df, -std::numeric_limits<float>::infinity());
-  for (std::int64_t j = 0; j < count; j += lanes()) m = hn::Max(m, hn::LoadU(df, x + j));
-  return hn::GetLane(hn::MaxOfLanes(df, m));
-}
-
-// In place x[j] = exp2(x[j] - sub); returns their sum (lane partials in order, then the target's fixed
-// lane reduction).
-inline float exp2_shifted_sum(float* x, std::int64_t count, float sub) {
-  const DF df;
-  const VF s = hn::Set(df, sub);
-  VF sum = hn::Zero(df);
-  for (std::int64_t j = 0; j < count; j += lanes()) {
-    const VF p = exp2_approx(hn::Sub(hn::LoadU(df, x + j), s));
-    hn::StoreU(p, df, x + j);
-    sum = hn::Add(sum, p);
-  }
-  return hn::GetLane(hn::SumOfLanes(df, sum));
-}
-
-inline void scale_row(float* x, std::int64_t count, float factor) {
-  const DF df;
-  const VF f = hn::Set(df, factor);
-  for (std::int64_t j = 0; j < count; j += lanes()) hn::StoreU(hn::Mul(hn::LoadU(df, x + j), f), df, x + j);
 }
 
 }  // namespace cpattn::kernels
