@@ -94,7 +94,7 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   auto tile_ds = [&](Workspace& w, std::int64_t b, std::int64_t h, const BlockMeta& qb, const BlockMeta& kb,
                      TileKind kind, std::int64_t rows) {
     dot_rows(w.qs.data(), Dp, w.kt.data(), Bk, D, rows, Bk, w.s.data(), Bk);
-    if (kind == TileKind::partial) apply_mask(w.s.data(), rows, Bk, qb, kb, b, mask, Sq, Skv, neg_inf);
+    if (kind == TileKind::partial) apply_mask(w.s.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, neg_inf);
     dot_rows(w.dop.data(), Dp, w.vt.data(), Bk, D, rows, Bk, w.dp.data(), Bk);
     const std::int64_t row0 = (b * Hq + h) * sq_padded + qb.begin;
     probabilities_and_ds(w.s.data(), w.dp.data(), rows, Bk, lse2.data() + row0, delta.data() + row0);

@@ -66,30 +66,17 @@ inline void pack_transposed(const ConstTensorRef& t, std::int64_t b, std::int64_
   }
 }
 
-// Scores of keys a row may not see become `fill`; padded rows and keys too.
-inline void apply_mask(float* s, std::int64_t rows_padded, std::int64_t cols, const BlockMeta& qb,
-                       const BlockMeta& kb, std::int64_t b, const AttentionMask& mask, std::int64_t sq,
-                       std::int64_t skv, float fill) {
-  for (std::int64_t r = 0; r < rows_padded; ++r) {
-    float* row = s + r * cols;
-    for (std::int64_t j = 0; j < cols; ++j) {
+// Scores of keys a row may not see become `fill`; padded rows and keys too. The score of query row r and key
+// j is s[r * q_stride + j * key_stride] (a row-major S tile, or a transposed S^T tile).
+inline void apply_mask(float* s, std::int64_t q_rows, std::int64_t keys, std::int64_t q_stride,
+                       std::int64_t key_stride, const BlockMeta& qb, const BlockMeta& kb, std::int64_t b,
+                       const AttentionMask& mask, std::int64_t sq, std::int64_t skv, float fill) {
+  for (std::int64_t r = 0; r < q_rows; ++r) {
+    for (std::int64_t j = 0; j < keys; ++j) {
+      float& x = s[r * q_stride + j * key_stride];
       const bool seen =
           r < qb.length && j < kb.length && mask.visible(b, qb.begin + r, kb.begin + j, sq, skv);
-      row[j] = seen ? row[j] : fill;
-    }
-  }
-}
-
-// The same for a transposed tile st[j][i] (keys as rows, query rows as columns).
-inline void apply_mask_transposed(float* st, std::int64_t keys, std::int64_t cols, const BlockMeta& qb,
-                                  const BlockMeta& kb, std::int64_t b, const AttentionMask& mask,
-                                  std::int64_t sq, std::int64_t skv, float fill) {
-  for (std::int64_t j = 0; j < keys; ++j) {
-    float* row = st + j * cols;
-    for (std::int64_t r = 0; r < cols; ++r) {
-      const bool seen =
-          r < qb.length && j < kb.length && mask.visible(b, qb.begin + r, kb.begin + j, sq, skv);
-      row[r] = seen ? row[r] : fill;
+      x = seen ? x : fill;
     }
   }
 }

@@ -78,7 +78,7 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
       // st: [Bk][cols] = K Q'^T
       dot_rows(kp.at(b, hk, kvi), Dp, w.qt.data(), cols, D, Bk, cols, w.st.data(), cols);
       if (kind == TileKind::partial) {
-        apply_mask_transposed(w.st.data(), Bk, cols, qb, kb, b, mask, Sq, Skv, neg_inf);
+        apply_mask(w.st.data(), cols, Bk, 1, cols, qb, kb, b, mask, Sq, Skv, neg_inf);
       }
       for (std::int64_t c = 0; c < cols; c += n) {
         const VF m_old = hn::LoadU(df, w.m.data() + c);
