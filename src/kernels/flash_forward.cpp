@@ -32,15 +32,21 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
   std::vector<std::int64_t> task_tiles(static_cast<std::size_t>(B * Hq * q_blocks), 0);
   std::atomic<std::int64_t> full{0}, partial{0};
 
-  // K as rows [Bk][Dp] and V transposed [Dp][Bk], packed once and shared by every q block and q head of the
-  // group; both are then read along their rows by the register tiles.
-  const PackedBlocks kp(k, grid.kv, Bk, Dp, false, 1.0f, config.threads);
-  const PackedBlocks vt(v, grid.kv, Bk, Dp, true, 1.0f, config.threads);
+  // K transposed [Dp][Bk] and V as rows [Bk][Dp], packed once and shared by every q block and q head of the
+  // group: the register tiles broadcast K^T[d][j..j+R) and V[j][d..d+R), R adjacent values.
+  const PackedBlocks kt(k, grid.kv, Bk, Dp, true, 1.0f, config.threads);
+  const PackedBlocks vp(v, grid.kv, Bk, Dp, false, 1.0f, config.threads);
   const std::int64_t n = lanes();
 
   // The tile is computed transposed, S^T = K Q'^T, with the q rows along the vector axis: the online softmax
   // then runs lane-wise (one lane per query row, max and sum over the keys in order, no horizontal
-  // reductions), and O^T += V^T P^T reuses the same register tiles.
+  // reductions), and O^T += V^T P^T reuses the same register tiles. A q block is computed in panels of
+  // kPanelVectors vectors of query rows (32 rows with 16 lanes): a panel's Q'^T, O^T and S^T (16 + 16 + 8 KB
+  // at D = 128) stay in the 48 KB L1 while K and V stream past; a 64-row panel (32 + 32 + 16 KB) did not,
+  // and ran at half the speed (docs/performance.md). Each row's arithmetic is the same in any panel.
+  constexpr int kPanelVectors = 2;
+  constexpr int kRowTile = 12;  // 12 x 2 register tiles: 24 accumulators
+  const std::int64_t panel = kPanelVectors * n;
   struct Workspace {
     std::vector<float> qt, st, acc, m, l, alpha;
   };
@@ -51,79 +57,87 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
     const std::int64_t h = (task / q_blocks) % Hq;
     const std::int64_t hk = h / G;
     const BlockMeta& qb = grid.q[b][task % q_blocks];
-    const std::int64_t cols = round_up(qb.length, 4 * n);  // query rows, padded to whole register tiles
     Workspace& w = spaces[worker];
-    w.qt.assign(D * cols, 0.0f);
-    w.st.resize(Bk * cols);
-    w.acc.assign(Dp * cols, 0.0f);
-    w.m.assign(cols, neg_inf);
-    w.l.assign(cols, 0.0f);
-    w.alpha.resize(cols);
-    {  // Q'^T: [D][cols]
-      std::vector<float> row(static_cast<std::size_t>(D));
-      for (std::int64_t r = 0; r < qb.length; ++r) {
-        load_row(q, b, qb.begin + r, h, q_factor, D, row.data());
-        for (std::int64_t d = 0; d < D; ++d) w.qt[d * cols + r] = row[d];
-      }
-    }
+    w.qt.resize(D * panel);
+    w.st.resize(Bk * panel);
+    w.acc.resize(Dp * panel);
+    w.m.resize(panel);
+    w.l.resize(panel);
+    w.alpha.resize(panel);
+    std::vector<float> row(static_cast<std::size_t>(std::max(D, Dp)));
     const DF df;
     std::int64_t computed = 0, computed_full = 0;
-    for (std::size_t kv_index = 0; kv_index < grid.kv[b].size(); ++kv_index) {
-      const BlockMeta& kb = grid.kv[b][kv_index];
-      const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
-      if (kind == TileKind::empty) continue;
-      ++computed;
-      computed_full += kind == TileKind::full;
-      const std::int64_t kvi = static_cast<std::int64_t>(kv_index);
-      // st: [Bk][cols] = K Q'^T
-      dot_rows(kp.at(b, hk, kvi), Dp, w.qt.data(), cols, D, Bk, cols, w.st.data(), cols);
-      if (kind == TileKind::partial) {
-        apply_mask(w.st.data(), cols, Bk, 1, cols, qb, kb, b, mask, Sq, Skv, neg_inf);
+    for (std::int64_t p0 = 0; p0 < qb.length; p0 += panel) {
+      // The panel's rows [qb.begin + p0, + len); the tiles are still classified on the whole (Bq, Bk) block.
+      const BlockMeta pb{qb.begin + p0, std::min(panel, qb.length - p0), 0, 0, 0, 0};
+      std::fill(w.qt.begin(), w.qt.end(), 0.0f);
+      std::fill(w.acc.begin(), w.acc.end(), 0.0f);
+      std::fill(w.m.begin(), w.m.end(), neg_inf);
+      std::fill(w.l.begin(), w.l.end(), 0.0f);
+      for (std::int64_t r = 0; r < pb.length; ++r) {  // Q'^T: [D][panel]
+        load_row(q, b, pb.begin + r, h, q_factor, D, row.data());
+        for (std::int64_t d = 0; d < D; ++d) w.qt[d * panel + r] = row[d];
       }
-      for (std::int64_t c = 0; c < cols; c += n) {
-        const VF m_old = hn::LoadU(df, w.m.data() + c);
-        VF m_new = m_old;
-        for (std::int64_t j = 0; j < Bk; ++j)
-          m_new = hn::Max(m_new, hn::LoadU(df, w.st.data() + j * cols + c));
-        // A row that has seen nothing yet subtracts 0: its P is exp2(-inf) = 0 and its alpha 0 (acc is 0).
-        const VF m_use = hn::IfThenZeroElse(hn::Eq(m_new, hn::Set(df, neg_inf)), m_new);
-        const VF alpha = exp2_approx(hn::Sub(m_old, m_use));
-        VF sum = hn::Zero(df);
-        for (std::int64_t j = 0; j < Bk; ++j) {
-          const VF p = exp2_approx(hn::Sub(hn::LoadU(df, w.st.data() + j * cols + c), m_use));
-          hn::StoreU(p, df, w.st.data() + j * cols + c);
-          sum = hn::Add(sum, p);
+      for (std::size_t kv_index = 0; kv_index < grid.kv[b].size(); ++kv_index) {
+        const BlockMeta& kb = grid.kv[b][kv_index];
+        const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
+        if (kind == TileKind::empty) continue;
+        if (p0 == 0) {
+          ++computed;
+          computed_full += kind == TileKind::full;
         }
-        hn::StoreU(hn::MulAdd(hn::LoadU(df, w.l.data() + c), alpha, sum), df, w.l.data() + c);
-        hn::StoreU(m_new, df, w.m.data() + c);
-        hn::StoreU(alpha, df, w.alpha.data() + c);
+        const std::int64_t kvi = static_cast<std::int64_t>(kv_index);
+        // st: [Bk][panel] = K Q'^T
+        const float* kblock = kt.at(b, hk, kvi);
+        for_row_tiles<kRowTile>(Bk, [&](auto R, std::int64_t r) {
+          dot_tile_adjacent<decltype(R)::value, kPanelVectors>(kblock + r, Bk, w.qt.data(), panel, D,
+                                                               w.st.data() + r * panel, panel);
+        });
+        if (kind == TileKind::partial) {
+          apply_mask(w.st.data(), panel, Bk, 1, panel, pb, kb, b, mask, Sq, Skv, neg_inf);
+        }
+        for (std::int64_t c = 0; c < panel; c += n) {
+          const VF m_old = hn::LoadU(df, w.m.data() + c);
+          VF m_new = m_old;
+          for (std::int64_t j = 0; j < Bk; ++j)
+            m_new = hn::Max(m_new, hn::LoadU(df, w.st.data() + j * panel + c));
+          // A row that has seen nothing yet subtracts 0: its P is exp2(-inf) = 0 and its alpha 0 (acc is 0).
+          const VF m_use = hn::IfThenZeroElse(hn::Eq(m_new, hn::Set(df, neg_inf)), m_new);
+          const VF alpha = exp2_approx(hn::Sub(m_old, m_use));
+          VF sum = hn::Zero(df);
+          for (std::int64_t j = 0; j < Bk; ++j) {
+            const VF p = exp2_approx(hn::Sub(hn::LoadU(df, w.st.data() + j * panel + c), m_use));
+            hn::StoreU(p, df, w.st.data() + j * panel + c);
+            sum = hn::Add(sum, p);
+          }
+          hn::StoreU(hn::MulAdd(hn::LoadU(df, w.l.data() + c), alpha, sum), df, w.l.data() + c);
+          hn::StoreU(m_new, df, w.m.data() + c);
+          hn::StoreU(alpha, df, w.alpha.data() + c);
+        }
+        // acc: [Dp][panel] = acc * alpha + V^T P^T
+        const float* vblock = vp.at(b, hk, kvi);
+        for_row_tiles<kRowTile>(Dp, [&](auto R, std::int64_t r) {
+          scale_axpy_tile_adjacent<decltype(R)::value, kPanelVectors>(
+              w.alpha.data(), vblock + r, Dp, w.st.data(), panel, Bk, w.acc.data() + r * panel, panel);
+        });
       }
-      for (std::int64_t d = 0; d < Dp; ++d) {
-        float* a = w.acc.data() + d * cols;
-        for (std::int64_t c = 0; c < cols; c += n) {
-          hn::StoreU(hn::Mul(hn::LoadU(df, a + c), hn::LoadU(df, w.alpha.data() + c)), df, a + c);
+      for (std::int64_t r = 0; r < pb.length; ++r) {
+        const std::int64_t i = pb.begin + r;
+        const float l = w.l[r];
+        for (std::int64_t d = 0; d < D; ++d) row[d] = l > 0.0f ? w.acc[d * panel + r] / l : 0.0f;
+        store_row(o, b, i, h, row.data(), 1.0f);
+        if (lse != nullptr) {
+          lse[(b * Hq + h) * Sq + i] =
+              l > 0.0f
+                  ? static_cast<float>((static_cast<double>(w.m[r]) + std::log2(static_cast<double>(l))) *
+                                       0.6931471805599453)
+                  : neg_inf;
         }
       }
-      // acc: [Dp][cols] += V^T P^T
-      axpy_rows(vt.at(b, hk, kvi), 1, Bk, w.st.data(), cols, Bk, Dp, cols, w.acc.data(), cols);
     }
     task_tiles[task] = computed;
     full += computed_full;
     partial += computed - computed_full;
-
-    std::vector<float> out(static_cast<std::size_t>(D));
-    for (std::int64_t r = 0; r < qb.length; ++r) {
-      const std::int64_t i = qb.begin + r;
-      const float l = w.l[r];
-      for (std::int64_t d = 0; d < D; ++d) out[d] = l > 0.0f ? w.acc[d * cols + r] / l : 0.0f;
-      store_row(o, b, i, h, out.data(), 1.0f);
-      if (lse != nullptr) {
-        lse[(b * Hq + h) * Sq + i] =
-            l > 0.0f ? static_cast<float>((static_cast<double>(w.m[r]) + std::log2(static_cast<double>(l))) *
-                                          0.6931471805599453)
-                     : neg_inf;
-      }
-    }
   });
 
   if (tiles != nullptr) {

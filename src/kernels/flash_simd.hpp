@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace cpattn::kernels {
 
@@ -48,90 +49,169 @@ HWY_INLINE VF exp2_approx(VF x) {
   return hn::IfThenZeroElse(tiny, hn::Mul(p, hn::BitCast(df, exponent)));
 }
 
-// out[r][j] = sum_{d < depth} a[r*as + d] * bt[d*bs + j] for r < kTileRows and j < C vectors of lanes:
-// the score tiles (forward S^T = K Q^T; backward S = Q K^T, dP = dO V^T). The sum over d runs in order.
-template <int C>
+// out[r][j] = sum_{d < depth} a[r*as + d] * bt[d*bs + j] for r < R and j < C vectors of lanes: the score
+// tiles (forward S^T = K Q^T; backward S = Q K^T, dP = dO V^T). The sum over d runs in order, so an element's
+// bits do not depend on the tile shape that computed it.
+template <int R, int C>
 HWY_INLINE void dot_tile(const float* HWY_RESTRICT a, std::int64_t as, const float* HWY_RESTRICT bt,
                          std::int64_t bs, std::int64_t depth, float* HWY_RESTRICT out, std::int64_t os) {
   const DF df;
   const std::int64_t n = lanes();
-  VF acc[kTileRows][C];
-  for (int r = 0; r < kTileRows; ++r) {
+  VF acc[R][C];
+  for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) acc[r][c] = hn::Zero(df);
   }
   for (std::int64_t d = 0; d < depth; ++d) {
     VF b[C];
     for (int c = 0; c < C; ++c) b[c] = hn::LoadU(df, bt + d * bs + c * n);
-    for (int r = 0; r < kTileRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       const VF av = hn::Set(df, a[r * as + d]);
       for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(av, b[c], acc[r][c]);
     }
   }
-  for (int r = 0; r < kTileRows; ++r) {
+  for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) hn::StoreU(acc[r][c], df, out + r * os + c * n);
   }
 }
 
-// out[r][:] += sum_{t < count} coef[t*ct + r*cr] * x[t*xs + :] for r < kTileRows, over C vectors of columns:
+// out[r][:] += sum_{t < count} coef[t*ct + r*cr] * x[t*xs + :] for r < R, over C vectors of columns:
 // O^T += V^T P^T, dV += P^T dO, dK += dS^T Q, dQ += dS K. The sum over t runs in order.
-template <int C>
+template <int R, int C>
 HWY_INLINE void axpy_tile(const float* HWY_RESTRICT coef, std::int64_t ct, std::int64_t cr,
                           const float* HWY_RESTRICT x, std::int64_t xs, std::int64_t count,
                           float* HWY_RESTRICT out, std::int64_t os) {
   const DF df;
   const std::int64_t n = lanes();
-  VF acc[kTileRows][C];
-  for (int r = 0; r < kTileRows; ++r) {
+  VF acc[R][C];
+  for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) acc[r][c] = hn::LoadU(df, out + r * os + c * n);
   }
   for (std::int64_t t = 0; t < count; ++t) {
     VF xv[C];
     for (int c = 0; c < C; ++c) xv[c] = hn::LoadU(df, x + t * xs + c * n);
-    for (int r = 0; r < kTileRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       const VF cv = hn::Set(df, coef[t * ct + r * cr]);
       for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(cv, xv[c], acc[r][c]);
     }
   }
-  for (int r = 0; r < kTileRows; ++r) {
+  for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) hn::StoreU(acc[r][c], df, out + r * os + c * n);
   }
 }
 
-// Rows [0, rows) of a, kTileRows at a time, against `cols` columns of bt (a multiple of 4 vectors).
-inline void dot_rows(const float* a, std::int64_t as, const float* bt, std::int64_t bs, std::int64_t depth,
-                     std::int64_t rows, std::int64_t cols, float* out, std::int64_t os) {
-  const std::int64_t step = 4 * lanes();
-  for (std::int64_t r = 0; r < rows; r += kTileRows) {
-    for (std::int64_t j = 0; j < cols; j += step)
-      dot_tile<4>(a + r * as, as, bt + j, bs, depth, out + r * os + j, os);
+// The same two tiles with the broadcast operand's R values for one step adjacent in memory: a[d*ad + r] and
+// coef[t*ct + r]. One pointer then addresses all R broadcasts (base + displacement); R separate row pointers
+// run out of general-purpose registers at R = 12 and spill inside the loop.
+template <int R, int C>
+HWY_INLINE void dot_tile_adjacent(const float* HWY_RESTRICT a, std::int64_t ad, const float* HWY_RESTRICT bt,
+                                  std::int64_t bs, std::int64_t depth, float* HWY_RESTRICT out,
+                                  std::int64_t os) {
+  const DF df;
+  const std::int64_t n = lanes();
+  VF acc[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = hn::Zero(df);
+  }
+  for (std::int64_t d = 0; d < depth; ++d) {
+    VF b[C];
+    for (int c = 0; c < C; ++c) b[c] = hn::LoadU(df, bt + d * bs + c * n);
+    const float* ad_row = a + d * ad;
+    for (int r = 0; r < R; ++r) {
+      const VF av = hn::Set(df, ad_row[r]);
+      for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(av, b[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) hn::StoreU(acc[r][c], df, out + r * os + c * n);
   }
 }
 
-// axpy_tile over `rows` output rows and `width` columns (a multiple of the lane count), 4 vectors at a time
-// and the remainder with fewer.
+// out[r][:] = out[r][:] * scale[:] + sum_{t < count} coef[t*ct + r] * x[t*xs + :]: the forward's O^T tile,
+// its rescale by alpha fused in (the same two roundings as a separate pass: a product, then the FMA chain).
+template <int R, int C>
+HWY_INLINE void scale_axpy_tile_adjacent(const float* HWY_RESTRICT scale, const float* HWY_RESTRICT coef,
+                                         std::int64_t ct, const float* HWY_RESTRICT x, std::int64_t xs,
+                                         std::int64_t count, float* HWY_RESTRICT out, std::int64_t os) {
+  const DF df;
+  const std::int64_t n = lanes();
+  VF acc[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c)
+      acc[r][c] = hn::Mul(hn::LoadU(df, out + r * os + c * n), hn::LoadU(df, scale + c * n));
+  }
+  for (std::int64_t t = 0; t < count; ++t) {
+    VF xv[C];
+    for (int c = 0; c < C; ++c) xv[c] = hn::LoadU(df, x + t * xs + c * n);
+    const float* ct_row = coef + t * ct;
+    for (int r = 0; r < R; ++r) {
+      const VF cv = hn::Set(df, ct_row[r]);
+      for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(cv, xv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) hn::StoreU(acc[r][c], df, out + r * os + c * n);
+  }
+}
+
+// Calls tile(R, r) over rows [0, rows) (a multiple of 2) with R = RMax while it fits, then 8, 4 and 2 for
+// the rest. RMax x C vectors is the register tile: 6 x 4 or 12 x 2 leave room for their operands (24
+// accumulators + C loads + 1 broadcast of 32 zmm registers).
+template <int RMax, class Tile>
+HWY_INLINE void for_row_tiles(std::int64_t rows, Tile&& tile) {
+  std::int64_t r = 0;
+  for (; r + RMax <= rows; r += RMax) tile(std::integral_constant<int, RMax>(), r);
+  if constexpr (RMax > 8) {
+    if (rows - r >= 8) {
+      tile(std::integral_constant<int, 8>(), r);
+      r += 8;
+    }
+  }
+  if constexpr (RMax > 4) {
+    if (rows - r >= 4) {
+      tile(std::integral_constant<int, 4>(), r);
+      r += 4;
+    }
+  }
+  if (rows - r >= 2) tile(std::integral_constant<int, 2>(), r);
+}
+
+// Rows [0, rows) of a (a multiple of 2) against `cols` columns of bt (a multiple of 4 vectors).
+inline void dot_rows(const float* a, std::int64_t as, const float* bt, std::int64_t bs, std::int64_t depth,
+                     std::int64_t rows, std::int64_t cols, float* out, std::int64_t os) {
+  const std::int64_t step = 4 * lanes();
+  for (std::int64_t j = 0; j < cols; j += step) {
+    for_row_tiles<6>(rows, [&](auto R, std::int64_t r) {
+      dot_tile<decltype(R)::value, 4>(a + r * as, as, bt + j, bs, depth, out + r * os + j, os);
+    });
+  }
+}
+
+// axpy_tile over `rows` output rows (a multiple of 2) and `width` columns (a multiple of the lane count), 4
+// vectors at a time and the remainder with fewer.
 inline void axpy_rows(const float* coef, std::int64_t ct, std::int64_t cr, const float* x, std::int64_t xs,
                       std::int64_t count, std::int64_t rows, std::int64_t width, float* out,
                       std::int64_t os) {
   const std::int64_t n = lanes();
-  for (std::int64_t r = 0; r < rows; r += kTileRows) {
+  for_row_tiles<6>(rows, [&](auto R, std::int64_t r) {
+    constexpr int kR = decltype(R)::value;
     const float* cf = coef + r * cr;
     float* o = out + r * os;
     std::int64_t c = 0;
-    for (; c + 4 * n <= width; c += 4 * n) axpy_tile<4>(cf, ct, cr, x + c, xs, count, o + c, os);
+    for (; c + 4 * n <= width; c += 4 * n) axpy_tile<kR, 4>(cf, ct, cr, x + c, xs, count, o + c, os);
     switch ((width - c) / n) {
       case 3:
-        axpy_tile<3>(cf, ct, cr, x + c, xs, count, o + c, os);
+        axpy_tile<kR, 3>(cf, ct, cr, x + c, xs, count, o + c, os);
         break;
       case 2:
-        axpy_tile<2>(cf, ct, cr, x + c, xs, count, o + c, os);
+        axpy_tile<kR, 2>(cf, ct, cr, x + c, xs, count, o + c, os);
         break;
       case 1:
-        axpy_tile<1>(cf, ct, cr, x + c, xs, count, o + c, os);
+        axpy_tile<kR, 1>(cf, ct, cr, x + c, xs, count, o + c, os);
         break;
       default:
         break;
     }
-  }
+  });
 }
 
 }  // namespace cpattn::kernels

@@ -302,6 +302,8 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   st->add_option("--cps", st_opt->cps, "cp values to compare")->delimiter(',');
   st->add_flag("--json", st_opt->json, "print JSON");
   st->callback([st, st_opt, &exit_code] { exit_code = bench_strategy(*st, *st_opt); });
+
+  add_bench_kernel_command(*bench, exit_code);
 }
 
 }  // namespace cpattn::cli

@@ -4,7 +4,9 @@
 
 namespace cpattn::cli {
 
-// `cpattn bench comm` and `cpattn bench strategy`: measured figures with same-run baselines.
+// `cpattn bench comm`, `cpattn bench strategy` and `cpattn bench kernel`: measured figures with same-run
+// baselines.
 void add_bench_command(CLI::App& app, int& exit_code);
+void add_bench_kernel_command(CLI::App& bench, int& exit_code);  // bench_kernel.cpp
 
 }  // namespace cpattn::cli

@@ -1,0 +1,113 @@
+#include "cpattn/machine_peak.hpp"
+
+#include <hwy/highway.h>
+
+#include <algorithm>
+#include <array>
+#include <barrier>
+#include <chrono>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPATTN_X86 1
+#endif
+
+namespace cpattn {
+namespace {
+
+namespace hn = hwy::HWY_NAMESPACE;
+
+constexpr int kChains = 16;
+constexpr int kTries = 5;
+
+// Defeats constant folding and keeps each accumulator a live register the optimizer cannot reason about.
+template <class V>
+HWY_INLINE void opaque(V& v) {
+#if defined(__GNUC__) && defined(CPATTN_X86)
+  asm volatile("" : "+v"(v.raw));
+#else
+  (void)v;
+#endif
+}
+
+// Seconds for `iters` rounds of kChains independent FMAs on full vectors; returns FLOPs done through `flops`.
+double fma_loop_seconds(std::int64_t iters, double& flops) {
+  const hn::ScalableTag<float> df;
+  using V = hn::Vec<decltype(df)>;
+  std::array<V, kChains> acc;
+  for (int c = 0; c < kChains; ++c) acc[c] = hn::Set(df, 1.0f + 0.001f * static_cast<float>(c));
+  V m = hn::Set(df, 0.99999994f), add = hn::Set(df, 1e-7f);
+  opaque(m);
+  opaque(add);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (std::int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 16
+    for (int c = 0; c < kChains; ++c) acc[c] = hn::MulAdd(acc[c], m, add);
+  }
+  for (int c = 0; c < kChains; ++c) opaque(acc[c]);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  flops = 2.0 * kChains * static_cast<double>(hn::Lanes(df)) * static_cast<double>(iters);
+  return s;
+}
+
+#if defined(CPATTN_X86)
+__attribute__((target("avx512f,avx512bf16"))) double bf16_loop_seconds(std::int64_t iters, double& flops) {
+  __m512 acc[kChains];
+  for (int c = 0; c < kChains; ++c) acc[c] = _mm512_set1_ps(1.0f + 0.001f * static_cast<float>(c));
+  __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3400);
+  asm volatile("" : "+v"(a), "+v"(b));
+  const auto t0 = std::chrono::steady_clock::now();
+  for (std::int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 16
+    for (int c = 0; c < kChains; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
+  }
+  for (int c = 0; c < kChains; ++c) asm volatile("" : "+v"(acc[c]));
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  flops = 64.0 * kChains * static_cast<double>(iters);
+  return s;
+}
+#endif
+
+// Runs `loop` on `threads` threads started together, each the best of kTries, and sums their rates.
+template <class Loop>
+double peak_on_threads(int threads, Loop loop) {
+  threads = std::max(1, threads);
+  std::vector<double> best(static_cast<std::size_t>(threads), 0.0);
+  std::barrier sync(threads);
+  auto body = [&](int t) {
+    for (int attempt = 0; attempt < kTries; ++attempt) {
+      sync.arrive_and_wait();
+      double flops = 0;
+      const double s = loop(std::int64_t{4'000'000}, flops);
+      best[t] = std::max(best[t], flops / s * 1e-9);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(body, t);
+  body(0);
+  for (auto& t : pool) t.join();
+  double sum = 0;
+  for (double b : best) sum += b;
+  return sum;
+}
+
+}  // namespace
+
+double measure_fma_peak_gflops(int threads) {
+  return peak_on_threads(threads, fma_loop_seconds);
+}
+
+double measure_bf16_dot_peak_gflops(int threads) {
+#if defined(CPATTN_X86)
+  if (!__builtin_cpu_supports("avx512bf16")) return 0.0;
+  return peak_on_threads(threads, bf16_loop_seconds);
+#else
+  (void)threads;
+  return 0.0;
+#endif
+}
+
+}  // namespace cpattn

@@ -1,0 +1,186 @@
+// `cpattn bench kernel`: the flash kernels' GFLOP/s on one problem, as fractions of this machine's FMA peak
+// measured in the same run, and the naive reference's time for the same problem where it is affordable.
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "bench_command.hpp"
+#include "cpattn/flash.hpp"
+#include "cpattn/machine_peak.hpp"
+#include "cpattn/reference.hpp"
+#include "problem_flags.hpp"
+
+namespace cpattn::cli {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+struct KernelOptions {
+  ProblemFlags problem;
+  int threads = 1;
+  double min_seconds = 1.0;  // per kernel: repeat until this much time has passed (at least 2 timed runs)
+  std::int64_t reference_max_seq = 4096;
+  bool json = false;
+};
+
+// Best of repeated calls (the least disturbed by the machine's other tenants), after one warm-up call.
+template <class Fn>
+double best_seconds(double min_seconds, Fn&& fn) {
+  fn();
+  double best = 1e30, spent = 0;
+  for (int i = 0; i < 2 || spent < min_seconds; ++i) {
+    const auto t0 = clock_type::now();
+    fn();
+    const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
+    best = std::min(best, s);
+    spent += s;
+  }
+  return best;
+}
+
+double peak_rss_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) * 1024.0;  // Linux reports KiB
+}
+
+int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
+  ConfigValues values = opt.problem.resolve(app);
+  if (!values.seq_len) values.seq_len = 4096;
+  if (!values.num_q_heads) values.num_q_heads = 8;
+  if (!values.num_kv_heads) values.num_kv_heads = values.num_q_heads;
+  if (!values.head_dim) values.head_dim = 128;
+  values.cp = 1;
+  values.strategy = "all_gather";
+  Specs specs;
+  auto errors = all_config_errors(values, specs);
+  if (opt.threads < 1) {
+    errors.push_back({{"threads"}, std::to_string(opt.threads), "--threads must be at least 1"});
+  }
+  if (!errors.empty()) {
+    print_errors(errors);
+    return 2;
+  }
+  const AttentionSpec& a = specs.attention;
+  const Shape4 q_shape{a.batch, a.seq_len, a.num_q_heads, a.head_dim};
+  const Shape4 kv_shape{a.batch, a.seq_len, a.num_kv_heads, a.head_dim};
+  const Tensor q = random_normal(a.dtype, q_shape, 1), k = random_normal(a.dtype, kv_shape, 2),
+               v = random_normal(a.dtype, kv_shape, 3), d_out = random_normal(a.dtype, q_shape, 4);
+  std::vector<std::int32_t> positions(static_cast<std::size_t>(a.batch * a.seq_len));
+  for (std::size_t i = 0; i < positions.size(); ++i) {
+    positions[i] = static_cast<std::int32_t>(static_cast<std::int64_t>(i) % a.seq_len);
+  }
+  const AttentionMask mask{positions, positions, {}, {}, a.causal};
+  const double scale = 1.0 / std::sqrt(static_cast<double>(a.head_dim));
+  FlashConfig cfg;
+  cfg.threads = opt.threads;
+
+  // The peak first and again after the kernels; their mean is the baseline (the machine's clock drifts).
+  const double peak_before = measure_fma_peak_gflops(opt.threads);
+  FlashForwardResult fwd = flash_attention_forward(q, k, v, mask, scale, cfg);
+  const double forward_s = best_seconds(opt.min_seconds, [&] {
+    flash_forward(cref(q), cref(k), cref(v), mask, scale, cfg, ref(fwd.o), fwd.lse.data());
+  });
+  FlashBackwardResult grads =
+      flash_attention_backward(q, k, v, fwd.o, fwd.lse, d_out, mask, scale, cfg, a.dtype);
+  const double backward_s = best_seconds(opt.min_seconds, [&] {
+    flash_backward(cref(q), cref(k), cref(v), cref(fwd.o), fwd.lse.data(), cref(d_out), mask, scale, cfg,
+                   ref(grads.dq), ref(grads.dk), ref(grads.dv));
+  });
+  const double rss = peak_rss_bytes();
+  const double peak_after = measure_fma_peak_gflops(opt.threads);
+  const double fma_peak = (peak_before + peak_after) / 2;
+  const double bf16_peak = measure_bf16_dot_peak_gflops(opt.threads);
+
+  double forward_flops = 4.0 * static_cast<double>(a.batch) * static_cast<double>(a.seq_len) *
+                         static_cast<double>(a.seq_len) * static_cast<double>(a.num_q_heads) *
+                         static_cast<double>(a.head_dim);
+  if (a.causal) forward_flops /= 2;
+  const double backward_flops = 2.5 * forward_flops;
+  const double forward_gflops = forward_flops / forward_s * 1e-9;
+  const double backward_gflops = backward_flops / backward_s * 1e-9;
+  // Q, K, V, dO in; O, LSE, dQ, dK, dV out: what a caller must hold anyway.
+  const double tensor_bytes = static_cast<double>(dtype_size(a.dtype)) *
+                                  static_cast<double>(4 * q_shape.numel() + 4 * kv_shape.numel()) +
+                              4.0 * static_cast<double>(fwd.lse.size());
+
+  nlohmann::ordered_json out;
+  out["problem"] = {{"batch", a.batch},
+                    {"seq", a.seq_len},
+                    {"q_heads", a.num_q_heads},
+                    {"kv_heads", a.num_kv_heads},
+                    {"head_dim", a.head_dim},
+                    {"causal", a.causal},
+                    {"dtype", to_string(a.dtype)},
+                    {"threads", opt.threads}};
+  out["fma_peak_gflops"] = fma_peak;
+  out["fma_peak_before_after_gflops"] = {peak_before, peak_after};
+  out["bf16_peak_gflops"] = bf16_peak;
+  out["forward_seconds"] = forward_s;
+  out["backward_seconds"] = backward_s;
+  out["forward_gflops"] = forward_gflops;
+  out["backward_gflops"] = backward_gflops;
+  out["forward_fraction_of_peak"] = forward_gflops / fma_peak;
+  out["backward_fraction_of_peak"] = backward_gflops / fma_peak;
+  out["peak_rss_bytes"] = rss;
+  out["tensor_bytes"] = tensor_bytes;
+  out["rss_over_tensors"] = rss / tensor_bytes;
+  if (a.seq_len <= opt.reference_max_seq) {
+    const auto t0 = clock_type::now();
+    const ReferenceResult r = reference_attention(q, k, v, nullptr, mask, scale);
+    const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
+    out["reference_seconds"] = s;
+    out["forward_speedup_over_reference"] = s / forward_s;
+    (void)r;
+  } else {
+    out["reference_seconds"] = nullptr;
+  }
+  if (opt.json) {
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << std::setprecision(4) << "bench kernel: B=" << a.batch << " S=" << a.seq_len
+            << " Hq=" << a.num_q_heads << " Hkv=" << a.num_kv_heads << " D=" << a.head_dim
+            << (a.causal ? " causal " : " non-causal ") << to_string(a.dtype) << ", " << opt.threads
+            << " thread(s)\n"
+            << "fp32 FMA peak   " << fma_peak << " GFLOP/s (before " << peak_before << ", after "
+            << peak_after << ")\nbf16 dot peak   " << bf16_peak << " GFLOP/s"
+            << (bf16_peak == 0 ? " (no AVX512_BF16)" : "") << "\nforward         " << forward_s << " s  "
+            << forward_gflops << " GFLOP/s  " << forward_gflops / fma_peak << " of the FMA peak\n"
+            << "backward        " << backward_s << " s  " << backward_gflops << " GFLOP/s  "
+            << backward_gflops / fma_peak << " of the FMA peak\n"
+            << "peak RSS        " << rss / 1048576.0 << " MiB = " << rss / tensor_bytes
+            << "x the inputs, outputs and gradients (" << tensor_bytes / 1048576.0 << " MiB)\n";
+  if (out["reference_seconds"].is_null()) {
+    std::cout << "reference       skipped (S > " << opt.reference_max_seq << ")\n";
+  } else {
+    std::cout << "reference       " << out["reference_seconds"].get<double>()
+              << " s forward (float64, naive): the flash forward is "
+              << out["forward_speedup_over_reference"].get<double>() << "x faster\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_bench_kernel_command(CLI::App& bench, int& exit_code) {
+  auto opt = std::make_shared<KernelOptions>();
+  CLI::App* sub =
+      bench.add_subcommand("kernel", "flash forward/backward GFLOP/s against the measured FMA peak");
+  opt->problem.add_to(*sub);
+  sub->add_option("--threads", opt->threads, "kernel threads (default 1)");
+  sub->add_option("--min-seconds", opt->min_seconds, "time each kernel at least this long (best run counts)");
+  sub->add_option("--reference-max-seq", opt->reference_max_seq,
+                  "time the float64 reference forward only up to this S (default 4096)");
+  sub->add_flag("--json", opt->json, "print JSON");
+  sub->callback([sub, opt, &exit_code] { exit_code = bench_kernel(*sub, *opt); });
+}
+
+}  // namespace cpattn::cli
