@@ -1,8 +1,10 @@
-// Flash attention backward (FA2: P recomputed from LSE, D_i = rowsum(dO * O)), in two deterministic passes:
-//   dK/dV: one task per (batch row, kv head, kv block); sums over the group's q heads and q blocks in order.
-//   dQ:    one task per (batch row, q head, q block); sums over kv blocks in order.
-// Splitting the passes recomputes S and dP once more, but no two tasks ever write the same row, so there are
-// no atomics and the sums have one order whatever the thread count.
+// Flash attention backward (FA2: P recomputed from LSE, D_i = rowsum(dO * O)) in one pass of five products
+// per tile (S, dP, dV, dK, dQ), deterministic without atomics: one task per (batch row, q head) walks the kv
+// blocks in order and, for each, the q blocks in order. dQ of a row then sums over kv blocks in their order
+// (its own [Sq][Dp] accumulator per task), dK/dV of a kv block over the q blocks in theirs; the q heads of a
+// group each leave an fp64 partial that is summed in head order at the end. An earlier two-pass form (dK/dV
+// by kv block, dQ by q block) needed no partials but computed S and dP twice: 7 products per tile instead
+// of 5.
 #include <atomic>
 #include <cmath>
 
@@ -74,120 +76,136 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
     }
   });
 
+  // Every operand block is packed once per call (converted to fp32, zero-padded, Q pre-scaled for the base-2
+  // scores) and then read by every tile that needs it.
   struct Workspace {
-    std::vector<float> qs, qraw, dop, kt, vt, krows, s, dp, acc_a, acc_b, row;
+    std::vector<float> s, dp, acc_a, acc_b;
     std::vector<double> sum_a, sum_b;  // dK, dV running sums over tiles
   };
   std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
-  auto prepare = [&](Workspace& w) {
-    w.qs.resize(Bq * Dp);
-    w.qraw.resize(Bq * Dp);
-    w.dop.resize(Bq * Dp);
-    w.kt.resize(D * Bk);
-    w.vt.resize(D * Bk);
-    w.krows.resize(Bk * Dp);
+  // S, P and dS for one tile from packed rows of Q' and dO ([rows][Dp]) and K^T, V^T ([Dp][Bk]); rows padded
+  // to the tile height.
+  auto tile_ds = [&](Workspace& w, const float* qs, const float* dop, const float* kt, const float* vt,
+                     std::int64_t b, std::int64_t h, const BlockMeta& qb, const BlockMeta& kb, TileKind kind,
+                     std::int64_t rows) {
     w.s.resize(Bq * Bk);
     w.dp.resize(Bq * Bk);
-    w.row.resize(Dp);
-  };
-  // S, P and dS for one tile; rows padded to the tile height.
-  auto tile_ds = [&](Workspace& w, std::int64_t b, std::int64_t h, const BlockMeta& qb, const BlockMeta& kb,
-                     TileKind kind, std::int64_t rows) {
-    dot_rows(w.qs.data(), Dp, w.kt.data(), Bk, D, rows, Bk, w.s.data(), Bk);
+    dot_rows(qs, Dp, kt, Bk, D, rows, Bk, w.s.data(), Bk);
     if (kind == TileKind::partial) apply_mask(w.s.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, neg_inf);
-    dot_rows(w.dop.data(), Dp, w.vt.data(), Bk, D, rows, Bk, w.dp.data(), Bk);
+    dot_rows(dop, Dp, vt, Bk, D, rows, Bk, w.dp.data(), Bk);
     const std::int64_t row0 = (b * Hq + h) * sq_padded + qb.begin;
     probabilities_and_ds(w.s.data(), w.dp.data(), rows, Bk, lse2.data() + row0, delta.data() + row0);
   };
 
-  // Pass 1: dK, dV.
-  std::vector<std::int64_t> task_tiles(static_cast<std::size_t>(B * Hkv * kv_blocks * G), 0);
+  // Q' and dO as rows [Bq][Dp], K^T and V^T as [Dp][Bk].
+  const PackedBlocks qs(q, grid.q, Bq, Dp, false, q_factor, config.threads);
+  const PackedBlocks dop(d_out, grid.q, Bq, Dp, false, 1.0f, config.threads);
+  const PackedBlocks kt(k, grid.kv, Bk, Dp, true, 1.0f, config.threads);
+  const PackedBlocks vt(v, grid.kv, Bk, Dp, true, 1.0f, config.threads);
+
+  // dK, dV per q head as fp64 sums [B][Hq][Skv][Dp] when a kv head serves several q heads (G > 1), summed
+  // over the group in head order at the end; with G = 1 each task writes its kv head's rows directly.
+  const std::int64_t skv_padded = kv_blocks * Bk;
+  std::vector<double> head_dk, head_dv;
+  if (G > 1) {
+    head_dk.assign(static_cast<std::size_t>(B * Hq * skv_padded * Dp), 0.0);
+    head_dv.assign(head_dk.size(), 0.0);
+  }
+  const PackedBlocks qraw(q, grid.q, Bq, Dp, false, 1.0f, config.threads);    // Q unscaled, for dK
+  const PackedBlocks krows(k, grid.kv, Bk, Dp, false, 1.0f, config.threads);  // K as rows, for dQ
+  std::vector<std::int64_t> task_tiles(static_cast<std::size_t>(B * Hq), 0);
   std::atomic<std::int64_t> full{0}, partial{0};
-  parallel_for(B * Hkv * kv_blocks, config.threads, [&](std::int64_t task, int worker) {
-    const std::int64_t b = task / (Hkv * kv_blocks);
-    const std::int64_t hk = (task / kv_blocks) % Hkv;
-    const BlockMeta& kb = grid.kv[b][task % kv_blocks];
+  struct Accumulators {
+    std::vector<float> dq;  // [Sq padded][Dp]
+  };
+  std::vector<Accumulators> dq_spaces(spaces.size());
+  parallel_for(B * Hq, config.threads, [&](std::int64_t task, int worker) {
+    const std::int64_t b = task / Hq, h = task % Hq, hk = h / G;
     Workspace& w = spaces[worker];
-    prepare(w);
-    // dK and dV sum over every (q head, q block) tile: each tile's 64-row sum in fp32 registers, the running
-    // sum over tiles in fp64, so the error does not grow with the sequence and the group size (strategies
-    // that split the sum differently then agree to ~1e-7 of max |grad|).
+    std::vector<float>& dq_acc = dq_spaces[worker].dq;
+    dq_acc.assign(static_cast<std::size_t>(q_blocks * Bq * Dp), 0.0f);
     w.acc_a.resize(Bk * Dp);
     w.acc_b.resize(Bk * Dp);
-    w.sum_a.assign(Bk * Dp, 0.0);
-    w.sum_b.assign(Bk * Dp, 0.0);
-    pack_transposed(k, b, hk, kb, Bk, w.row.data(), w.kt.data());
-    pack_transposed(v, b, hk, kb, Bk, w.row.data(), w.vt.data());
-    std::int64_t computed_full = 0, computed_partial = 0;
-    for (std::int64_t g = 0; g < G; ++g) {
-      const std::int64_t h = hk * G + g;
-      std::int64_t computed = 0;
-      for (const BlockMeta& qb : grid.q[b]) {
+    std::int64_t computed = 0, computed_full = 0;
+    for (std::int64_t kvi = 0; kvi < kv_blocks; ++kvi) {
+      const BlockMeta& kb = grid.kv[b][kvi];
+      // dK and dV of this kv block sum over the q blocks: each tile's rows in fp32 registers, the running sum
+      // over tiles in fp64, so the error does not grow with the sequence and the group size (strategies that
+      // split the sum differently then agree to ~1e-7 of max |grad|).
+      w.sum_a.assign(Bk * Dp, 0.0);
+      w.sum_b.assign(Bk * Dp, 0.0);
+      bool any = false;
+      for (std::int64_t qi = 0; qi < q_blocks; ++qi) {
+        const BlockMeta& qb = grid.q[b][qi];
         const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
         if (kind == TileKind::empty) continue;
+        any = true;
         ++computed;
-        (kind == TileKind::full ? computed_full : computed_partial) += 1;
+        computed_full += kind == TileKind::full;
         const std::int64_t rows = round_up(qb.length, kTileRows);
-        pack_rows(q, b, h, qb, rows, Dp, q_factor, w.qs.data());
-        pack_rows(q, b, h, qb, rows, Dp, 1.0f, w.qraw.data());
-        pack_rows(d_out, b, h, qb, rows, Dp, 1.0f, w.dop.data());
-        tile_ds(w, b, h, qb, kb, kind, rows);
+        const float* dop_block = dop.at(b, h, qi);
+        tile_ds(w, qs.at(b, h, qi), dop_block, kt.at(b, hk, kvi), vt.at(b, hk, kvi), b, h, qb, kb, kind,
+                rows);
         // dV[j] += sum_i P[i][j] dO[i]; dK[j] += sum_i dS[i][j] Q[i]  (keys as output rows)
         std::fill(w.acc_a.begin(), w.acc_a.end(), 0.0f);
         std::fill(w.acc_b.begin(), w.acc_b.end(), 0.0f);
-        axpy_rows(w.s.data(), Bk, 1, w.dop.data(), Dp, rows, Bk, Dp, w.acc_b.data(), Dp);
-        axpy_rows(w.dp.data(), Bk, 1, w.qraw.data(), Dp, rows, Bk, Dp, w.acc_a.data(), Dp);
+        axpy_rows(w.s.data(), Bk, 1, dop_block, Dp, rows, Bk, Dp, w.acc_b.data(), Dp);
+        axpy_rows(w.dp.data(), Bk, 1, qraw.at(b, h, qi), Dp, rows, Bk, Dp, w.acc_a.data(), Dp);
         for (std::int64_t i = 0; i < Bk * Dp; ++i) {
           w.sum_a[i] += w.acc_a[i];
           w.sum_b[i] += w.acc_b[i];
         }
+        // dQ[i] += sum_j dS[i][j] K[j], continuing the row's sum over the kv blocks in order
+        axpy_rows(w.dp.data(), 1, Bk, krows.at(b, hk, kvi), Dp, Bk, rows, Dp, dq_acc.data() + qb.begin * Dp,
+                  Dp);
       }
-      task_tiles[task * G + g] = computed;
+      if (G > 1) {
+        const std::size_t at = static_cast<std::size_t>(((b * Hq + h) * skv_padded + kvi * Bk) * Dp);
+        if (any) {
+          std::copy(w.sum_a.begin(), w.sum_a.end(), head_dk.begin() + at);
+          std::copy(w.sum_b.begin(), w.sum_b.end(), head_dv.begin() + at);
+        }
+        continue;
+      }
+      for (std::int64_t j = 0; j < kb.length; ++j) {
+        for (std::int64_t d = 0; d < Dp; ++d) {
+          w.acc_a[j * Dp + d] = static_cast<float>(w.sum_a[j * Dp + d] * scale);
+          w.acc_b[j * Dp + d] = static_cast<float>(w.sum_b[j * Dp + d]);
+        }
+        store_row(dk, b, kb.begin + j, hk, w.acc_a.data() + j * Dp, 1.0f);
+        store_row(dv, b, kb.begin + j, hk, w.acc_b.data() + j * Dp, 1.0f);
+      }
     }
+    for (std::int64_t i = 0; i < Sq; ++i) store_row(dq, b, i, h, dq_acc.data() + i * Dp, grad_scale);
+    task_tiles[task] = computed;
     full += computed_full;
-    partial += computed_partial;
-    for (std::int64_t i = 0; i < Bk * Dp; ++i) {
-      w.acc_a[i] = static_cast<float>(w.sum_a[i] * scale);
-      w.acc_b[i] = static_cast<float>(w.sum_b[i]);
-    }
-    for (std::int64_t j = 0; j < kb.length; ++j) {
-      store_row(dk, b, kb.begin + j, hk, w.acc_a.data() + j * Dp, 1.0f);
-      store_row(dv, b, kb.begin + j, hk, w.acc_b.data() + j * Dp, 1.0f);
-    }
+    partial += computed - computed_full;
   });
 
-  // Pass 2: dQ.
-  parallel_for(B * Hq * q_blocks, config.threads, [&](std::int64_t task, int worker) {
-    const std::int64_t b = task / (Hq * q_blocks);
-    const std::int64_t h = (task / q_blocks) % Hq;
-    const std::int64_t hk = h / G;
-    const BlockMeta& qb = grid.q[b][task % q_blocks];
-    Workspace& w = spaces[worker];
-    prepare(w);
-    w.acc_a.assign(Bq * Dp, 0.0f);
-    const std::int64_t rows = round_up(qb.length, kTileRows);
-    pack_rows(q, b, h, qb, rows, Dp, q_factor, w.qs.data());
-    pack_rows(d_out, b, h, qb, rows, Dp, 1.0f, w.dop.data());
-    for (const BlockMeta& kb : grid.kv[b]) {
-      const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
-      if (kind == TileKind::empty) continue;
-      pack_transposed(k, b, hk, kb, Bk, w.row.data(), w.kt.data());
-      pack_transposed(v, b, hk, kb, Bk, w.row.data(), w.vt.data());
-      pack_rows(k, b, hk, kb, Bk, Dp, 1.0f, w.krows.data());
-      tile_ds(w, b, h, qb, kb, kind, rows);
-      // dQ[i] += sum_j dS[i][j] K[j]
-      axpy_rows(w.dp.data(), 1, Bk, w.krows.data(), Dp, Bk, rows, Dp, w.acc_a.data(), Dp);
-    }
-    for (std::int64_t r = 0; r < qb.length; ++r)
-      store_row(dq, b, qb.begin + r, h, w.acc_a.data() + r * Dp, grad_scale);
-  });
+  if (G > 1) {  // dK, dV = the group's per-head sums, added in head order
+    parallel_for(B * Hkv, config.threads, [&](std::int64_t task, int) {
+      const std::int64_t b = task / Hkv, hk = task % Hkv;
+      std::vector<float> rk(static_cast<std::size_t>(Dp)), rv(rk.size());
+      for (std::int64_t j = 0; j < Skv; ++j) {
+        for (std::int64_t d = 0; d < Dp; ++d) {
+          double sk = 0.0, sv = 0.0;
+          for (std::int64_t g = 0; g < G; ++g) {
+            const std::size_t at =
+                static_cast<std::size_t>(((b * Hq + hk * G + g) * skv_padded + j) * Dp + d);
+            sk += head_dk[at];
+            sv += head_dv[at];
+          }
+          rk[d] = static_cast<float>(sk * scale);
+          rv[d] = static_cast<float>(sv);
+        }
+        store_row(dk, b, j, hk, rk.data(), 1.0f);
+        store_row(dv, b, j, hk, rv.data(), 1.0f);
+      }
+    });
+  }
 
   if (tiles != nullptr) {
-    tiles->per_head.assign(static_cast<std::size_t>(B * Hq), 0);
-    for (std::int64_t t = 0; t < B * Hkv * kv_blocks; ++t) {
-      const std::int64_t b = t / (Hkv * kv_blocks), hk = (t / kv_blocks) % Hkv;
-      for (std::int64_t g = 0; g < G; ++g) tiles->per_head[b * Hq + hk * G + g] += task_tiles[t * G + g];
-    }
+    tiles->per_head = task_tiles;
     tiles->full = full;
     tiles->partial = partial;
   }

@@ -55,17 +55,6 @@ inline void pack_rows(const ConstTensorRef& t, std::int64_t b, std::int64_t h, c
   }
 }
 
-// Block rows transposed as [D][cols] (keys along the vector axis), zeros past `length` keys.
-inline void pack_transposed(const ConstTensorRef& t, std::int64_t b, std::int64_t h, const BlockMeta& blk,
-                            std::int64_t cols, float* row_buffer, float* out) {
-  const std::int64_t d = t.shape.d;
-  std::memset(out, 0, static_cast<std::size_t>(d * cols) * sizeof(float));
-  for (std::int64_t j = 0; j < blk.length; ++j) {
-    load_row(t, b, blk.begin + j, h, 1.0f, d, row_buffer);
-    for (std::int64_t i = 0; i < d; ++i) out[i * cols + j] = row_buffer[i];
-  }
-}
-
 // Scores of keys a row may not see become `fill`; padded rows and keys too. The score of query row r and key
 // j is s[r * q_stride + j * key_stride] (a row-major S tile, or a transposed S^T tile).
 inline void apply_mask(float* s, std::int64_t q_rows, std::int64_t keys, std::int64_t q_stride,
