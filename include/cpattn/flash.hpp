@@ -57,6 +57,9 @@ struct FlashConfig {
   int threads = 1;
   std::int64_t block_q = 64;   // Bq: a multiple of 4
   std::int64_t block_kv = 64;  // Bk: a multiple of 64
+  // Backward with GQA: the most memory the per-q-head fp64 dK/dV partials may take; the kv blocks are walked
+  // in stripes that fit. Results do not depend on it (each kv block's sums are the same in any stripe).
+  double backward_partial_bytes = 64.0 * 1024 * 1024;
 };
 
 // Tiles the kernel computed, counted on its own (Bq, Bk) grid. For one causal document of S tokens at

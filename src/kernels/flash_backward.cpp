@@ -5,6 +5,7 @@
 // group each leave an fp64 partial that is summed in head order at the end. An earlier two-pass form (dK/dV
 // by kv block, dQ by q block) needed no partials but computed S and dP twice: 7 products per tile instead
 // of 5.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 
@@ -103,95 +104,96 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   const PackedBlocks kt(k, grid.kv, Bk, Dp, true, 1.0f, config.threads);
   const PackedBlocks vt(v, grid.kv, Bk, Dp, true, 1.0f, config.threads);
 
-  // dK, dV per q head as fp64 sums [B][Hq][Skv][Dp] when a kv head serves several q heads (G > 1), summed
-  // over the group in head order at the end; with G = 1 each task writes its kv head's rows directly.
-  const std::int64_t skv_padded = kv_blocks * Bk;
+  // The kv blocks are walked in stripes. Within a stripe one task per (batch row, q head) computes its tiles;
+  // a kv head serving several q heads (G > 1) gets one fp64 partial per q head, [B][Hq][stripe][Bk][Dp],
+  // summed over the group in head order when the stripe ends. The stripe is as many kv blocks as keep those
+  // partials under config.backward_partial_bytes, so their memory does not grow with the sequence; with G = 1
+  // there are no partials and one stripe. dQ accumulates in fp32 over every stripe, [B][Hq][Sq padded][Dp].
+  const double partial_bytes_per_block = 2.0 * 8.0 * static_cast<double>(B * Hq * Bk * Dp);
+  const std::int64_t stripe =
+      G == 1 ? kv_blocks
+             : std::clamp<std::int64_t>(
+                   static_cast<std::int64_t>(config.backward_partial_bytes / partial_bytes_per_block), 1,
+                   kv_blocks);
   std::vector<double> head_dk, head_dv;
   if (G > 1) {
-    head_dk.assign(static_cast<std::size_t>(B * Hq * skv_padded * Dp), 0.0);
+    head_dk.assign(static_cast<std::size_t>(B * Hq * stripe * Bk * Dp), 0.0);
     head_dv.assign(head_dk.size(), 0.0);
   }
   const PackedBlocks qraw(q, grid.q, Bq, Dp, false, 1.0f, config.threads);    // Q unscaled, for dK
   const PackedBlocks krows(k, grid.kv, Bk, Dp, false, 1.0f, config.threads);  // K as rows, for dQ
+  std::vector<float> dq_acc(static_cast<std::size_t>(B * Hq * sq_padded * Dp), 0.0f);
   std::vector<std::int64_t> task_tiles(static_cast<std::size_t>(B * Hq), 0);
   std::atomic<std::int64_t> full{0}, partial{0};
-  struct Accumulators {
-    std::vector<float> dq;  // [Sq padded][Dp]
-  };
-  std::vector<Accumulators> dq_spaces(spaces.size());
-  parallel_for(B * Hq, config.threads, [&](std::int64_t task, int worker) {
-    const std::int64_t b = task / Hq, h = task % Hq, hk = h / G;
-    Workspace& w = spaces[worker];
-    std::vector<float>& dq_acc = dq_spaces[worker].dq;
-    dq_acc.assign(static_cast<std::size_t>(q_blocks * Bq * Dp), 0.0f);
-    w.acc_a.resize(Bk * Dp);
-    w.acc_b.resize(Bk * Dp);
-    std::int64_t computed = 0, computed_full = 0;
-    for (std::int64_t kvi = 0; kvi < kv_blocks; ++kvi) {
-      const BlockMeta& kb = grid.kv[b][kvi];
-      // dK and dV of this kv block sum over the q blocks: each tile's rows in fp32 registers, the running sum
-      // over tiles in fp64, so the error does not grow with the sequence and the group size (strategies that
-      // split the sum differently then agree to ~1e-7 of max |grad|).
-      w.sum_a.assign(Bk * Dp, 0.0);
-      w.sum_b.assign(Bk * Dp, 0.0);
-      bool any = false;
-      for (std::int64_t qi = 0; qi < q_blocks; ++qi) {
-        const BlockMeta& qb = grid.q[b][qi];
-        const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
-        if (kind == TileKind::empty) continue;
-        any = true;
-        ++computed;
-        computed_full += kind == TileKind::full;
-        const std::int64_t rows = round_up(qb.length, kTileRows);
-        const float* dop_block = dop.at(b, h, qi);
-        tile_ds(w, qs.at(b, h, qi), dop_block, kt.at(b, hk, kvi), vt.at(b, hk, kvi), b, h, qb, kb, kind,
-                rows);
-        // dV[j] += sum_i P[i][j] dO[i]; dK[j] += sum_i dS[i][j] Q[i]  (keys as output rows)
-        std::fill(w.acc_a.begin(), w.acc_a.end(), 0.0f);
-        std::fill(w.acc_b.begin(), w.acc_b.end(), 0.0f);
-        axpy_rows(w.s.data(), Bk, 1, dop_block, Dp, rows, Bk, Dp, w.acc_b.data(), Dp);
-        axpy_rows(w.dp.data(), Bk, 1, qraw.at(b, h, qi), Dp, rows, Bk, Dp, w.acc_a.data(), Dp);
-        for (std::int64_t i = 0; i < Bk * Dp; ++i) {
-          w.sum_a[i] += w.acc_a[i];
-          w.sum_b[i] += w.acc_b[i];
+  for (std::int64_t s0 = 0; s0 < kv_blocks; s0 += stripe) {
+    const std::int64_t s1 = std::min(kv_blocks, s0 + stripe);
+    parallel_for(B * Hq, config.threads, [&](std::int64_t task, int worker) {
+      const std::int64_t b = task / Hq, h = task % Hq, hk = h / G;
+      Workspace& w = spaces[worker];
+      float* dq_head = dq_acc.data() + task * sq_padded * Dp;
+      w.acc_a.resize(Bk * Dp);
+      w.acc_b.resize(Bk * Dp);
+      std::int64_t computed = 0, computed_full = 0;
+      for (std::int64_t kvi = s0; kvi < s1; ++kvi) {
+        const BlockMeta& kb = grid.kv[b][kvi];
+        // dK and dV of this kv block sum over the q blocks: each tile's rows in fp32 registers, the running
+        // sum over tiles in fp64, so the error does not grow with the sequence and the group size
+        // (strategies that split the sum differently then agree to ~1e-7 of max |grad|).
+        w.sum_a.assign(Bk * Dp, 0.0);
+        w.sum_b.assign(Bk * Dp, 0.0);
+        for (std::int64_t qi = 0; qi < q_blocks; ++qi) {
+          const BlockMeta& qb = grid.q[b][qi];
+          const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
+          if (kind == TileKind::empty) continue;
+          ++computed;
+          computed_full += kind == TileKind::full;
+          const std::int64_t rows = round_up(qb.length, kTileRows);
+          const float* dop_block = dop.at(b, h, qi);
+          tile_ds(w, qs.at(b, h, qi), dop_block, kt.at(b, hk, kvi), vt.at(b, hk, kvi), b, h, qb, kb, kind,
+                  rows);
+          // dV[j] += sum_i P[i][j] dO[i]; dK[j] += sum_i dS[i][j] Q[i]  (keys as output rows)
+          std::fill(w.acc_a.begin(), w.acc_a.end(), 0.0f);
+          std::fill(w.acc_b.begin(), w.acc_b.end(), 0.0f);
+          axpy_rows(w.s.data(), Bk, 1, dop_block, Dp, rows, Bk, Dp, w.acc_b.data(), Dp);
+          axpy_rows(w.dp.data(), Bk, 1, qraw.at(b, h, qi), Dp, rows, Bk, Dp, w.acc_a.data(), Dp);
+          for (std::int64_t i = 0; i < Bk * Dp; ++i) {
+            w.sum_a[i] += w.acc_a[i];
+            w.sum_b[i] += w.acc_b[i];
+          }
+          // dQ[i] += sum_j dS[i][j] K[j], continuing the row's sum over the kv blocks in order
+          axpy_rows(w.dp.data(), 1, Bk, krows.at(b, hk, kvi), Dp, Bk, rows, Dp, dq_head + qb.begin * Dp, Dp);
         }
-        // dQ[i] += sum_j dS[i][j] K[j], continuing the row's sum over the kv blocks in order
-        axpy_rows(w.dp.data(), 1, Bk, krows.at(b, hk, kvi), Dp, Bk, rows, Dp, dq_acc.data() + qb.begin * Dp,
-                  Dp);
-      }
-      if (G > 1) {
-        const std::size_t at = static_cast<std::size_t>(((b * Hq + h) * skv_padded + kvi * Bk) * Dp);
-        if (any) {
+        if (G > 1) {
+          const std::size_t at = static_cast<std::size_t>((task * stripe + (kvi - s0)) * Bk * Dp);
           std::copy(w.sum_a.begin(), w.sum_a.end(), head_dk.begin() + at);
           std::copy(w.sum_b.begin(), w.sum_b.end(), head_dv.begin() + at);
+          continue;
         }
-        continue;
-      }
-      for (std::int64_t j = 0; j < kb.length; ++j) {
-        for (std::int64_t d = 0; d < Dp; ++d) {
-          w.acc_a[j * Dp + d] = static_cast<float>(w.sum_a[j * Dp + d] * scale);
-          w.acc_b[j * Dp + d] = static_cast<float>(w.sum_b[j * Dp + d]);
+        for (std::int64_t j = 0; j < kb.length; ++j) {
+          for (std::int64_t d = 0; d < Dp; ++d) {
+            w.acc_a[j * Dp + d] = static_cast<float>(w.sum_a[j * Dp + d] * scale);
+            w.acc_b[j * Dp + d] = static_cast<float>(w.sum_b[j * Dp + d]);
+          }
+          store_row(dk, b, kb.begin + j, hk, w.acc_a.data() + j * Dp, 1.0f);
+          store_row(dv, b, kb.begin + j, hk, w.acc_b.data() + j * Dp, 1.0f);
         }
-        store_row(dk, b, kb.begin + j, hk, w.acc_a.data() + j * Dp, 1.0f);
-        store_row(dv, b, kb.begin + j, hk, w.acc_b.data() + j * Dp, 1.0f);
       }
-    }
-    for (std::int64_t i = 0; i < Sq; ++i) store_row(dq, b, i, h, dq_acc.data() + i * Dp, grad_scale);
-    task_tiles[task] = computed;
-    full += computed_full;
-    partial += computed - computed_full;
-  });
-
-  if (G > 1) {  // dK, dV = the group's per-head sums, added in head order
+      task_tiles[task] += computed;
+      full += computed_full;
+      partial += computed - computed_full;
+    });
+    if (G == 1) continue;
+    // dK, dV of the stripe's keys = the group's per-head sums, added in head order.
+    const std::int64_t j0 = s0 * Bk, j1 = std::min(Skv, s1 * Bk);
     parallel_for(B * Hkv, config.threads, [&](std::int64_t task, int) {
       const std::int64_t b = task / Hkv, hk = task % Hkv;
       std::vector<float> rk(static_cast<std::size_t>(Dp)), rv(rk.size());
-      for (std::int64_t j = 0; j < Skv; ++j) {
+      for (std::int64_t j = j0; j < j1; ++j) {
         for (std::int64_t d = 0; d < Dp; ++d) {
           double sk = 0.0, sv = 0.0;
           for (std::int64_t g = 0; g < G; ++g) {
             const std::size_t at =
-                static_cast<std::size_t>(((b * Hq + hk * G + g) * skv_padded + j) * Dp + d);
+                static_cast<std::size_t>(((b * Hq + hk * G + g) * stripe * Bk + (j - j0)) * Dp + d);
             sk += head_dk[at];
             sv += head_dv[at];
           }
@@ -203,6 +205,12 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
       }
     });
   }
+  parallel_for(B * Hq, config.threads, [&](std::int64_t task, int) {
+    const std::int64_t b = task / Hq, h = task % Hq;
+    for (std::int64_t i = 0; i < Sq; ++i) {
+      store_row(dq, b, i, h, dq_acc.data() + (task * sq_padded + i) * Dp, grad_scale);
+    }
+  });
 
   if (tiles != nullptr) {
     tiles->per_head = task_tiles;
