@@ -49,7 +49,7 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   const std::int64_t B = q.shape.b, Sq = q.shape.s, Skv = k.shape.s, Hq = q.shape.h, Hkv = k.shape.h;
   const std::int64_t D = q.shape.d, G = Hq / Hkv;
   const std::int64_t Bq = config.block_q, Bk = config.block_kv;
-  const std::int64_t Dp = round_up(D, lanes());
+  const std::int64_t Dp = padded_head_dim(D);
   const float q_factor = static_cast<float>(scale * 1.4426950408889634);
   const float grad_scale = static_cast<float>(scale);
   const BlockGrid grid = make_block_grid(mask, B, Sq, Skv, config);

@@ -21,7 +21,7 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
   const std::int64_t B = q.shape.b, Sq = q.shape.s, Skv = k.shape.s, Hq = q.shape.h, D = q.shape.d;
   const std::int64_t G = Hq / k.shape.h;
   const std::int64_t Bq = config.block_q, Bk = config.block_kv;
-  const std::int64_t Dp = round_up(D, lanes());
+  const std::int64_t Dp = padded_head_dim(D);
   const float q_factor = static_cast<float>(scale * 1.4426950408889634);
   const BlockGrid grid = make_block_grid(mask, B, Sq, Skv, config);
   const std::int64_t q_blocks = (Sq + Bq - 1) / Bq;

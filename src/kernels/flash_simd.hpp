@@ -5,6 +5,7 @@
 
 #include <hwy/highway.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -16,7 +17,7 @@ namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 
-inline constexpr int kTileRows = 4;  // rows of a register tile; blocks are padded to a multiple of it
+inline constexpr int kTileRows = 4;  // q rows of a backward tile are padded to a multiple of it
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
 
@@ -25,6 +26,12 @@ inline std::int64_t lanes() {
 }
 inline std::int64_t round_up(std::int64_t x, std::int64_t m) {
   return (x + m - 1) / m * m;
+}
+// Dp: the head dim padded to whole vectors and to an even count, since the register tiles cover output rows
+// (the forward's O^T rows are head-dim rows) two at a time or more. With Highway's scalar target (1 lane) an
+// odd D would otherwise leave its last row uncomputed.
+inline std::int64_t padded_head_dim(std::int64_t d) {
+  return round_up(d, std::max<std::int64_t>(2, lanes()));
 }
 
 // 2^x for x <= ~0 (the softmax's s - m). Inputs below -126, -inf among them, give exactly 0; x = 0 gives
