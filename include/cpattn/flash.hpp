@@ -81,8 +81,10 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
                    float* lse, TileCounts* tiles = nullptr);
 
 // FA2 backward: P recomputed from LSE, D_i = rowsum(dO * O). dq: q's shape; dk, dv: k's shape, in the inputs'
-// dtype or fp32 (a bf16 backward can hand fp32 partials to a reduce-scatter). Two passes: dK/dV parallel over
-// (batch, kv head, kv block), dQ parallel over (batch, q head, q block), each a deterministic ordered sum.
+// dtype or fp32 (a bf16 backward can hand fp32 partials to a reduce-scatter). One pass, parallel over (batch, q
+// head): each task walks the kv blocks in order; a dQ row sums over the kv blocks in that order, dK/dV of a kv
+// block over the q blocks in theirs and over a group's q heads in head order (fp64 partials, kept under
+// FlashConfig::backward_partial_bytes by walking the kv blocks in stripes): deterministic, no atomics.
 void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
                     const ConstTensorRef& o, const float* lse, const ConstTensorRef& d_out,
                     const AttentionMask& mask, double scale, const FlashConfig& config, const TensorRef& dq,
