@@ -245,7 +245,8 @@ std::vector<float> gather_lse(const std::vector<float>& full, const std::vector<
 
 TEST(FlashKernel, RowsAreBitIdenticalAcrossShardsOrdersAndThreads) {
   for (const Case& c : {Case{1, 300, 4, 2, 40, true, {}}, Case{1, 250, 4, 1, 64, true, {90, 160}},
-                        Case{1, 200, 2, 2, 24, false, {}}, Case{1, 180, 4, 2, 32, true, {}, DType::bf16}}) {
+                        Case{1, 200, 2, 2, 24, false, {}}, Case{1, 180, 4, 2, 32, true, {}, DType::bf16},
+                        Case{1, 250, 4, 2, 40, true, {90, 160}, DType::bf16}}) {
     SCOPED_TRACE(c.name());
     const Inputs in = make_inputs(c, 29);
     std::vector<std::int64_t> all(static_cast<std::size_t>(c.seq));
@@ -281,6 +282,33 @@ TEST(FlashKernel, RowsAreBitIdenticalAcrossShardsOrdersAndThreads) {
     EXPECT_EQ(testing::count_bit_differences(two.o, whole.o), 0);
     EXPECT_EQ(testing::count_bit_differences(two.lse, whole.lse), 0);
     EXPECT_EQ(testing::count_bit_differences(two.dq, whole.dq), 0);
+  }
+}
+
+// bf16 forward: the AMX path (where this CPU has it) and the vector path agree, and both match the float64
+// reference on the bf16 values; tile counts are the same. Skipped where the CPU has no AMX-BF16.
+TEST(FlashKernel, AmxForwardMatchesTheVectorPathAndTheReference) {
+  FlashConfig amx, vector_path;
+  vector_path.allow_amx = false;
+  if (!flash_forward_uses_amx(DType::bf16, amx)) GTEST_SKIP() << "no AMX-BF16 on this CPU";
+  EXPECT_FALSE(flash_forward_uses_amx(DType::bf16, vector_path));
+  EXPECT_FALSE(flash_forward_uses_amx(DType::f32, amx));
+  for (const Case& c :
+       {Case{1, 300, 4, 2, 40, true, {}, DType::bf16}, Case{2, 129, 8, 2, 128, false, {60, 69}, DType::bf16},
+        Case{1, 200, 2, 1, 256, true, {1, 120, 79}, DType::bf16},
+        Case{1, 70, 3, 3, 1, true, {}, DType::bf16}}) {
+    SCOPED_TRACE(c.name());
+    const Inputs in = make_inputs(c, 5);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
+    const auto a = flash_attention_forward(in.q, in.k, in.v, in.mask(c.causal), scale, amx);
+    const auto v = flash_attention_forward(in.q, in.k, in.v, in.mask(c.causal), scale, vector_path);
+    const auto ref = reference_attention(in.q, in.k, in.v, nullptr, in.mask(c.causal), scale);
+    const std::vector<float> vf = v.o.to_floats();
+    CPATTN_EXPECT_CLOSE(a.o.to_floats(), std::vector<double>(vf.begin(), vf.end()), 1e-2, "o amx vs vector");
+    CPATTN_EXPECT_CLOSE(a.o.to_floats(), ref.o, 2e-2, "o amx vs reference");
+    CPATTN_EXPECT_CLOSE(a.lse, ref.lse, 2e-2, "lse amx vs reference");
+    EXPECT_EQ(a.tiles.per_head, v.tiles.per_head);
+    EXPECT_EQ(a.tiles.full, v.tiles.full);
   }
 }
 

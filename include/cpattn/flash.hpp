@@ -60,6 +60,8 @@ struct FlashConfig {
   // Backward with GQA: the most memory the per-q-head fp64 dK/dV partials may take; the kv blocks are walked
   // in stripes that fit. Results do not depend on it (each kv block's sums are the same in any stripe).
   double backward_partial_bytes = 64.0 * 1024 * 1024;
+  // bf16 forward on AMX tiles where the CPU has them (src/kernels/flash_amx.hpp); off: the vector path.
+  bool allow_amx = true;
 };
 
 // Tiles the kernel computed, counted on its own (Bq, Bk) grid. For one causal document of S tokens at
@@ -80,10 +82,14 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
                    const AttentionMask& mask, double scale, const FlashConfig& config, const TensorRef& o,
                    float* lse, TileCounts* tiles = nullptr);
 
+// Whether flash_forward runs on AMX tiles for inputs of this dtype under this config (bf16, allow_amx, and a
+// CPU with AMX-BF16 whose kernel grants the tile state); otherwise it runs the vector path.
+bool flash_forward_uses_amx(DType dtype, const FlashConfig& config);
+
 // FA2 backward: P recomputed from LSE, D_i = rowsum(dO * O). dq: q's shape; dk, dv: k's shape, in the inputs'
-// dtype or fp32 (a bf16 backward can hand fp32 partials to a reduce-scatter). One pass, parallel over (batch, q
-// head): each task walks the kv blocks in order; a dQ row sums over the kv blocks in that order, dK/dV of a kv
-// block over the q blocks in theirs and over a group's q heads in head order (fp64 partials, kept under
+// dtype or fp32 (a bf16 backward can hand fp32 partials to a reduce-scatter). One pass, parallel over (batch,
+// q head): each task walks the kv blocks in order; a dQ row sums over the kv blocks in that order, dK/dV of a
+// kv block over the q blocks in theirs and over a group's q heads in head order (fp64 partials, kept under
 // FlashConfig::backward_partial_bytes by walking the kv blocks in stripes): deterministic, no atomics.
 void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
                     const ConstTensorRef& o, const float* lse, const ConstTensorRef& d_out,

@@ -7,30 +7,28 @@
 #include <cmath>
 
 #include "../core/parallel_for.hpp"
+#include "flash_amx.hpp"
 #include "flash_common.hpp"
 
 namespace cpattn {
 
 using namespace kernels;
 
-void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
-                   const AttentionMask& mask, double scale, const FlashConfig& config, const TensorRef& o,
-                   float* lse, TileCounts* tiles) {
-  check_forward_args(q, k, v, mask, config);
-  check_same_shape("o", o.shape, q.shape);
+namespace {
+
+// The vector path (Highway): fp32 arithmetic for fp32 and bf16 inputs alike.
+void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
+                    const AttentionMask& mask, double scale, const FlashConfig& config, const BlockGrid& grid,
+                    const TensorRef& o, float* lse, std::vector<std::int64_t>& task_tiles,
+                    std::atomic<std::int64_t>& full, std::atomic<std::int64_t>& partial) {
   const std::int64_t B = q.shape.b, Sq = q.shape.s, Skv = k.shape.s, Hq = q.shape.h, D = q.shape.d;
   const std::int64_t G = Hq / k.shape.h;
   const std::int64_t Bq = config.block_q, Bk = config.block_kv;
   const std::int64_t Dp = padded_head_dim(D);
   const float q_factor = static_cast<float>(scale * 1.4426950408889634);
-  const BlockGrid grid = make_block_grid(mask, B, Sq, Skv, config);
   const std::int64_t q_blocks = (Sq + Bq - 1) / Bq;
   const bool segments = mask.has_segments();
   const float neg_inf = -std::numeric_limits<float>::infinity();
-
-  // Tiles computed by each task, [B][Hq][q_blocks], summed per head afterwards.
-  std::vector<std::int64_t> task_tiles(static_cast<std::size_t>(B * Hq * q_blocks), 0);
-  std::atomic<std::int64_t> full{0}, partial{0};
 
   // K transposed [Dp][Bk] and V as rows [Bk][Dp], packed once and shared by every q block and q head of the
   // group: the register tiles broadcast K^T[d][j..j+R) and V[j][d..d+R), R adjacent values.
@@ -139,6 +137,28 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
     full += computed_full;
     partial += computed - computed_full;
   });
+}
+
+}  // namespace
+
+void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
+                   const AttentionMask& mask, double scale, const FlashConfig& config, const TensorRef& o,
+                   float* lse, TileCounts* tiles) {
+  check_forward_args(q, k, v, mask, config);
+  check_same_shape("o", o.shape, q.shape);
+  const std::int64_t B = q.shape.b, Sq = q.shape.s, Skv = k.shape.s, Hq = q.shape.h;
+  const std::int64_t q_blocks = (Sq + config.block_q - 1) / config.block_q;
+  const BlockGrid grid = make_block_grid(mask, B, Sq, Skv, config);
+
+  // Tiles computed by each task, [B][Hq][q_blocks], summed per head afterwards.
+  std::vector<std::int64_t> task_tiles(static_cast<std::size_t>(B * Hq * q_blocks), 0);
+  std::atomic<std::int64_t> full{0}, partial{0};
+  const bool bf16_inputs = q.dtype == DType::bf16 && k.dtype == DType::bf16 && v.dtype == DType::bf16;
+  if (bf16_inputs && flash_forward_uses_amx(DType::bf16, config)) {
+    flash_forward_amx(q, k, v, mask, scale, config, grid, o, lse, task_tiles, full, partial);
+  } else {
+    forward_vector(q, k, v, mask, scale, config, grid, o, lse, task_tiles, full, partial);
+  }
 
   if (tiles != nullptr) {
     tiles->per_head.assign(static_cast<std::size_t>(B * Hq), 0);
@@ -146,6 +166,10 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
     tiles->full = full;
     tiles->partial = partial;
   }
+}
+
+bool flash_forward_uses_amx(DType dtype, const FlashConfig& config) {
+  return dtype == DType::bf16 && config.allow_amx && amx_bf16_usable();
 }
 
 FlashForwardResult flash_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,

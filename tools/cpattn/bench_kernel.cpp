@@ -28,6 +28,7 @@ struct KernelOptions {
   double min_seconds = 1.0;  // per kernel: repeat until this much time has passed (at least 2 timed runs)
   std::int64_t reference_max_seq = 4096;
   bool json = false;
+  bool no_amx = false;
 };
 
 // Best of repeated calls (the least disturbed by the machine's other tenants), after one warm-up call.
@@ -81,6 +82,7 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(a.head_dim));
   FlashConfig cfg;
   cfg.threads = opt.threads;
+  cfg.allow_amx = !opt.no_amx;
 
   // The peak first and again after the kernels; their mean is the baseline (the machine's clock drifts).
   const double peak_before = measure_fma_peak_gflops(opt.threads);
@@ -120,6 +122,7 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
                     {"causal", a.causal},
                     {"dtype", to_string(a.dtype)},
                     {"threads", opt.threads}};
+  out["forward_path"] = flash_forward_uses_amx(a.dtype, cfg) ? "amx" : "vector";
   out["fma_peak_gflops"] = fma_peak;
   out["fma_peak_before_after_gflops"] = {peak_before, peak_after};
   out["bf16_peak_gflops"] = bf16_peak;
@@ -152,7 +155,8 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
             << " thread(s)\n"
             << "fp32 FMA peak   " << fma_peak << " GFLOP/s (before " << peak_before << ", after "
             << peak_after << ")\nbf16 dot peak   " << bf16_peak << " GFLOP/s"
-            << (bf16_peak == 0 ? " (no AVX512_BF16)" : "") << "\nforward         " << forward_s << " s  "
+            << (bf16_peak == 0 ? " (no AVX512_BF16)" : "") << "\nforward path    "
+            << out["forward_path"].get<std::string>() << "\nforward         " << forward_s << " s  "
             << forward_gflops << " GFLOP/s  " << forward_gflops / fma_peak << " of the FMA peak\n"
             << "backward        " << backward_s << " s  " << backward_gflops << " GFLOP/s  "
             << backward_gflops / fma_peak << " of the FMA peak\n"
@@ -179,6 +183,7 @@ void add_bench_kernel_command(CLI::App& bench, int& exit_code) {
   sub->add_option("--min-seconds", opt->min_seconds, "time each kernel at least this long (best run counts)");
   sub->add_option("--reference-max-seq", opt->reference_max_seq,
                   "time the float64 reference forward only up to this S (default 4096)");
+  sub->add_flag("--no-amx", opt->no_amx, "bf16: run the vector path even where AMX is available");
   sub->add_flag("--json", opt->json, "print JSON");
   sub->callback([sub, opt, &exit_code] { exit_code = bench_kernel(*sub, *opt); });
 }

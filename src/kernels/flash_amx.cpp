@@ -1,0 +1,283 @@
+#include "flash_amx.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <mutex>
+
+#include "../core/parallel_for.hpp"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define CPATTN_HAVE_AMX 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace cpattn::kernels {
+
+#if defined(CPATTN_HAVE_AMX)
+
+namespace {
+
+#define CPATTN_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+constexpr int kAmxRows = 16;    // rows of every tile
+constexpr int kTileDepth = 32;  // bf16 values along the reduction axis of one tdpbf16ps
+constexpr int kGroupRows = 32;  // a 2x2 group of output tiles covers 32 rows...
+constexpr int kGroupCols = 32;  // ...and 32 columns
+
+struct alignas(64) TileConfig {
+  std::uint8_t palette = 1;
+  std::uint8_t start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: a 2x2 group of fp32 outputs; 4-5: two left operands (16 rows x 32 bf16); 6-7: two right operands
+// in pair-interleaved ("VNNI") form (16 rows of 16 column pairs). Every tile is 16 rows of 64 bytes.
+TileConfig full_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = kAmxRows;
+    c.colsb[t] = 64;
+  }
+  return c;
+}
+
+std::uint16_t bf16_bits(const ConstTensorRef& t, std::int64_t b, std::int64_t s, std::int64_t h,
+                        std::int64_t d) {
+  std::uint16_t bits;
+  std::memcpy(&bits, static_cast<const bf16*>(t.ptr) + t.offset(b, s, h) + d, sizeof(bits));
+  return bits;
+}
+
+// out[0, rows) += left[rows][depth] * right, where right is pair-interleaved [depth/2][cols][2] and rows,
+// cols are multiples of 32 and depth of 32. out: fp32 [rows][out_stride]; left: bf16 [rows][left_stride].
+// `load_out` false: out starts at 0 (the tiles are zeroed instead of loaded).
+CPATTN_AMX_TARGET void tile_product(const std::uint16_t* left, std::int64_t left_stride,
+                                    const std::uint16_t* right, std::int64_t right_cols, std::int64_t rows,
+                                    std::int64_t cols, std::int64_t depth, float* out,
+                                    std::int64_t out_stride, bool load_out) {
+  const std::int64_t lb = left_stride * 2, rb = right_cols * 4, ob = out_stride * 4;
+  for (std::int64_t m0 = 0; m0 < rows; m0 += kGroupRows) {
+    for (std::int64_t n0 = 0; n0 < cols; n0 += kGroupCols) {
+      float* c = out + m0 * out_stride + n0;
+      if (load_out) {
+        _tile_loadd(0, c, ob);
+        _tile_loadd(1, c + 16, ob);
+        _tile_loadd(2, c + 16 * out_stride, ob);
+        _tile_loadd(3, c + 16 * out_stride + 16, ob);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (std::int64_t k0 = 0; k0 < depth; k0 += kTileDepth) {
+        _tile_loadd(4, left + m0 * left_stride + k0, lb);
+        _tile_loadd(5, left + (m0 + 16) * left_stride + k0, lb);
+        _tile_loadd(6, right + ((k0 / 2) * right_cols + n0) * 2, rb);
+        _tile_loadd(7, right + ((k0 / 2) * right_cols + n0 + 16) * 2, rb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c, ob);
+      _tile_stored(1, c + 16, ob);
+      _tile_stored(2, c + 16 * out_stride, ob);
+      _tile_stored(3, c + 16 * out_stride + 16, ob);
+    }
+  }
+}
+
+// exp2 for x <= ~0, the vector path's polynomial (flash_simd.hpp exp2_approx) in AVX-512 intrinsics.
+CPATTN_AMX_TARGET inline __m512 exp2_avx512(__m512 x) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_LT_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  const __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, xi);
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(xi), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~tiny), p, _mm512_castsi512_ps(e));
+}
+
+// One row of the online softmax over `keys` (a multiple of 16) base-2 scores: updates m and l, writes P as
+// bf16 and returns alpha, the factor the row's O must be rescaled by. l sums the bf16-rounded P that P V
+// uses.
+CPATTN_AMX_TARGET float softmax_row(const float* s, std::int64_t keys, float& m, float& l,
+                                    std::uint16_t* p_out) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  __m512 mx = _mm512_set1_ps(m);
+  for (std::int64_t j = 0; j < keys; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+  const float m_new = _mm512_reduce_max_ps(mx);
+  // A row that has seen nothing yet subtracts 0: its P is exp2(-inf) = 0 and its alpha 0 (O is 0).
+  const float m_use = m_new == neg_inf ? 0.0f : m_new;
+  const __m512 mu = _mm512_set1_ps(m_use);
+  __m512 sum = _mm512_setzero_ps();
+  for (std::int64_t j = 0; j < keys; j += 16) {
+    const __m512 p = exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mu));
+    const __m256bh pb = _mm512_cvtneps_pbh(p);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_out + j), reinterpret_cast<const __m256i&>(pb));
+    const __m512 rounded = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<const __m256i&>(pb)), 16));
+    sum = _mm512_add_ps(sum, rounded);
+  }
+  const float alpha = _mm512_cvtss_f32(exp2_avx512(_mm512_set1_ps(m - m_use)));
+  l = l * alpha + _mm512_reduce_add_ps(sum);
+  m = m_new;
+  return alpha;
+}
+
+CPATTN_AMX_TARGET void scale_row(float* row, std::int64_t width, float factor) {
+  const __m512 f = _mm512_set1_ps(factor);
+  for (std::int64_t d = 0; d < width; d += 16)
+    _mm512_storeu_ps(row + d, _mm512_mul_ps(_mm512_loadu_ps(row + d), f));
+}
+
+CPATTN_AMX_TARGET void load_tile_config() {
+  static const TileConfig config = full_tiles();
+  _tile_loadconfig(&config);
+}
+
+CPATTN_AMX_TARGET void release_tiles() {
+  _tile_release();
+}
+
+}  // namespace
+
+bool amx_bf16_usable() {
+  static const bool usable = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
+    if (!tile || !bf16 || !__builtin_cpu_supports("avx512bf16")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
+                       const AttentionMask& mask, double scale, const FlashConfig& config,
+                       const BlockGrid& grid, const TensorRef& o, float* lse,
+                       std::vector<std::int64_t>& task_tiles, std::atomic<std::int64_t>& full,
+                       std::atomic<std::int64_t>& partial) {
+  const std::int64_t B = q.shape.b, Sq = q.shape.s, Skv = k.shape.s, Hq = q.shape.h, Hkv = k.shape.h;
+  const std::int64_t D = q.shape.d, G = Hq / Hkv;
+  const std::int64_t Bq = config.block_q, Bk = config.block_kv;
+  const std::int64_t D32 = round_up(D, kTileDepth);  // the head dim padded to whole tile depths (zeros)
+  const std::int64_t q_blocks = (Sq + Bq - 1) / Bq, kv_blocks = (Skv + Bk - 1) / Bk;
+  const float factor = static_cast<float>(scale * 1.4426950408889634);
+  const bool segments = mask.has_segments();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  // K as the right operand of S = Q K^T, [D32/2][Bk][2]; V as the right operand of O += P V, [Bk/2][D32][2];
+  // both pair-interleaved, zero-padded, packed once per call.
+  const std::int64_t block_elems = D32 * Bk;
+  std::vector<std::uint16_t> kpack(static_cast<std::size_t>(B * Hkv * kv_blocks * block_elems), 0);
+  std::vector<std::uint16_t> vpack(kpack.size(), 0);
+  parallel_for(B * Hkv * kv_blocks, config.threads, [&](std::int64_t task, int) {
+    const std::int64_t b = task / (Hkv * kv_blocks), hk = (task / kv_blocks) % Hkv, kvi = task % kv_blocks;
+    const BlockMeta& kb = grid.kv[b][kvi];
+    std::uint16_t* kp = kpack.data() + task * block_elems;
+    std::uint16_t* vp = vpack.data() + task * block_elems;
+    for (std::int64_t j = 0; j < kb.length; ++j) {
+      for (std::int64_t d = 0; d < D; ++d) {
+        kp[((d / 2) * Bk + j) * 2 + (d & 1)] = bf16_bits(k, b, kb.begin + j, hk, d);
+        vp[((j / 2) * D32 + d) * 2 + (j & 1)] = bf16_bits(v, b, kb.begin + j, hk, d);
+      }
+    }
+  });
+
+  struct Workspace {
+    std::vector<std::uint16_t> qb, p;
+    std::vector<float> s, acc, m, l, alpha, row;
+  };
+  std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
+  parallel_for(B * Hq * q_blocks, config.threads, [&](std::int64_t task, int worker) {
+    const std::int64_t b = task / (Hq * q_blocks), h = (task / q_blocks) % Hq, hk = h / G;
+    const BlockMeta& qb = grid.q[b][task % q_blocks];
+    const std::int64_t rows = round_up(qb.length, kGroupRows);
+    Workspace& w = spaces[worker];
+    w.qb.assign(static_cast<std::size_t>(rows * D32), 0);
+    w.p.resize(static_cast<std::size_t>(rows * Bk));
+    w.s.resize(static_cast<std::size_t>(rows * Bk));
+    w.acc.assign(static_cast<std::size_t>(rows * D32), 0.0f);
+    w.m.assign(static_cast<std::size_t>(rows), neg_inf);
+    w.l.assign(static_cast<std::size_t>(rows), 0.0f);
+    w.alpha.resize(static_cast<std::size_t>(rows));
+    w.row.resize(static_cast<std::size_t>(D32));
+    for (std::int64_t r = 0; r < qb.length; ++r) {
+      std::memcpy(w.qb.data() + r * D32, static_cast<const bf16*>(q.ptr) + q.offset(b, qb.begin + r, h),
+                  static_cast<std::size_t>(D) * 2);
+    }
+    load_tile_config();
+    std::int64_t computed = 0, computed_full = 0;
+    for (std::int64_t kvi = 0; kvi < kv_blocks; ++kvi) {
+      const BlockMeta& kb = grid.kv[b][kvi];
+      const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
+      if (kind == TileKind::empty) continue;
+      ++computed;
+      computed_full += kind == TileKind::full;
+      const std::int64_t at = (b * Hkv + hk) * kv_blocks + kvi;
+      // s: [rows][Bk] = Q K^T, then base-2 scores
+      tile_product(w.qb.data(), D32, kpack.data() + at * block_elems, Bk, rows, Bk, D32, w.s.data(), Bk,
+                   false);
+      for (std::int64_t r = 0; r < rows; ++r) scale_row(w.s.data() + r * Bk, Bk, factor);
+      if (kind == TileKind::partial) {
+        apply_mask(w.s.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, neg_inf);
+      }
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const float alpha = softmax_row(w.s.data() + r * Bk, Bk, w.m[r], w.l[r], w.p.data() + r * Bk);
+        scale_row(w.acc.data() + r * D32, D32, alpha);
+      }
+      // acc: [rows][D32] += P V
+      tile_product(w.p.data(), Bk, vpack.data() + at * block_elems, D32, rows, D32, Bk, w.acc.data(), D32,
+                   true);
+    }
+    release_tiles();
+    task_tiles[task] = computed;
+    full += computed_full;
+    partial += computed - computed_full;
+    for (std::int64_t r = 0; r < qb.length; ++r) {
+      const std::int64_t i = qb.begin + r;
+      const float l = w.l[r];
+      for (std::int64_t d = 0; d < D; ++d) w.row[d] = l > 0.0f ? w.acc[r * D32 + d] / l : 0.0f;
+      store_row(o, b, i, h, w.row.data(), 1.0f);
+      if (lse != nullptr) {
+        lse[(b * Hq + h) * Sq + i] =
+            l > 0.0f ? static_cast<float>((static_cast<double>(w.m[r]) + std::log2(static_cast<double>(l))) *
+                                          0.6931471805599453)
+                     : neg_inf;
+      }
+    }
+  });
+}
+
+#else  // no AMX on this architecture or compiler
+
+bool amx_bf16_usable() {
+  return false;
+}
+
+void flash_forward_amx(const ConstTensorRef&, const ConstTensorRef&, const ConstTensorRef&,
+                       const AttentionMask&, double, const FlashConfig&, const BlockGrid&, const TensorRef&,
+                       float*, std::vector<std::int64_t>&, std::atomic<std::int64_t>&,
+                       std::atomic<std::int64_t>&) {
+  CPATTN_ASSERT(false && "flash_forward_amx without AMX");
+}
+
+#endif
+
+}  // namespace cpattn::kernels

@@ -1,0 +1,31 @@
+// The bf16 forward on AMX (Intel's tile matrix unit: tdpbf16ps multiplies 16x32 by 32x16 bf16 tiles into a
+// 16x16 fp32 tile, 16x the FLOPs per cycle of an fp32 FMA port pair). Used by flash_forward for bf16 Q, K and
+// V when the CPU has AMX-BF16 and the kernel grants the tile state (Linux arch_prctl), unless
+// FlashConfig::allow_amx is off.
+//
+// Its arithmetic differs from the vector path's (S from bf16 products accumulated by the tile unit, P rounded
+// to bf16 for P V), but is as deterministic: a row of an output tile depends only on that row of the left
+// operand, so a query row's O and LSE do not depend on which rows share its tile, its shard or the thread
+// count. Every rank of a run takes the same path (one machine, one decision).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+#include "flash_common.hpp"
+
+namespace cpattn::kernels {
+
+// AMX-BF16, AMX-TILE and AVX512-BF16 present and the tile data permission granted (asked once per process).
+bool amx_bf16_usable();
+
+// The forward of flash_forward for bf16 inputs; task_tiles [B][Hq][q blocks] and the full/partial counts are
+// filled as the vector path fills them.
+void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
+                       const AttentionMask& mask, double scale, const FlashConfig& config,
+                       const BlockGrid& grid, const TensorRef& o, float* lse,
+                       std::vector<std::int64_t>& task_tiles, std::atomic<std::int64_t>& full,
+                       std::atomic<std::int64_t>& partial);
+
+}  // namespace cpattn::kernels
