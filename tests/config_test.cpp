@@ -136,6 +136,16 @@ std::vector<BadCase> bad_cases() {
         p.cp = 4;
       },
       {"seq_len"}, {"int32"});
+  // Found by fuzz_validator: 2*cp overflowed int64 in the load-balance rule (UBSan). Ranks are ints.
+  add("cp_beyond_any_group",
+      [](AttentionSpec&, ParallelSpec& p) {
+        p.cp = 6744426282650261709;
+        p.strategy = Strategy::all_gather;
+        p.load_balance = true;
+      },
+      {"cp"}, {"larger than any group", "1..2147483647"});
+  add("tp_beyond_any_group", [](AttentionSpec&, ParallelSpec& p) { p.tp = 1ll << 40; }, {"tp"},
+      {"larger than any group"});
   return cases;
 }
 
@@ -224,6 +234,10 @@ TEST(ConfigFile, WrongTypesNameTheKeyAndFile) {
       {"context_parallel_load_balance: maybe\n", "context_parallel_load_balance"},
       {"head_dim: 2.5\n", "head_dim"},
       {"context_parallel_strategy: {a: 1}\n", "context_parallel_strategy"},
+      // Found by fuzz_config_yaml: a whole float beyond int64 was converted before its range was checked
+      // (UB).
+      {"max_target_length: 92233720368546854775807\n", "max_target_length"},
+      {"max_target_length: -1e300\n", "max_target_length"},
   };
   for (const auto& [text, key] : cases) {
     try {

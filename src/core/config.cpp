@@ -69,8 +69,18 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
                                      {"head_dim", a.head_dim}}) {
     sizes_ok = rules.positive(field, value) && sizes_ok;
   }
-  const bool cp_ok = rules.positive("cp", p.cp);
-  const bool tp_ok = rules.positive("tp", p.tp);
+  // Ranks are ints (Communicator::rank()); a larger group cannot exist, and 2*cp must not overflow (found by
+  // fuzz_validator).
+  auto group_size_ok = [&](const char* field, std::int64_t value) {
+    if (!rules.positive(field, value)) return false;
+    if (value <= std::numeric_limits<std::int32_t>::max()) return true;
+    rules.add(
+        {field}, str(value),
+        std::string(field) + " (" + str(value) + ") is larger than any group of ranks; valid: 1..2147483647");
+    return false;
+  };
+  const bool cp_ok = group_size_ok("cp", p.cp);
+  const bool tp_ok = group_size_ok("tp", p.tp);
 
   if (a.seq_len > std::numeric_limits<std::int32_t>::max()) {
     rules.add(

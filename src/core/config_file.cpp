@@ -1,5 +1,7 @@
 #include "cpattn/config_file.hpp"
 
+#include <cmath>
+
 #include <yaml-cpp/yaml.h>
 
 #include <fstream>
@@ -28,7 +30,8 @@ std::int64_t as_int(const std::string& name, const std::string& key, const YAML:
     // The seed's framework writes some sizes as floats (per_device_batch_size: 1.0): accept whole numbers.
     try {
       const double d = node.as<double>();
-      if (d == static_cast<double>(static_cast<std::int64_t>(d)) && d >= -9e18 && d <= 9e18) {
+      // Range first: converting a double outside int64's range is undefined (found by fuzz_config_yaml).
+      if (d >= -9e18 && d <= 9e18 && d == std::trunc(d)) {
         return static_cast<std::int64_t>(d);
       }
     } catch (const YAML::Exception&) {
