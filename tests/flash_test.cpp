@@ -2,6 +2,8 @@
 // determinism contract (bit-identical rows whatever the shard, order or thread count).
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -309,6 +311,61 @@ TEST(FlashKernel, AmxForwardMatchesTheVectorPathAndTheReference) {
     CPATTN_EXPECT_CLOSE(a.lse, ref.lse, 2e-2, "lse amx vs reference");
     EXPECT_EQ(a.tiles.per_head, v.tiles.per_head);
     EXPECT_EQ(a.tiles.full, v.tiles.full);
+  }
+}
+
+// NaN and Inf in the inputs: no crash, and a row's outputs are non-finite exactly where the float64
+// reference's are (a NaN must not turn into a silent 0); the other rows are unaffected and match as usual.
+TEST(FlashKernel, NonFiniteInputsPropagateLikeTheReference) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    Case c{1, 150, 4, 2, 32, true, {}, dtype};
+    SCOPED_TRACE(c.name());
+    Inputs in = make_inputs(c, 41);
+    in.q.set(0, 10, 1, 3, nan);    // one query row of head 1
+    in.k.set(0, 70, 0, 5, inf);    // one key of kv head 0: every later query of heads 0, 1 sees it
+    in.v.set(0, 120, 1, 0, -inf);  // one value of kv head 1
+    in.d_out.set(0, 30, 2, 7, nan);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
+    const auto fwd = flash_attention_forward(in.q, in.k, in.v, in.mask(true), scale, {});
+    const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, in.mask(true),
+                                              scale, {}, DType::f32);
+    const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, in.mask(true), scale);
+    const std::vector<float> o = fwd.o.to_floats(), dq = bwd.dq.to_floats(), dk = bwd.dk.to_floats(),
+                             dv = bwd.dv.to_floats();
+    std::int64_t nonfinite_rows = 0, mismatched_rows = 0;
+    for (std::int64_t row = 0; row < c.seq * c.hq; ++row) {  // (s, h) rows of O and dQ; (s, hkv) of dK, dV
+      for (const auto& [got, want] : {std::pair{&o, &ref.o}, std::pair{&dq, &ref.dq}, std::pair{&dk, &ref.dk},
+                                      std::pair{&dv, &ref.dv}}) {
+        if ((got == &dk || got == &dv) && row >= c.seq * c.hkv) continue;
+        bool got_finite = true, want_finite = true;
+        for (std::int64_t d = 0; d < c.dim; ++d) {
+          got_finite = got_finite && std::isfinite((*got)[row * c.dim + d]);
+          want_finite = want_finite && std::isfinite((*want)[row * c.dim + d]);
+        }
+        nonfinite_rows += !want_finite;
+        if (got_finite != want_finite && mismatched_rows < 8) {
+          const std::int64_t heads = got == &dk || got == &dv ? c.hkv : c.hq;
+          ADD_FAILURE() << (got == &o    ? "o"
+                            : got == &dq ? "dq"
+                            : got == &dk ? "dk"
+                                         : "dv")
+                        << " row (s " << row / heads << ", h " << row % heads << "): kernel "
+                        << (got_finite ? "finite" : "non-finite") << ", reference "
+                        << (want_finite ? "finite" : "non-finite");
+        }
+        mismatched_rows += got_finite != want_finite;
+      }
+    }
+    EXPECT_GT(nonfinite_rows, 0) << "the injected values must reach some outputs";
+    EXPECT_EQ(mismatched_rows, 0) << "rows whose finiteness differs from the reference's";
+    for (std::int64_t h = 0; h < c.hq; ++h) {
+      for (std::int64_t i = 0; i < c.seq; ++i) {
+        const double want = ref.lse[h * c.seq + i];
+        const float got = fwd.lse[h * c.seq + i];
+        EXPECT_EQ(std::isfinite(got), std::isfinite(want)) << "lse h " << h << " row " << i;
+      }
+    }
   }
 }
 

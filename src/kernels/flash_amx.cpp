@@ -13,6 +13,13 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+// GCC 12's AVX-512 intrinsics start from a self-initialized `__Y = __Y`, which -Wuninitialized reports when
+// the file is built for a target without AVX-512 and the intrinsics are inlined into target("avx512f")
+// functions (the portable build). Nothing here reads an uninitialized value.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #endif
 
 namespace cpattn::kernels {
@@ -97,7 +104,7 @@ CPATTN_AMX_TARGET void tile_product(const std::uint16_t* left, std::int64_t left
 // exp2 for x <= ~0, the vector path's polynomial (flash_simd.hpp exp2_approx) in AVX-512 intrinsics.
 CPATTN_AMX_TARGET inline __m512 exp2_avx512(__m512 x) {
   const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-126.0f), x);  // max_ps returns its second operand for NaN: NaN stays NaN
   const __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, xi);
   __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
@@ -253,13 +260,13 @@ void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const C
     for (std::int64_t r = 0; r < qb.length; ++r) {
       const std::int64_t i = qb.begin + r;
       const float l = w.l[r];
-      for (std::int64_t d = 0; d < D; ++d) w.row[d] = l > 0.0f ? w.acc[r * D32 + d] / l : 0.0f;
+      for (std::int64_t d = 0; d < D; ++d) w.row[d] = l != 0.0f ? w.acc[r * D32 + d] / l : 0.0f;
       store_row(o, b, i, h, w.row.data(), 1.0f);
       if (lse != nullptr) {
         lse[(b * Hq + h) * Sq + i] =
-            l > 0.0f ? static_cast<float>((static_cast<double>(w.m[r]) + std::log2(static_cast<double>(l))) *
-                                          0.6931471805599453)
-                     : neg_inf;
+            l != 0.0f ? static_cast<float>((static_cast<double>(w.m[r]) + std::log2(static_cast<double>(l))) *
+                                           0.6931471805599453)
+                      : neg_inf;
       }
     }
   });

@@ -28,7 +28,10 @@ void probabilities_and_ds(float* s, float* dp, std::int64_t rows, std::int64_t c
     for (std::int64_t j = 0; j < cols; j += lanes()) {
       const VF p = exp2_approx(hn::Sub(hn::LoadU(df, s + r * cols + j), l2));
       hn::StoreU(p, df, s + r * cols + j);
-      hn::StoreU(hn::Mul(p, hn::Sub(hn::LoadU(df, dp + r * cols + j), dl)), df, dp + r * cols + j);
+      // dS of a masked pair (P = 0) is exactly 0 even where dP is not finite (a non-finite V or dO).
+      const VF ds = hn::IfThenZeroElse(hn::Eq(p, hn::Zero(df)),
+                                       hn::Mul(p, hn::Sub(hn::LoadU(df, dp + r * cols + j), dl)));
+      hn::StoreU(ds, df, dp + r * cols + j);
     }
   }
 }
@@ -92,12 +95,20 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
     w.s.resize(Bq * Bk);
     w.dp.resize(Bq * Bk);
     dot_rows(qs, Dp, kt, Bk, D, rows, Bk, w.s.data(), Bk);
-    if (kind == TileKind::partial) apply_mask(w.s.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, neg_inf);
     dot_rows(dop, Dp, vt, Bk, D, rows, Bk, w.dp.data(), Bk);
     const std::int64_t row0 = (b * Hq + h) * sq_padded + qb.begin;
     probabilities_and_ds(w.s.data(), w.dp.data(), rows, Bk, lse2.data() + row0, delta.data() + row0);
+    // The mask is applied to P and dS (not to S): a masked pair's P and dS are then exactly 0 even for a row
+    // whose LSE is NaN (exp2(-inf - NaN) is NaN), and a NaN row cannot reach the keys it may not see.
+    if (kind == TileKind::partial) {
+      apply_mask(w.s.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, 0.0f);
+      apply_mask(w.dp.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, 0.0f);
+    }
   };
 
+  // With a non-finite Q, K or dO the products skip the masked pairs' zero coefficients (0 * Inf = NaN would
+  // reach rows and keys that may not see each other).
+  const bool guard = any_nonfinite(q) || any_nonfinite(k) || any_nonfinite(d_out);
   // Q' and dO as rows [Bq][Dp], K^T and V^T as [Dp][Bk].
   const PackedBlocks qs(q, grid.q, Bq, Dp, false, q_factor, config.threads);
   const PackedBlocks dop(d_out, grid.q, Bq, Dp, false, 1.0f, config.threads);
@@ -154,14 +165,15 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
           // dV[j] += sum_i P[i][j] dO[i]; dK[j] += sum_i dS[i][j] Q[i]  (keys as output rows)
           std::fill(w.acc_a.begin(), w.acc_a.end(), 0.0f);
           std::fill(w.acc_b.begin(), w.acc_b.end(), 0.0f);
-          axpy_rows(w.s.data(), Bk, 1, dop_block, Dp, rows, Bk, Dp, w.acc_b.data(), Dp);
-          axpy_rows(w.dp.data(), Bk, 1, qraw.at(b, h, qi), Dp, rows, Bk, Dp, w.acc_a.data(), Dp);
+          axpy_rows(w.s.data(), Bk, 1, dop_block, Dp, rows, Bk, Dp, w.acc_b.data(), Dp, guard);
+          axpy_rows(w.dp.data(), Bk, 1, qraw.at(b, h, qi), Dp, rows, Bk, Dp, w.acc_a.data(), Dp, guard);
           for (std::int64_t i = 0; i < Bk * Dp; ++i) {
             w.sum_a[i] += w.acc_a[i];
             w.sum_b[i] += w.acc_b[i];
           }
           // dQ[i] += sum_j dS[i][j] K[j], continuing the row's sum over the kv blocks in order
-          axpy_rows(w.dp.data(), 1, Bk, krows.at(b, hk, kvi), Dp, Bk, rows, Dp, dq_head + qb.begin * Dp, Dp);
+          axpy_rows(w.dp.data(), 1, Bk, krows.at(b, hk, kvi), Dp, Bk, rows, Dp, dq_head + qb.begin * Dp, Dp,
+                    guard);
         }
         if (G > 1) {
           const std::size_t at = static_cast<std::size_t>((task * stripe + (kvi - s0)) * Bk * Dp);

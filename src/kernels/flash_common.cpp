@@ -1,5 +1,7 @@
 #include "flash_common.hpp"
 
+#include <cmath>
+
 #include "../core/parallel_for.hpp"
 
 namespace cpattn::kernels {
@@ -58,6 +60,28 @@ void check_forward_args(const ConstTensorRef& q, const ConstTensorRef& k, const 
     fail("block_kv", std::to_string(config.block_kv), "block_kv must be a positive multiple of 64");
   }
   if (config.threads < 1) fail("threads", std::to_string(config.threads), "threads must be at least 1");
+}
+
+bool any_nonfinite(const ConstTensorRef& t) {
+  for (std::int64_t b = 0; b < t.shape.b; ++b) {
+    for (std::int64_t s = 0; s < t.shape.s; ++s) {
+      for (std::int64_t h = 0; h < t.shape.h; ++h) {
+        const std::int64_t off = t.offset(b, s, h);
+        if (t.dtype == DType::f32) {
+          const float* p = static_cast<const float*>(t.ptr) + off;
+          for (std::int64_t d = 0; d < t.shape.d; ++d) {
+            if (!std::isfinite(p[d])) return true;
+          }
+        } else {
+          const bf16* p = static_cast<const bf16*>(t.ptr) + off;
+          for (std::int64_t d = 0; d < t.shape.d; ++d) {
+            if (!std::isfinite(bf16_to_float(p[d]))) return true;
+          }
+        }
+      }
+    }
+  }
+  return false;
 }
 
 BlockGrid make_block_grid(const AttentionMask& mask, std::int64_t batch, std::int64_t sq, std::int64_t skv,

@@ -70,6 +70,10 @@ inline void apply_mask(float* s, std::int64_t q_rows, std::int64_t keys, std::in
   }
 }
 
+// Whether any element of t is Inf or NaN (the kernels then guard their products so that a masked pair adds
+// exactly nothing: 0 * Inf is NaN).
+bool any_nonfinite(const ConstTensorRef& t);
+
 // Shapes and sizes agree; throws Error(invalid_input) naming the tensor otherwise.
 void check_forward_args(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
                         const AttentionMask& mask, const FlashConfig& config);

@@ -35,6 +35,8 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   const PackedBlocks kt(k, grid.kv, Bk, Dp, true, 1.0f, config.threads);
   const PackedBlocks vp(v, grid.kv, Bk, Dp, false, 1.0f, config.threads);
   const std::int64_t n = lanes();
+  // A non-finite V reaches only the rows that may see its key (its P is 0 for the others).
+  const bool guard = any_nonfinite(v);
 
   // The tile is computed transposed, S^T = K Q'^T, with the q rows along the vector axis: the online softmax
   // then runs lane-wise (one lane per query row, max and sum over the keys in order, no horizontal
@@ -115,18 +117,23 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
         // acc: [Dp][panel] = acc * alpha + V^T P^T
         const float* vblock = vp.at(b, hk, kvi);
         for_row_tiles<kRowTile>(Dp, [&](auto R, std::int64_t r) {
-          scale_axpy_tile_adjacent<decltype(R)::value, kPanelVectors>(
-              w.alpha.data(), vblock + r, Dp, w.st.data(), panel, Bk, w.acc.data() + r * panel, panel);
+          if (guard) {
+            scale_axpy_tile_adjacent<decltype(R)::value, kPanelVectors, true>(
+                w.alpha.data(), vblock + r, Dp, w.st.data(), panel, Bk, w.acc.data() + r * panel, panel);
+          } else {
+            scale_axpy_tile_adjacent<decltype(R)::value, kPanelVectors>(
+                w.alpha.data(), vblock + r, Dp, w.st.data(), panel, Bk, w.acc.data() + r * panel, panel);
+          }
         });
       }
       for (std::int64_t r = 0; r < pb.length; ++r) {
         const std::int64_t i = pb.begin + r;
         const float l = w.l[r];
-        for (std::int64_t d = 0; d < D; ++d) row[d] = l > 0.0f ? w.acc[d * panel + r] / l : 0.0f;
+        for (std::int64_t d = 0; d < D; ++d) row[d] = l != 0.0f ? w.acc[d * panel + r] / l : 0.0f;
         store_row(o, b, i, h, row.data(), 1.0f);
         if (lse != nullptr) {
           lse[(b * Hq + h) * Sq + i] =
-              l > 0.0f
+              l != 0.0f
                   ? static_cast<float>((static_cast<double>(w.m[r]) + std::log2(static_cast<double>(l))) *
                                        0.6931471805599453)
                   : neg_inf;
@@ -154,7 +161,8 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
   std::vector<std::int64_t> task_tiles(static_cast<std::size_t>(B * Hq * q_blocks), 0);
   std::atomic<std::int64_t> full{0}, partial{0};
   const bool bf16_inputs = q.dtype == DType::bf16 && k.dtype == DType::bf16 && v.dtype == DType::bf16;
-  if (bf16_inputs && flash_forward_uses_amx(DType::bf16, config)) {
+  // The tile unit cannot skip a masked pair, so a non-finite V (0 * Inf = NaN) takes the vector path.
+  if (bf16_inputs && flash_forward_uses_amx(DType::bf16, config) && !any_nonfinite(v)) {
     flash_forward_amx(q, k, v, mask, scale, config, grid, o, lse, task_tiles, full, partial);
   } else {
     forward_vector(q, k, v, mask, scale, config, grid, o, lse, task_tiles, full, partial);

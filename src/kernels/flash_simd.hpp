@@ -35,12 +35,15 @@ inline std::int64_t padded_head_dim(std::int64_t d) {
 }
 
 // 2^x for x <= ~0 (the softmax's s - m). Inputs below -126, -inf among them, give exactly 0; x = 0 gives
-// exactly 1, so a rescale by exp2(m - m) is an exact no-op. Taylor polynomial of degree 7 on the reduced
-// argument f in [-0.5, 0.5]: relative error below 1e-8 before float rounding.
+// exactly 1, so a rescale by exp2(m - m) is an exact no-op; NaN (Inf - Inf: a score of +Inf) stays NaN.
+// Taylor polynomial of degree 7 on the reduced argument f in [-0.5, 0.5]: relative error below 1e-8 before
+// float rounding.
 HWY_INLINE VF exp2_approx(VF x) {
   const DF df;
   const hn::RebindToSigned<DF> di;
   const auto tiny = hn::Lt(x, hn::Set(df, -126.0f));
+  const auto nan = hn::IsNaN(x);  // NaN in, NaN out (the clamp below would turn it into 2^-126)
+  const VF input = x;
   x = hn::Max(x, hn::Set(df, -126.0f));
   const VF xi = hn::Round(x);
   const VF f = hn::Sub(x, xi);
@@ -53,7 +56,7 @@ HWY_INLINE VF exp2_approx(VF x) {
   p = hn::MulAdd(p, f, hn::Set(df, 6.931471805599453e-01f));
   p = hn::MulAdd(p, f, hn::Set(df, 1.0f));
   const auto exponent = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, xi), hn::Set(di, 127)));
-  return hn::IfThenZeroElse(tiny, hn::Mul(p, hn::BitCast(df, exponent)));
+  return hn::IfThenElse(nan, input, hn::IfThenZeroElse(tiny, hn::Mul(p, hn::BitCast(df, exponent))));
 }
 
 // out[r][j] = sum_{d < depth} a[r*as + d] * bt[d*bs + j] for r < R and j < C vectors of lanes: the score
@@ -83,7 +86,9 @@ HWY_INLINE void dot_tile(const float* HWY_RESTRICT a, std::int64_t as, const flo
 
 // out[r][:] += sum_{t < count} coef[t*ct + r*cr] * x[t*xs + :] for r < R, over C vectors of columns:
 // O^T += V^T P^T, dV += P^T dO, dK += dS^T Q, dQ += dS K. The sum over t runs in order.
-template <int R, int C>
+// kGuard: a zero coefficient adds nothing even where x is Inf or NaN (0 * Inf would be NaN): the masked pairs
+// of a tile then cannot reach a row that may not see them. Used only when an input holds a non-finite value.
+template <int R, int C, bool kGuard = false>
 HWY_INLINE void axpy_tile(const float* HWY_RESTRICT coef, std::int64_t ct, std::int64_t cr,
                           const float* HWY_RESTRICT x, std::int64_t xs, std::int64_t count,
                           float* HWY_RESTRICT out, std::int64_t os) {
@@ -98,7 +103,13 @@ HWY_INLINE void axpy_tile(const float* HWY_RESTRICT coef, std::int64_t ct, std::
     for (int c = 0; c < C; ++c) xv[c] = hn::LoadU(df, x + t * xs + c * n);
     for (int r = 0; r < R; ++r) {
       const VF cv = hn::Set(df, coef[t * ct + r * cr]);
-      for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(cv, xv[c], acc[r][c]);
+      if constexpr (kGuard) {
+        const auto zero = hn::Eq(cv, hn::Zero(df));
+        for (int c = 0; c < C; ++c)
+          acc[r][c] = hn::IfThenElse(zero, acc[r][c], hn::MulAdd(cv, xv[c], acc[r][c]));
+      } else {
+        for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(cv, xv[c], acc[r][c]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -135,7 +146,8 @@ HWY_INLINE void dot_tile_adjacent(const float* HWY_RESTRICT a, std::int64_t ad, 
 
 // out[r][:] = out[r][:] * scale[:] + sum_{t < count} coef[t*ct + r] * x[t*xs + :]: the forward's O^T tile,
 // its rescale by alpha fused in (the same two roundings as a separate pass: a product, then the FMA chain).
-template <int R, int C>
+// kGuard: a zero x (a masked P) adds nothing even where the coefficient (V) is Inf or NaN.
+template <int R, int C, bool kGuard = false>
 HWY_INLINE void scale_axpy_tile_adjacent(const float* HWY_RESTRICT scale, const float* HWY_RESTRICT coef,
                                          std::int64_t ct, const float* HWY_RESTRICT x, std::int64_t xs,
                                          std::int64_t count, float* HWY_RESTRICT out, std::int64_t os) {
@@ -152,7 +164,14 @@ HWY_INLINE void scale_axpy_tile_adjacent(const float* HWY_RESTRICT scale, const 
     const float* ct_row = coef + t * ct;
     for (int r = 0; r < R; ++r) {
       const VF cv = hn::Set(df, ct_row[r]);
-      for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(cv, xv[c], acc[r][c]);
+      for (int c = 0; c < C; ++c) {
+        if constexpr (kGuard) {
+          acc[r][c] =
+              hn::IfThenElse(hn::Eq(xv[c], hn::Zero(df)), acc[r][c], hn::MulAdd(cv, xv[c], acc[r][c]));
+        } else {
+          acc[r][c] = hn::MulAdd(cv, xv[c], acc[r][c]);
+        }
+      }
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -195,30 +214,42 @@ inline void dot_rows(const float* a, std::int64_t as, const float* bt, std::int6
 
 // axpy_tile over `rows` output rows (a multiple of 2) and `width` columns (a multiple of the lane count), 4
 // vectors at a time and the remainder with fewer.
-inline void axpy_rows(const float* coef, std::int64_t ct, std::int64_t cr, const float* x, std::int64_t xs,
-                      std::int64_t count, std::int64_t rows, std::int64_t width, float* out,
-                      std::int64_t os) {
+template <bool kGuard>
+inline void axpy_rows_impl(const float* coef, std::int64_t ct, std::int64_t cr, const float* x,
+                           std::int64_t xs, std::int64_t count, std::int64_t rows, std::int64_t width,
+                           float* out, std::int64_t os) {
   const std::int64_t n = lanes();
   for_row_tiles<6>(rows, [&](auto R, std::int64_t r) {
     constexpr int kR = decltype(R)::value;
     const float* cf = coef + r * cr;
     float* o = out + r * os;
     std::int64_t c = 0;
-    for (; c + 4 * n <= width; c += 4 * n) axpy_tile<kR, 4>(cf, ct, cr, x + c, xs, count, o + c, os);
+    for (; c + 4 * n <= width; c += 4 * n) axpy_tile<kR, 4, kGuard>(cf, ct, cr, x + c, xs, count, o + c, os);
     switch ((width - c) / n) {
       case 3:
-        axpy_tile<kR, 3>(cf, ct, cr, x + c, xs, count, o + c, os);
+        axpy_tile<kR, 3, kGuard>(cf, ct, cr, x + c, xs, count, o + c, os);
         break;
       case 2:
-        axpy_tile<kR, 2>(cf, ct, cr, x + c, xs, count, o + c, os);
+        axpy_tile<kR, 2, kGuard>(cf, ct, cr, x + c, xs, count, o + c, os);
         break;
       case 1:
-        axpy_tile<kR, 1>(cf, ct, cr, x + c, xs, count, o + c, os);
+        axpy_tile<kR, 1, kGuard>(cf, ct, cr, x + c, xs, count, o + c, os);
         break;
       default:
         break;
     }
   });
+}
+
+// guard: see axpy_tile's kGuard.
+inline void axpy_rows(const float* coef, std::int64_t ct, std::int64_t cr, const float* x, std::int64_t xs,
+                      std::int64_t count, std::int64_t rows, std::int64_t width, float* out, std::int64_t os,
+                      bool guard = false) {
+  if (guard) {
+    axpy_rows_impl<true>(coef, ct, cr, x, xs, count, rows, width, out, os);
+  } else {
+    axpy_rows_impl<false>(coef, ct, cr, x, xs, count, rows, width, out, os);
+  }
 }
 
 }  // namespace cpattn::kernels

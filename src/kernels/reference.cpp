@@ -45,7 +45,9 @@ ReferenceResult reference_attention(const Tensor& q_t, const Tensor& k_t, const 
           double s = 0;
           for (std::int64_t d = 0; d < D; ++d) s += q[qi(b, i, h) + d] * k[ki(b, j, hk) + d];
           p[j] = s * scale;
-          m = std::max(m, p[j]);
+          // A NaN score makes the row NaN, as autograd would (std::max would drop it and the row would read
+          // as one that sees nothing).
+          m = std::isnan(p[j]) || p[j] > m ? p[j] : m;
         }
         if (m == -std::numeric_limits<double>::infinity()) continue;  // sees no key: O = 0, LSE = -inf
         double sum = 0;
