@@ -133,6 +133,90 @@ TEST(CliValidate, HelpExits0) {
   EXPECT_EQ(run("validate --help").exit_code, 0);
 }
 
+// Issue "reliability": every kind of bad input, each a row asserting exit 2, the error class printed and the
+// field or file the message names. Sizes are refused before anything is allocated (these rows run in
+// milliseconds), .npy files are damaged copies of a good one.
+TEST(CliRun, BadInputTableNamesTheClassAndTheFieldOrFile) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("cpattn_cli_bad_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  const fs::path good = CPATTN_TEST_DATA "/attention/gqa4_noncausal";
+  std::ifstream q_in(good / "q.npy", std::ios::binary);
+  const std::string q_bytes((std::istreambuf_iterator<char>(q_in)), {});
+  ASSERT_GT(q_bytes.size(), 200u);
+  // A copy of the good inputs with `file` replaced by `bytes`; returns the folder.
+  auto inputs_with = [&](const std::string& name, const std::string& file, const std::string& bytes) {
+    const fs::path d = dir / name;
+    fs::create_directories(d);
+    for (const char* f : {"q.npy", "k.npy", "v.npy", "do.npy"}) fs::copy_file(good / f, d / f);
+    std::ofstream(d / file, std::ios::binary | std::ios::trunc) << bytes;
+    return d.string();
+  };
+  auto replaced = [&](std::string text, const std::string& from, const std::string& to) {
+    const auto at = text.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    if (at != std::string::npos) text.replace(at, from.size(), to);
+    return text;
+  };
+  std::ifstream lse_in(good / "lse.npy", std::ios::binary), k_in(good / "k.npy", std::ios::binary);
+  const std::string lse_bytes((std::istreambuf_iterator<char>(lse_in)), {});
+  const std::string k_bytes((std::istreambuf_iterator<char>(k_in)), {});
+  const std::string run_load = "run --strategy all_gather --cp 2 --threads 1 --load ";
+  const std::string deep =
+      write_temp("cpattn_deep.yaml", "num_query_heads: " + std::string(5000, '[') + "\n");
+  const std::string typed = write_temp("cpattn_typed.yaml", "max_target_length: [1, 2]\n");
+  const std::string sizes = " --q-heads 8 --kv-heads 2 --head-dim 8";
+  struct Row {
+    std::string args, error_class, names;
+  };
+  const Row rows[] = {
+      {"run --cp 4 --seq 0" + sizes, "invalid_config", "seq_len (0)"},
+      {"run --cp 4 --seq 64 --q-heads 8 --kv-heads 2 --head-dim -8", "invalid_config", "head_dim (-8)"},
+      {"run --cp 4 --seq 64 --batch 0" + sizes, "invalid_config", "batch (0)"},
+      {"run --cp 1 --batch 1048576 --seq 1073741824 --q-heads 1024 --kv-heads 1024 --head-dim 512",
+       "invalid_config", "overflows"},
+      {"run --cp 4 --batch 64 --seq 1073741824 --q-heads 8 --kv-heads 2 --head-dim 512", "invalid_input",
+       "GiB of memory"},
+      {"run --cp 4 --batch 99999999999999 --seq 64" + sizes, "invalid_input", "batch*seq_len*heads*head_dim"},
+      {"run --cp 4 --seq 64 --q-heads 6 --kv-heads 4 --head-dim 8", "invalid_config", "num_kv_heads (4)"},
+      {"run --cp 4 --seq 66" + sizes, "invalid_config", "seq_len (66) must be divisible by cp (4)"},
+      {"run --strategy ulysses --cp 4 --seq 64 --q-heads 12 --kv-heads 3 --head-dim 8", "invalid_config",
+       "num_kv_heads (3)"},
+      {"validate --tp 3 --cp 2 --seq 64" + sizes, "invalid_config", "tp (3)"},
+      {"run --strategy ulysses --load-balance --cp 4 --seq 64" + sizes, "invalid_config", "load_balance"},
+      {"run --strategy ring --cp 4 --seq 64" + sizes, "invalid_config", "'ring' is not a strategy"},
+      {"run --cp 4 --seq 64 --no-such-flag" + sizes, "", "no-such-flag"},
+      {"run --cp 2 --q-heads 4 --load " + inputs_with("flag", "q.npy", q_bytes), "invalid_input",
+       "--q-heads (4) disagrees"},
+      {run_load + inputs_with("truncated", "q.npy", q_bytes.substr(0, q_bytes.size() - 100)), "invalid_input",
+       "q.npy"},
+      {run_load + inputs_with("int_dtype", "q.npy", replaced(q_bytes, "<f4", "<i4")), "invalid_input",
+       "q.npy"},
+      {run_load + inputs_with("big_endian", "q.npy", replaced(q_bytes, "<f4", ">f4")), "invalid_input",
+       "q.npy"},
+      {run_load + inputs_with("fortran", "q.npy", replaced(q_bytes, "False,", "True, ")), "invalid_input",
+       "q.npy"},
+      {run_load + inputs_with("three_axes", "q.npy", lse_bytes), "invalid_input", "q.npy"},
+      {run_load + inputs_with("garbage", "q.npy", "this is not a .npy file"), "invalid_input", "q.npy"},
+      {run_load + inputs_with("do_shape", "do.npy", k_bytes), "invalid_input", "do.npy"},
+      {run_load + inputs_with("kv_shape", "k.npy", q_bytes), "invalid_input", "k.npy"},
+      {run_load + inputs_with("segments_dtype", "segment_ids.npy", q_bytes), "invalid_input",
+       "segment_ids.npy"},
+      {"validate --config " + deep + " --cp 2 --seq 64" + sizes, "invalid_input", "cpattn_deep.yaml"},
+      {"validate --config " + typed + " --cp 2 --seq 64" + sizes, "invalid_input", "max_target_length"},
+  };
+  for (const Row& row : rows) {
+    const Result r = run(row.args);
+    EXPECT_EQ(r.exit_code, 2) << row.args << "\n" << r.err;
+    if (!row.error_class.empty()) {
+      EXPECT_NE(r.err.find("error (" + row.error_class + ")"), std::string::npos) << row.args << "\n"
+                                                                                  << r.err;
+    }
+    EXPECT_NE(r.err.find(row.names), std::string::npos) << row.args << "\nstderr: " << r.err;
+  }
+  fs::remove_all(dir);
+}
+
 }  // namespace
 
 namespace {

@@ -70,6 +70,7 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
     return 2;
   }
   const AttentionSpec& a = specs.attention;
+  require_memory_for(a, 8, "cpattn bench kernel");  // Q, K, V, dO, O, dQ, dK, dV
   const Shape4 q_shape{a.batch, a.seq_len, a.num_q_heads, a.head_dim};
   const Shape4 kv_shape{a.batch, a.seq_len, a.num_kv_heads, a.head_dim};
   const Tensor q = random_normal(a.dtype, q_shape, 1), k = random_normal(a.dtype, kv_shape, 2),

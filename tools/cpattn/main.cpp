@@ -44,7 +44,7 @@ int main(int argc, char** argv) {
               << "run 'cpattn --help' for the flags\n";
     return 2;
   } catch (const cpattn::Error& e) {
-    std::cerr << "error: " << e.what() << "\n";
+    std::cerr << "error (" << cpattn::to_string(e.kind()) << "): " << e.what() << "\n";
     return e.kind() == cpattn::ErrorKind::invalid_config || e.kind() == cpattn::ErrorKind::invalid_input ? 2
                                                                                                          : 1;
   } catch (const std::exception& e) {

@@ -1,5 +1,8 @@
 #include "problem_flags.hpp"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -87,8 +90,30 @@ std::string errors_to_json(const std::vector<ErrorItem>& errors) {
   return list.dump();
 }
 
+void require_memory_for(const AttentionSpec& a, int tensor_count, const std::string& what) {
+  const double elements = static_cast<double>(a.batch) * static_cast<double>(a.seq_len) *
+                          static_cast<double>(std::max(a.num_q_heads, a.num_kv_heads)) *
+                          static_cast<double>(a.head_dim);
+  const double need = elements * static_cast<double>(dtype_size(a.dtype)) * tensor_count;
+  const double have =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  if (need <= have) return;
+  std::ostringstream msg;
+  msg.precision(3);
+  msg << what << " needs at least " << need / 1073741824.0 << " GiB (" << tensor_count
+      << " tensors of batch*seq_len*"
+      << "heads*head_dim = " << a.batch << "*" << a.seq_len << "*" << std::max(a.num_q_heads, a.num_kv_heads)
+      << "*" << a.head_dim << " " << to_string(a.dtype) << " values) but this machine has "
+      << have / 1073741824.0 << " GiB of memory; reduce --batch, --seq, --q-heads or --head-dim";
+  const std::string value = std::to_string(a.batch) + "x" + std::to_string(a.seq_len) + "x" +
+                            std::to_string(std::max(a.num_q_heads, a.num_kv_heads)) + "x" +
+                            std::to_string(a.head_dim);
+  throw Error(ErrorKind::invalid_input,
+              {ErrorItem{{"batch", "seq_len", "num_q_heads", "head_dim"}, value, msg.str()}});
+}
+
 void print_errors(const std::vector<ErrorItem>& errors) {
-  for (const auto& e : errors) std::cerr << "error: " << e.message << "\n";
+  for (const auto& e : errors) std::cerr << "error (invalid_config): " << e.message << "\n";
 }
 
 }  // namespace cpattn::cli

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "cpattn/config.hpp"
 #include "cpattn/config_file.hpp"
 
 namespace cpattn::cli {
@@ -26,6 +27,11 @@ struct ProblemFlags {
 
 // "6144,2048" -> {6144, 2048}; each a positive integer, else Error(invalid_input) naming `flag`.
 std::vector<std::int64_t> parse_document_lengths(const std::string& text, const std::string& flag);
+
+// Refuses, before anything is allocated, a problem whose `tensor_count` tensors of [B, S, max(Hq, Hkv), D]
+// alone exceed this machine's physical memory: Error(invalid_input) naming the sizes, with the need and what
+// there is. (A lower bound of what a run needs, so it never refuses a problem that would fit.)
+void require_memory_for(const AttentionSpec& attention, int tensor_count, const std::string& what);
 
 // JSON for a list of errors: [{"field", "fields"?, "value", "message"}].
 std::string errors_to_json(const std::vector<ErrorItem>& errors);

@@ -187,6 +187,8 @@ int run(const CLI::App& app, RunOptions& opt) {
   const ParallelSpec& p = specs.parallel;
   if (p.tp != 1)
     bad_input("--tp", std::to_string(p.tp), "cpattn run simulates one tensor-parallel group; use --tp 1");
+  // Inputs Q, K, V, dO and outputs O, dQ, dK, dV, before the ranks' own copies and the check's.
+  require_memory_for(a, 8, "cpattn run");
   if (opt.load_dir.empty()) {
     problem.q = random_normal(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, opt.seed);
     problem.k = random_normal(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, opt.seed + 1);
