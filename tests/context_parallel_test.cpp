@@ -3,10 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <numeric>
 
 #include "cp_harness.hpp"
 #include "cpattn/placement.hpp"
+#include "cpattn/sequence_layout.hpp"
+#include "cpattn/shard.hpp"
 
 namespace cpattn {
 namespace {
@@ -245,6 +248,104 @@ TEST(ContextParallel, AShapeThatDisagreesIsAnErrorOnEveryRank) {
   EXPECT_NE(messages[2].find("q has shape [1, 63, 32, 64]"), std::string::npos) << messages[2];
   for (int r : {0, 1, 3})
     EXPECT_NE(messages[r].find("rank 2 passed tensors"), std::string::npos) << messages[r];
+}
+
+// A communicator that throws on its `fail_at`-th data collective (0-based): a rank that fails in the middle of
+// a strategy's forward or backward.
+class FailingCommunicator final : public Communicator {
+ public:
+  FailingCommunicator(Communicator& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  const char* backend() const override { return inner_.backend(); }
+  void all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
+    step();
+    inner_.all_to_all(send, recv, count, dtype);
+  }
+  void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
+    step();
+    inner_.all_gather(send, recv, count, dtype);
+  }
+  void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
+    step();
+    inner_.reduce_scatter_sum(send, recv, count, dtype);
+  }
+  void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
+                          const std::vector<int>& dest) override {
+    step();
+    inner_.collective_permute(send, recv, count, dtype, dest);
+  }
+  void barrier() override { inner_.barrier(); }
+  void all_reduce(std::int64_t* values, int n, ReduceOp op) override { inner_.all_reduce(values, n, op); }
+  int calls() const { return calls_; }
+
+ private:
+  void step() {
+    if (calls_++ == fail_at_) throw std::runtime_error("injected fault at collective " + std::to_string(fail_at_));
+  }
+  Communicator& inner_;
+  int fail_at_;
+  int calls_ = 0;
+};
+
+// A rank that fails mid-forward or mid-backward: every other rank gets an error naming it, promptly (not by the
+// group's timeout), no thread stays blocked (run() returns), and a new group in the same process works.
+TEST(ContextParallel, ARankFailingMidForwardOrBackwardIsAnErrorOnEveryRank) {
+  for (const Strategy strategy : {Strategy::ulysses, Strategy::all_gather}) {
+    CpCase c;
+    c.strategy = strategy;
+    c.load_balance = strategy == Strategy::all_gather;
+    c.seq = 256;
+    c.hq = 8;
+    const auto in = testing::make_whole_inputs(c, 3);
+    // The forward's data collectives, counted on a clean run: the fault points are the forward's second and the
+    // backward's second.
+    int forward_calls = 0;
+    {
+      InProcessGroup group(4);
+      group.run([&](Communicator& comm) {
+        FailingCommunicator counting(comm, -1);
+        ContextParallelAttention attn(c.attention(), c.parallel(), counting);
+        const auto shard = [&](const Tensor& t) {
+          return take_tokens(t, local_positions(c.parallel().effective_layout(), c.seq, c.cp, comm.rank()));
+        };
+        attn.forward(shard(in.q), shard(in.k), shard(in.v));
+        if (comm.rank() == 0) forward_calls = counting.calls();
+      });
+    }
+    ASSERT_GE(forward_calls, 2) << to_string(strategy);
+    for (const int fail_at : {1, forward_calls + 1}) {
+      SCOPED_TRACE(std::string(to_string(strategy)) + " fault at collective " + std::to_string(fail_at));
+      std::vector<std::string> messages(4);
+      InProcessGroup group(4);
+      const auto t0 = std::chrono::steady_clock::now();
+      EXPECT_THROW(group.run([&](Communicator& comm) {
+        FailingCommunicator faulty(comm, comm.rank() == 2 ? fail_at : -1);
+        ContextParallelAttention attn(c.attention(), c.parallel(), faulty);
+        const auto shard = [&](const Tensor& t) {
+          return take_tokens(t, local_positions(c.parallel().effective_layout(), c.seq, c.cp, comm.rank()));
+        };
+        try {
+          attn.forward(shard(in.q), shard(in.k), shard(in.v));
+          attn.backward(shard(in.d_out));
+        } catch (const std::exception& e) {
+          messages[comm.rank()] = e.what();
+          throw;
+        }
+      }),
+                   std::exception);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      EXPECT_LT(seconds, 10.0) << "the other ranks waited for a timeout instead of being told";
+      EXPECT_NE(messages[2].find("injected fault"), std::string::npos) << messages[2];
+      for (int r : {0, 1, 3}) {
+        EXPECT_NE(messages[r].find("rank 2 failed: injected fault"), std::string::npos) << r << ": " << messages[r];
+      }
+    }
+  }
+  // The process goes on: a new group runs a whole forward+backward and matches the single-device kernel.
+  CpCase c;
+  c.seq = 128;
+  expect_matches_single_device(c);
 }
 
 TEST(ContextParallel, ForwardOnlyKeepsNoStateAndBackwardSaysSo) {
