@@ -61,6 +61,24 @@ TEST(Npy, ReadsVersion2AndFloat64) {
   EXPECT_EQ(a.as_doubles(), (std::vector<double>{1.25, -3.5}));
 }
 
+// Found by fuzz_npy: an empty array (a 0 in the shape) made as_doubles/as_floats/as_int32 pass a null pointer
+// to memcpy (UBSan in the sanitizer build).
+TEST(Npy, EmptyArraysReadAsEmpty) {
+  for (const char* descr : {"<f8", "<f4", "<i4"}) {
+    const NpyArray a = parse_npy(
+        npy_bytes(std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': (5, 0, 3), }",
+                  ""),
+        "empty");
+    EXPECT_EQ(a.numel(), 0);
+    if (std::string(descr) == "<i4") {
+      EXPECT_TRUE(a.as_int32().empty());
+    } else {
+      EXPECT_TRUE(a.as_doubles().empty());
+      EXPECT_TRUE(a.as_floats().empty());
+    }
+  }
+}
+
 TEST(Npy, RefusesWhatItCannotRead) {
   const std::string four(16, '\0');
   EXPECT_NE(expect_rejected("not an npy file at all").find("magic"), std::string::npos);

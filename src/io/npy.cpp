@@ -94,7 +94,8 @@ std::int64_t NpyArray::numel() const {
 std::vector<double> NpyArray::as_doubles() const {
   std::vector<double> out(static_cast<std::size_t>(numel()));
   if (dtype == NpyDType::f64) {
-    std::memcpy(out.data(), bytes.data(), out.size() * 8);
+    // An empty array (a 0 in the shape) has null data; memcpy must not see it (found by fuzz_npy, UBSan).
+    if (!out.empty()) std::memcpy(out.data(), bytes.data(), out.size() * 8);
   } else if (dtype == NpyDType::f32) {
     for (std::size_t i = 0; i < out.size(); ++i) {
       float f;
@@ -110,7 +111,7 @@ std::vector<double> NpyArray::as_doubles() const {
 std::vector<float> NpyArray::as_floats() const {
   if (dtype == NpyDType::f32) {
     std::vector<float> out(static_cast<std::size_t>(numel()));
-    std::memcpy(out.data(), bytes.data(), out.size() * 4);
+    if (!out.empty()) std::memcpy(out.data(), bytes.data(), out.size() * 4);
     return out;
   }
   const auto d = as_doubles();
@@ -120,7 +121,7 @@ std::vector<float> NpyArray::as_floats() const {
 std::vector<std::int32_t> NpyArray::as_int32() const {
   CPATTN_ASSERT(dtype == NpyDType::i32);
   std::vector<std::int32_t> out(static_cast<std::size_t>(numel()));
-  std::memcpy(out.data(), bytes.data(), out.size() * 4);
+  if (!out.empty()) std::memcpy(out.data(), bytes.data(), out.size() * 4);
   return out;
 }
 

@@ -1,5 +1,6 @@
 #include "flash_amx.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -59,6 +60,35 @@ std::uint16_t bf16_bits(const ConstTensorRef& t, std::int64_t b, std::int64_t s,
   std::uint16_t bits;
   std::memcpy(&bits, static_cast<const bf16*>(t.ptr) + t.offset(b, s, h) + d, sizeof(bits));
   return bits;
+}
+
+// Token rows [begin, begin + length) of head h as the layouts the tile products read, zero-padded:
+//   rows:        out[r][d]                 [rows][D32]          (a left operand: Q, dO)
+//   columns:     out[d][r]                 [D32][rows]          (a left operand: Q^T, dO^T)
+//   pairs_over_d: out[d/2][r][d%2]         [D32/2][rows][2]     (a right operand reduced over d: K, V)
+//   pairs_over_r: out[r/2][d][r%2]         [rows/2][D32][2]     (a right operand reduced over tokens: K, V)
+enum class Layout { rows, columns, pairs_over_d, pairs_over_r };
+void pack_bf16(const ConstTensorRef& t, std::int64_t b, std::int64_t h, const BlockMeta& blk,
+               std::int64_t rows, std::int64_t d32, Layout layout, std::uint16_t* out) {
+  for (std::int64_t r = 0; r < blk.length; ++r) {
+    for (std::int64_t d = 0; d < t.shape.d; ++d) {
+      const std::uint16_t x = bf16_bits(t, b, blk.begin + r, h, d);
+      switch (layout) {
+        case Layout::rows:
+          out[r * d32 + d] = x;
+          break;
+        case Layout::columns:
+          out[d * rows + r] = x;
+          break;
+        case Layout::pairs_over_d:
+          out[((d / 2) * rows + r) * 2 + (d & 1)] = x;
+          break;
+        case Layout::pairs_over_r:
+          out[((r / 2) * d32 + d) * 2 + (r & 1)] = x;
+          break;
+      }
+    }
+  }
 }
 
 // out[0, rows) += left[rows][depth] * right, where right is pair-interleaved [depth/2][cols][2] and rows,
@@ -152,6 +182,48 @@ CPATTN_AMX_TARGET void scale_row(float* row, std::int64_t width, float factor) {
     _mm512_storeu_ps(row + d, _mm512_mul_ps(_mm512_loadu_ps(row + d), f));
 }
 
+// One tile's P = exp2(S * factor - lse2) and dS = P (dP - delta), row by row over `keys` (a multiple of 16).
+CPATTN_AMX_TARGET void probabilities_and_ds_rows(float* s, float* dp, std::int64_t rows, std::int64_t keys,
+                                                 float factor, const float* lse2, const float* delta) {
+  const __m512 f = _mm512_set1_ps(factor);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const __m512 l2 = _mm512_set1_ps(lse2[r]), dl = _mm512_set1_ps(delta[r]);
+    for (std::int64_t j = 0; j < keys; j += 16) {
+      const __m512 p = exp2_avx512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + r * keys + j), f), l2));
+      _mm512_storeu_ps(s + r * keys + j, p);
+      _mm512_storeu_ps(dp + r * keys + j,
+                       _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(dp + r * keys + j), dl)));
+    }
+  }
+}
+
+// fp32 [rows][keys] (rows even, keys a multiple of 16) to bf16 pairs over rows, out[r/2][j][r%2], and, when
+// `row_major` is given, to bf16 rows too.
+CPATTN_AMX_TARGET void to_bf16_pairs(const float* x, std::int64_t rows, std::int64_t keys,
+                                     std::uint16_t* pairs, std::uint16_t* row_major) {
+  // idx[2t] = t (from a), idx[2t+1] = 32 + t (from b): the two rows' values interleaved.
+  alignas(64) std::uint16_t idx[32];
+  for (int t = 0; t < 16; ++t) {
+    idx[2 * t] = static_cast<std::uint16_t>(t);
+    idx[2 * t + 1] = static_cast<std::uint16_t>(32 + t);
+  }
+  const __m512i interleave = _mm512_load_si512(idx);
+  for (std::int64_t r = 0; r < rows; r += 2) {
+    for (std::int64_t j = 0; j < keys; j += 16) {
+      const __m256bh a = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * keys + j));
+      const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + (r + 1) * keys + j));
+      const __m256i ai = reinterpret_cast<const __m256i&>(a), bi = reinterpret_cast<const __m256i&>(b);
+      const __m512i both =
+          _mm512_permutex2var_epi16(_mm512_castsi256_si512(ai), interleave, _mm512_castsi256_si512(bi));
+      _mm512_storeu_si512(pairs + ((r / 2) * keys + j) * 2, both);
+      if (row_major != nullptr) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row_major + r * keys + j), ai);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row_major + (r + 1) * keys + j), bi);
+      }
+    }
+  }
+}
+
 CPATTN_AMX_TARGET void load_tile_config() {
   static const TileConfig config = full_tiles();
   _tile_loadconfig(&config);
@@ -197,14 +269,8 @@ void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const C
   parallel_for(B * Hkv * kv_blocks, config.threads, [&](std::int64_t task, int) {
     const std::int64_t b = task / (Hkv * kv_blocks), hk = (task / kv_blocks) % Hkv, kvi = task % kv_blocks;
     const BlockMeta& kb = grid.kv[b][kvi];
-    std::uint16_t* kp = kpack.data() + task * block_elems;
-    std::uint16_t* vp = vpack.data() + task * block_elems;
-    for (std::int64_t j = 0; j < kb.length; ++j) {
-      for (std::int64_t d = 0; d < D; ++d) {
-        kp[((d / 2) * Bk + j) * 2 + (d & 1)] = bf16_bits(k, b, kb.begin + j, hk, d);
-        vp[((j / 2) * D32 + d) * 2 + (j & 1)] = bf16_bits(v, b, kb.begin + j, hk, d);
-      }
-    }
+    pack_bf16(k, b, hk, kb, Bk, D32, Layout::pairs_over_d, kpack.data() + task * block_elems);
+    pack_bf16(v, b, hk, kb, Bk, D32, Layout::pairs_over_r, vpack.data() + task * block_elems);
   });
 
   struct Workspace {
@@ -225,10 +291,7 @@ void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const C
     w.l.assign(static_cast<std::size_t>(rows), 0.0f);
     w.alpha.resize(static_cast<std::size_t>(rows));
     w.row.resize(static_cast<std::size_t>(D32));
-    for (std::int64_t r = 0; r < qb.length; ++r) {
-      std::memcpy(w.qb.data() + r * D32, static_cast<const bf16*>(q.ptr) + q.offset(b, qb.begin + r, h),
-                  static_cast<std::size_t>(D) * 2);
-    }
+    pack_bf16(q, b, h, qb, rows, D32, Layout::rows, w.qb.data());
     load_tile_config();
     std::int64_t computed = 0, computed_full = 0;
     for (std::int64_t kvi = 0; kvi < kv_blocks; ++kvi) {
@@ -272,6 +335,178 @@ void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const C
   });
 }
 
+void flash_backward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
+                        const ConstTensorRef& d_out, const AttentionMask& mask, double scale,
+                        const FlashConfig& config, const BlockGrid& grid, const std::vector<float>& lse2,
+                        const std::vector<float>& delta, const TensorRef& dq, const TensorRef& dk,
+                        const TensorRef& dv, std::vector<std::int64_t>& task_tiles,
+                        std::atomic<std::int64_t>& full, std::atomic<std::int64_t>& partial) {
+  const std::int64_t B = q.shape.b, Sq = q.shape.s, Skv = k.shape.s, Hq = q.shape.h, Hkv = k.shape.h;
+  const std::int64_t D = q.shape.d, G = Hq / Hkv;
+  const std::int64_t Bq = config.block_q, Bk = config.block_kv;
+  const std::int64_t D32 = round_up(D, kTileDepth);
+  const std::int64_t R32 = round_up(Bq, kGroupRows);  // q rows of a tile, padded to whole 2x2 groups
+  const std::int64_t q_blocks = (Sq + Bq - 1) / Bq, kv_blocks = (Skv + Bk - 1) / Bk;
+  const std::int64_t sq_padded = q_blocks * Bq;
+  const float factor = static_cast<float>(scale * 1.4426950408889634);
+  const bool segments = mask.has_segments();
+
+  // q side, per (b, h, q block): Q and dO as rows (left operands of S and dP) and as columns (left operands
+  // of dK^T and dV^T). kv side, per (b, hk, kv block): K and V in pairs over d (right operands of S and dP),
+  // K in pairs over tokens (right operand of dQ).
+  const std::int64_t q_elems = R32 * D32, kv_elems = Bk * D32;
+  std::vector<std::uint16_t> q_rows(static_cast<std::size_t>(B * Hq * q_blocks * q_elems), 0);
+  std::vector<std::uint16_t> do_rows(q_rows.size(), 0), q_cols(q_rows.size(), 0), do_cols(q_rows.size(), 0);
+  parallel_for(B * Hq * q_blocks, config.threads, [&](std::int64_t task, int) {
+    const std::int64_t b = task / (Hq * q_blocks), h = (task / q_blocks) % Hq;
+    const BlockMeta& qb = grid.q[b][task % q_blocks];
+    const std::size_t at = static_cast<std::size_t>(task * q_elems);
+    pack_bf16(q, b, h, qb, R32, D32, Layout::rows, q_rows.data() + at);
+    pack_bf16(d_out, b, h, qb, R32, D32, Layout::rows, do_rows.data() + at);
+    pack_bf16(q, b, h, qb, R32, D32, Layout::columns, q_cols.data() + at);
+    pack_bf16(d_out, b, h, qb, R32, D32, Layout::columns, do_cols.data() + at);
+  });
+  std::vector<std::uint16_t> k_pairs_d(static_cast<std::size_t>(B * Hkv * kv_blocks * kv_elems), 0);
+  std::vector<std::uint16_t> v_pairs_d(k_pairs_d.size(), 0), k_pairs_r(k_pairs_d.size(), 0);
+  parallel_for(B * Hkv * kv_blocks, config.threads, [&](std::int64_t task, int) {
+    const std::int64_t b = task / (Hkv * kv_blocks), hk = (task / kv_blocks) % Hkv;
+    const BlockMeta& kb = grid.kv[b][task % kv_blocks];
+    const std::size_t at = static_cast<std::size_t>(task * kv_elems);
+    pack_bf16(k, b, hk, kb, Bk, D32, Layout::pairs_over_d, k_pairs_d.data() + at);
+    pack_bf16(v, b, hk, kb, Bk, D32, Layout::pairs_over_d, v_pairs_d.data() + at);
+    pack_bf16(k, b, hk, kb, Bk, D32, Layout::pairs_over_r, k_pairs_r.data() + at);
+  });
+
+  // As the vector path: stripes of kv blocks keep the per-q-head fp64 partials of dK^T, dV^T ([D32][Bk] per
+  // kv block) under the budget; dQ accumulates in fp32 over every stripe.
+  const double partial_bytes_per_block = 2.0 * 8.0 * static_cast<double>(B * Hq * Bk * D32);
+  const std::int64_t stripe =
+      G == 1 ? kv_blocks
+             : std::clamp<std::int64_t>(
+                   static_cast<std::int64_t>(config.backward_partial_bytes / partial_bytes_per_block), 1,
+                   kv_blocks);
+  std::vector<double> head_dk, head_dv;
+  if (G > 1) {
+    head_dk.assign(static_cast<std::size_t>(B * Hq * stripe * kv_elems), 0.0);
+    head_dv.assign(head_dk.size(), 0.0);
+  }
+  std::vector<float> dq_acc(static_cast<std::size_t>(B * Hq * q_blocks * q_elems), 0.0f);
+  struct Workspace {
+    std::vector<float> s, dp, dkt, dvt, row;
+    std::vector<std::uint16_t> p_pairs, ds_pairs, ds_rows;
+    std::vector<double> sum_k, sum_v;  // dK^T, dV^T of one kv block: [D32][Bk]
+  };
+  std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
+  auto store_kv_rows = [&](Workspace& w, const double* sum_k, const double* sum_v, std::int64_t b,
+                           std::int64_t hk, const BlockMeta& kb) {  // [D32][Bk] sums -> rows of dK, dV
+    w.row.resize(static_cast<std::size_t>(2 * D32));
+    for (std::int64_t j = 0; j < kb.length; ++j) {
+      for (std::int64_t d = 0; d < D; ++d) {
+        w.row[d] = static_cast<float>(sum_k[d * Bk + j] * scale);
+        w.row[D32 + d] = static_cast<float>(sum_v[d * Bk + j]);
+      }
+      store_row(dk, b, kb.begin + j, hk, w.row.data(), 1.0f);
+      store_row(dv, b, kb.begin + j, hk, w.row.data() + D32, 1.0f);
+    }
+  };
+  for (std::int64_t s0 = 0; s0 < kv_blocks; s0 += stripe) {
+    const std::int64_t s1 = std::min(kv_blocks, s0 + stripe);
+    parallel_for(B * Hq, config.threads, [&](std::int64_t task, int worker) {
+      const std::int64_t b = task / Hq, h = task % Hq, hk = h / G;
+      Workspace& w = spaces[worker];
+      w.s.resize(static_cast<std::size_t>(R32 * Bk));
+      w.dp.resize(w.s.size());
+      w.dkt.resize(static_cast<std::size_t>(kv_elems));
+      w.dvt.resize(w.dkt.size());
+      w.p_pairs.resize(w.s.size());
+      w.ds_pairs.resize(w.s.size());
+      w.ds_rows.resize(w.s.size());
+      load_tile_config();
+      std::int64_t computed = 0, computed_full = 0;
+      for (std::int64_t kvi = s0; kvi < s1; ++kvi) {
+        const BlockMeta& kb = grid.kv[b][kvi];
+        const std::size_t kv_at = static_cast<std::size_t>(((b * Hkv + hk) * kv_blocks + kvi) * kv_elems);
+        w.sum_k.assign(static_cast<std::size_t>(kv_elems), 0.0);
+        w.sum_v.assign(static_cast<std::size_t>(kv_elems), 0.0);
+        for (std::int64_t qi = 0; qi < q_blocks; ++qi) {
+          const BlockMeta& qb = grid.q[b][qi];
+          const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
+          if (kind == TileKind::empty) continue;
+          ++computed;
+          computed_full += kind == TileKind::full;
+          const std::size_t q_at = static_cast<std::size_t>(((b * Hq + h) * q_blocks + qi) * q_elems);
+          const std::int64_t row0 = (b * Hq + h) * sq_padded + qb.begin;
+          // S = Q K^T, dP = dO V^T: [R32][Bk]
+          tile_product(q_rows.data() + q_at, D32, k_pairs_d.data() + kv_at, Bk, R32, Bk, D32, w.s.data(), Bk,
+                       false);
+          tile_product(do_rows.data() + q_at, D32, v_pairs_d.data() + kv_at, Bk, R32, Bk, D32, w.dp.data(),
+                       Bk, false);
+          // Rows past the block's length are zero rows of Q and dO; their P and dS are set to 0 here (their
+          // lse2 would be another block's).
+          const std::int64_t live = qb.length;
+          probabilities_and_ds_rows(w.s.data(), w.dp.data(), live, Bk, factor, lse2.data() + row0,
+                                    delta.data() + row0);
+          std::fill(w.s.begin() + live * Bk, w.s.end(), 0.0f);
+          std::fill(w.dp.begin() + live * Bk, w.dp.end(), 0.0f);
+          if (kind == TileKind::partial) {
+            apply_mask(w.s.data(), R32, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, 0.0f);
+            apply_mask(w.dp.data(), R32, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, 0.0f);
+          }
+          to_bf16_pairs(w.s.data(), R32, Bk, w.p_pairs.data(), nullptr);
+          to_bf16_pairs(w.dp.data(), R32, Bk, w.ds_pairs.data(), w.ds_rows.data());
+          // dV^T = dO^T P, dK^T = Q^T dS: [D32][Bk], summed over q blocks in fp64
+          tile_product(do_cols.data() + q_at, R32, w.p_pairs.data(), Bk, D32, Bk, R32, w.dvt.data(), Bk,
+                       false);
+          tile_product(q_cols.data() + q_at, R32, w.ds_pairs.data(), Bk, D32, Bk, R32, w.dkt.data(), Bk,
+                       false);
+          for (std::int64_t i = 0; i < kv_elems; ++i) {
+            w.sum_k[i] += w.dkt[i];
+            w.sum_v[i] += w.dvt[i];
+          }
+          // dQ += dS K: [R32][D32], continuing each row's sum over the kv blocks in order
+          tile_product(w.ds_rows.data(), Bk, k_pairs_r.data() + kv_at, D32, R32, D32, Bk,
+                       dq_acc.data() + q_at, D32, true);
+        }
+        if (G > 1) {
+          const std::size_t at = static_cast<std::size_t>((task * stripe + (kvi - s0)) * kv_elems);
+          std::copy(w.sum_k.begin(), w.sum_k.end(), head_dk.begin() + at);
+          std::copy(w.sum_v.begin(), w.sum_v.end(), head_dv.begin() + at);
+        } else {
+          store_kv_rows(w, w.sum_k.data(), w.sum_v.data(), b, hk, kb);
+        }
+      }
+      release_tiles();
+      task_tiles[task] += computed;
+      full += computed_full;
+      partial += computed - computed_full;
+    });
+    if (G == 1) continue;
+    parallel_for(B * Hkv * (s1 - s0), config.threads, [&](std::int64_t task, int worker) {
+      const std::int64_t b = task / (Hkv * (s1 - s0)), hk = (task / (s1 - s0)) % Hkv,
+                         kvi = s0 + task % (s1 - s0);
+      Workspace& w = spaces[worker];
+      w.sum_k.assign(static_cast<std::size_t>(kv_elems), 0.0);
+      w.sum_v.assign(static_cast<std::size_t>(kv_elems), 0.0);
+      for (std::int64_t g = 0; g < G; ++g) {  // the group's heads in order
+        const std::size_t at =
+            static_cast<std::size_t>(((b * Hq + hk * G + g) * stripe + (kvi - s0)) * kv_elems);
+        for (std::int64_t i = 0; i < kv_elems; ++i) {
+          w.sum_k[i] += head_dk[at + i];
+          w.sum_v[i] += head_dv[at + i];
+        }
+      }
+      store_kv_rows(w, w.sum_k.data(), w.sum_v.data(), b, hk, grid.kv[b][kvi]);
+    });
+  }
+  parallel_for(B * Hq * q_blocks, config.threads, [&](std::int64_t task, int) {
+    const std::int64_t b = task / (Hq * q_blocks), h = (task / q_blocks) % Hq;
+    const BlockMeta& qb = grid.q[b][task % q_blocks];
+    for (std::int64_t r = 0; r < qb.length; ++r) {
+      store_row(dq, b, qb.begin + r, h, dq_acc.data() + task * q_elems + r * D32, static_cast<float>(scale));
+    }
+  });
+}
+
 #else  // no AMX on this architecture or compiler
 
 bool amx_bf16_usable() {
@@ -283,6 +518,14 @@ void flash_forward_amx(const ConstTensorRef&, const ConstTensorRef&, const Const
                        float*, std::vector<std::int64_t>&, std::atomic<std::int64_t>&,
                        std::atomic<std::int64_t>&) {
   CPATTN_ASSERT(false && "flash_forward_amx without AMX");
+}
+
+void flash_backward_amx(const ConstTensorRef&, const ConstTensorRef&, const ConstTensorRef&,
+                        const ConstTensorRef&, const AttentionMask&, double, const FlashConfig&,
+                        const BlockGrid&, const std::vector<float>&, const std::vector<float>&,
+                        const TensorRef&, const TensorRef&, const TensorRef&, std::vector<std::int64_t>&,
+                        std::atomic<std::int64_t>&, std::atomic<std::int64_t>&) {
+  CPATTN_ASSERT(false && "flash_backward_amx without AMX");
 }
 
 #endif

@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "../core/parallel_for.hpp"
+#include "flash_amx.hpp"
 #include "flash_common.hpp"
 
 namespace cpattn {
@@ -80,149 +81,158 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
     }
   });
 
-  // Every operand block is packed once per call (converted to fp32, zero-padded, Q pre-scaled for the base-2
-  // scores) and then read by every tile that needs it.
-  struct Workspace {
-    std::vector<float> s, dp, acc_a, acc_b;
-    std::vector<double> sum_a, sum_b;  // dK, dV running sums over tiles
-  };
-  std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
-  // S, P and dS for one tile from packed rows of Q' and dO ([rows][Dp]) and K^T, V^T ([Dp][Bk]); rows padded
-  // to the tile height.
-  auto tile_ds = [&](Workspace& w, const float* qs, const float* dop, const float* kt, const float* vt,
-                     std::int64_t b, std::int64_t h, const BlockMeta& qb, const BlockMeta& kb, TileKind kind,
-                     std::int64_t rows) {
-    w.s.resize(Bq * Bk);
-    w.dp.resize(Bq * Bk);
-    dot_rows(qs, Dp, kt, Bk, D, rows, Bk, w.s.data(), Bk);
-    dot_rows(dop, Dp, vt, Bk, D, rows, Bk, w.dp.data(), Bk);
-    const std::int64_t row0 = (b * Hq + h) * sq_padded + qb.begin;
-    probabilities_and_ds(w.s.data(), w.dp.data(), rows, Bk, lse2.data() + row0, delta.data() + row0);
-    // The mask is applied to P and dS (not to S): a masked pair's P and dS are then exactly 0 even for a row
-    // whose LSE is NaN (exp2(-inf - NaN) is NaN), and a NaN row cannot reach the keys it may not see.
-    if (kind == TileKind::partial) {
-      apply_mask(w.s.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, 0.0f);
-      apply_mask(w.dp.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, 0.0f);
-    }
-  };
-
-  // With a non-finite Q, K or dO the products skip the masked pairs' zero coefficients (0 * Inf = NaN would
-  // reach rows and keys that may not see each other).
-  const bool guard = any_nonfinite(q) || any_nonfinite(k) || any_nonfinite(d_out);
-  // Q' and dO as rows [Bq][Dp], K^T and V^T as [Dp][Bk].
-  const PackedBlocks qs(q, grid.q, Bq, Dp, false, q_factor, config.threads);
-  const PackedBlocks dop(d_out, grid.q, Bq, Dp, false, 1.0f, config.threads);
-  const PackedBlocks kt(k, grid.kv, Bk, Dp, true, 1.0f, config.threads);
-  const PackedBlocks vt(v, grid.kv, Bk, Dp, true, 1.0f, config.threads);
-
-  // The kv blocks are walked in stripes. Within a stripe one task per (batch row, q head) computes its tiles;
-  // a kv head serving several q heads (G > 1) gets one fp64 partial per q head, [B][Hq][stripe][Bk][Dp],
-  // summed over the group in head order when the stripe ends. The stripe is as many kv blocks as keep those
-  // partials under config.backward_partial_bytes, so their memory does not grow with the sequence; with G = 1
-  // there are no partials and one stripe. dQ accumulates in fp32 over every stripe, [B][Hq][Sq padded][Dp].
-  const double partial_bytes_per_block = 2.0 * 8.0 * static_cast<double>(B * Hq * Bk * Dp);
-  const std::int64_t stripe =
-      G == 1 ? kv_blocks
-             : std::clamp<std::int64_t>(
-                   static_cast<std::int64_t>(config.backward_partial_bytes / partial_bytes_per_block), 1,
-                   kv_blocks);
-  std::vector<double> head_dk, head_dv;
-  if (G > 1) {
-    head_dk.assign(static_cast<std::size_t>(B * Hq * stripe * Bk * Dp), 0.0);
-    head_dv.assign(head_dk.size(), 0.0);
-  }
-  const PackedBlocks qraw(q, grid.q, Bq, Dp, false, 1.0f, config.threads);    // Q unscaled, for dK
-  const PackedBlocks krows(k, grid.kv, Bk, Dp, false, 1.0f, config.threads);  // K as rows, for dQ
-  std::vector<float> dq_acc(static_cast<std::size_t>(B * Hq * sq_padded * Dp), 0.0f);
   std::vector<std::int64_t> task_tiles(static_cast<std::size_t>(B * Hq), 0);
   std::atomic<std::int64_t> full{0}, partial{0};
-  for (std::int64_t s0 = 0; s0 < kv_blocks; s0 += stripe) {
-    const std::int64_t s1 = std::min(kv_blocks, s0 + stripe);
-    parallel_for(B * Hq, config.threads, [&](std::int64_t task, int worker) {
-      const std::int64_t b = task / Hq, h = task % Hq, hk = h / G;
-      Workspace& w = spaces[worker];
-      float* dq_head = dq_acc.data() + task * sq_padded * Dp;
-      w.acc_a.resize(Bk * Dp);
-      w.acc_b.resize(Bk * Dp);
-      std::int64_t computed = 0, computed_full = 0;
-      for (std::int64_t kvi = s0; kvi < s1; ++kvi) {
-        const BlockMeta& kb = grid.kv[b][kvi];
-        // dK and dV of this kv block sum over the q blocks: each tile's rows in fp32 registers, the running
-        // sum over tiles in fp64, so the error does not grow with the sequence and the group size
-        // (strategies that split the sum differently then agree to ~1e-7 of max |grad|).
-        w.sum_a.assign(Bk * Dp, 0.0);
-        w.sum_b.assign(Bk * Dp, 0.0);
-        for (std::int64_t qi = 0; qi < q_blocks; ++qi) {
-          const BlockMeta& qb = grid.q[b][qi];
-          const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
-          if (kind == TileKind::empty) continue;
-          ++computed;
-          computed_full += kind == TileKind::full;
-          const std::int64_t rows = round_up(qb.length, kTileRows);
-          const float* dop_block = dop.at(b, h, qi);
-          tile_ds(w, qs.at(b, h, qi), dop_block, kt.at(b, hk, kvi), vt.at(b, hk, kvi), b, h, qb, kb, kind,
-                  rows);
-          // dV[j] += sum_i P[i][j] dO[i]; dK[j] += sum_i dS[i][j] Q[i]  (keys as output rows)
-          std::fill(w.acc_a.begin(), w.acc_a.end(), 0.0f);
-          std::fill(w.acc_b.begin(), w.acc_b.end(), 0.0f);
-          axpy_rows(w.s.data(), Bk, 1, dop_block, Dp, rows, Bk, Dp, w.acc_b.data(), Dp, guard);
-          axpy_rows(w.dp.data(), Bk, 1, qraw.at(b, h, qi), Dp, rows, Bk, Dp, w.acc_a.data(), Dp, guard);
-          for (std::int64_t i = 0; i < Bk * Dp; ++i) {
-            w.sum_a[i] += w.acc_a[i];
-            w.sum_b[i] += w.acc_b[i];
-          }
-          // dQ[i] += sum_j dS[i][j] K[j], continuing the row's sum over the kv blocks in order
-          axpy_rows(w.dp.data(), 1, Bk, krows.at(b, hk, kvi), Dp, Bk, rows, Dp, dq_head + qb.begin * Dp, Dp,
-                    guard);
-        }
-        if (G > 1) {
-          const std::size_t at = static_cast<std::size_t>((task * stripe + (kvi - s0)) * Bk * Dp);
-          std::copy(w.sum_a.begin(), w.sum_a.end(), head_dk.begin() + at);
-          std::copy(w.sum_b.begin(), w.sum_b.end(), head_dv.begin() + at);
-          continue;
-        }
-        for (std::int64_t j = 0; j < kb.length; ++j) {
-          for (std::int64_t d = 0; d < Dp; ++d) {
-            w.acc_a[j * Dp + d] = static_cast<float>(w.sum_a[j * Dp + d] * scale);
-            w.acc_b[j * Dp + d] = static_cast<float>(w.sum_b[j * Dp + d]);
-          }
-          store_row(dk, b, kb.begin + j, hk, w.acc_a.data() + j * Dp, 1.0f);
-          store_row(dv, b, kb.begin + j, hk, w.acc_b.data() + j * Dp, 1.0f);
-        }
+  // With a non-finite Q, K or dO the products skip the masked pairs' zero coefficients (0 * Inf = NaN would
+  // reach rows and keys that may not see each other); the tile unit cannot, so such inputs take the vector
+  // path.
+  const bool guard = any_nonfinite(q) || any_nonfinite(k) || any_nonfinite(d_out);
+  const bool bf16_inputs = q.dtype == DType::bf16 && k.dtype == DType::bf16 && v.dtype == DType::bf16 &&
+                           d_out.dtype == DType::bf16;
+  if (bf16_inputs && !guard && !any_nonfinite(v) && flash_forward_uses_amx(DType::bf16, config)) {
+    flash_backward_amx(q, k, v, d_out, mask, scale, config, grid, lse2, delta, dq, dk, dv, task_tiles, full,
+                       partial);
+  } else {
+    // Every operand block is packed once per call (converted to fp32, zero-padded, Q pre-scaled for the
+    // base-2 scores) and then read by every tile that needs it.
+    struct Workspace {
+      std::vector<float> s, dp, acc_a, acc_b;
+      std::vector<double> sum_a, sum_b;  // dK, dV running sums over tiles
+    };
+    std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
+    // S, P and dS for one tile from packed rows of Q' and dO ([rows][Dp]) and K^T, V^T ([Dp][Bk]); rows
+    // padded to the tile height.
+    auto tile_ds = [&](Workspace& w, const float* qs, const float* dop, const float* kt, const float* vt,
+                       std::int64_t b, std::int64_t h, const BlockMeta& qb, const BlockMeta& kb,
+                       TileKind kind, std::int64_t rows) {
+      w.s.resize(Bq * Bk);
+      w.dp.resize(Bq * Bk);
+      dot_rows(qs, Dp, kt, Bk, D, rows, Bk, w.s.data(), Bk);
+      dot_rows(dop, Dp, vt, Bk, D, rows, Bk, w.dp.data(), Bk);
+      const std::int64_t row0 = (b * Hq + h) * sq_padded + qb.begin;
+      probabilities_and_ds(w.s.data(), w.dp.data(), rows, Bk, lse2.data() + row0, delta.data() + row0);
+      // The mask is applied to P and dS (not to S): a masked pair's P and dS are then exactly 0 even for a
+      // row whose LSE is NaN (exp2(-inf - NaN) is NaN), and a NaN row cannot reach the keys it may not see.
+      if (kind == TileKind::partial) {
+        apply_mask(w.s.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, 0.0f);
+        apply_mask(w.dp.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, 0.0f);
       }
-      task_tiles[task] += computed;
-      full += computed_full;
-      partial += computed - computed_full;
-    });
-    if (G == 1) continue;
-    // dK, dV of the stripe's keys = the group's per-head sums, added in head order.
-    const std::int64_t j0 = s0 * Bk, j1 = std::min(Skv, s1 * Bk);
-    parallel_for(B * Hkv, config.threads, [&](std::int64_t task, int) {
-      const std::int64_t b = task / Hkv, hk = task % Hkv;
-      std::vector<float> rk(static_cast<std::size_t>(Dp)), rv(rk.size());
-      for (std::int64_t j = j0; j < j1; ++j) {
-        for (std::int64_t d = 0; d < Dp; ++d) {
-          double sk = 0.0, sv = 0.0;
-          for (std::int64_t g = 0; g < G; ++g) {
-            const std::size_t at =
-                static_cast<std::size_t>(((b * Hq + hk * G + g) * stripe * Bk + (j - j0)) * Dp + d);
-            sk += head_dk[at];
-            sv += head_dv[at];
+    };
+
+    // Q' and dO as rows [Bq][Dp], K^T and V^T as [Dp][Bk].
+    const PackedBlocks qs(q, grid.q, Bq, Dp, false, q_factor, config.threads);
+    const PackedBlocks dop(d_out, grid.q, Bq, Dp, false, 1.0f, config.threads);
+    const PackedBlocks kt(k, grid.kv, Bk, Dp, true, 1.0f, config.threads);
+    const PackedBlocks vt(v, grid.kv, Bk, Dp, true, 1.0f, config.threads);
+
+    // The kv blocks are walked in stripes. Within a stripe one task per (batch row, q head) computes its
+    // tiles; a kv head serving several q heads (G > 1) gets one fp64 partial per q head,
+    // [B][Hq][stripe][Bk][Dp], summed over the group in head order when the stripe ends. The stripe is as
+    // many kv blocks as keep those partials under config.backward_partial_bytes, so their memory does not
+    // grow with the sequence; with G = 1 there are no partials and one stripe. dQ accumulates in fp32 over
+    // every stripe, [B][Hq][Sq padded][Dp].
+    const double partial_bytes_per_block = 2.0 * 8.0 * static_cast<double>(B * Hq * Bk * Dp);
+    const std::int64_t stripe =
+        G == 1 ? kv_blocks
+               : std::clamp<std::int64_t>(
+                     static_cast<std::int64_t>(config.backward_partial_bytes / partial_bytes_per_block), 1,
+                     kv_blocks);
+    std::vector<double> head_dk, head_dv;
+    if (G > 1) {
+      head_dk.assign(static_cast<std::size_t>(B * Hq * stripe * Bk * Dp), 0.0);
+      head_dv.assign(head_dk.size(), 0.0);
+    }
+    const PackedBlocks qraw(q, grid.q, Bq, Dp, false, 1.0f, config.threads);    // Q unscaled, for dK
+    const PackedBlocks krows(k, grid.kv, Bk, Dp, false, 1.0f, config.threads);  // K as rows, for dQ
+    std::vector<float> dq_acc(static_cast<std::size_t>(B * Hq * sq_padded * Dp), 0.0f);
+    for (std::int64_t s0 = 0; s0 < kv_blocks; s0 += stripe) {
+      const std::int64_t s1 = std::min(kv_blocks, s0 + stripe);
+      parallel_for(B * Hq, config.threads, [&](std::int64_t task, int worker) {
+        const std::int64_t b = task / Hq, h = task % Hq, hk = h / G;
+        Workspace& w = spaces[worker];
+        float* dq_head = dq_acc.data() + task * sq_padded * Dp;
+        w.acc_a.resize(Bk * Dp);
+        w.acc_b.resize(Bk * Dp);
+        std::int64_t computed = 0, computed_full = 0;
+        for (std::int64_t kvi = s0; kvi < s1; ++kvi) {
+          const BlockMeta& kb = grid.kv[b][kvi];
+          // dK and dV of this kv block sum over the q blocks: each tile's rows in fp32 registers, the running
+          // sum over tiles in fp64, so the error does not grow with the sequence and the group size
+          // (strategies that split the sum differently then agree to ~1e-7 of max |grad|).
+          w.sum_a.assign(Bk * Dp, 0.0);
+          w.sum_b.assign(Bk * Dp, 0.0);
+          for (std::int64_t qi = 0; qi < q_blocks; ++qi) {
+            const BlockMeta& qb = grid.q[b][qi];
+            const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
+            if (kind == TileKind::empty) continue;
+            ++computed;
+            computed_full += kind == TileKind::full;
+            const std::int64_t rows = round_up(qb.length, kTileRows);
+            const float* dop_block = dop.at(b, h, qi);
+            tile_ds(w, qs.at(b, h, qi), dop_block, kt.at(b, hk, kvi), vt.at(b, hk, kvi), b, h, qb, kb, kind,
+                    rows);
+            // dV[j] += sum_i P[i][j] dO[i]; dK[j] += sum_i dS[i][j] Q[i]  (keys as output rows)
+            std::fill(w.acc_a.begin(), w.acc_a.end(), 0.0f);
+            std::fill(w.acc_b.begin(), w.acc_b.end(), 0.0f);
+            axpy_rows(w.s.data(), Bk, 1, dop_block, Dp, rows, Bk, Dp, w.acc_b.data(), Dp, guard);
+            axpy_rows(w.dp.data(), Bk, 1, qraw.at(b, h, qi), Dp, rows, Bk, Dp, w.acc_a.data(), Dp, guard);
+            for (std::int64_t i = 0; i < Bk * Dp; ++i) {
+              w.sum_a[i] += w.acc_a[i];
+              w.sum_b[i] += w.acc_b[i];
+            }
+            // dQ[i] += sum_j dS[i][j] K[j], continuing the row's sum over the kv blocks in order
+            axpy_rows(w.dp.data(), 1, Bk, krows.at(b, hk, kvi), Dp, Bk, rows, Dp, dq_head + qb.begin * Dp, Dp,
+                      guard);
           }
-          rk[d] = static_cast<float>(sk * scale);
-          rv[d] = static_cast<float>(sv);
+          if (G > 1) {
+            const std::size_t at = static_cast<std::size_t>((task * stripe + (kvi - s0)) * Bk * Dp);
+            std::copy(w.sum_a.begin(), w.sum_a.end(), head_dk.begin() + at);
+            std::copy(w.sum_b.begin(), w.sum_b.end(), head_dv.begin() + at);
+            continue;
+          }
+          for (std::int64_t j = 0; j < kb.length; ++j) {
+            for (std::int64_t d = 0; d < Dp; ++d) {
+              w.acc_a[j * Dp + d] = static_cast<float>(w.sum_a[j * Dp + d] * scale);
+              w.acc_b[j * Dp + d] = static_cast<float>(w.sum_b[j * Dp + d]);
+            }
+            store_row(dk, b, kb.begin + j, hk, w.acc_a.data() + j * Dp, 1.0f);
+            store_row(dv, b, kb.begin + j, hk, w.acc_b.data() + j * Dp, 1.0f);
+          }
         }
-        store_row(dk, b, j, hk, rk.data(), 1.0f);
-        store_row(dv, b, j, hk, rv.data(), 1.0f);
+        task_tiles[task] += computed;
+        full += computed_full;
+        partial += computed - computed_full;
+      });
+      if (G == 1) continue;
+      // dK, dV of the stripe's keys = the group's per-head sums, added in head order.
+      const std::int64_t j0 = s0 * Bk, j1 = std::min(Skv, s1 * Bk);
+      parallel_for(B * Hkv, config.threads, [&](std::int64_t task, int) {
+        const std::int64_t b = task / Hkv, hk = task % Hkv;
+        std::vector<float> rk(static_cast<std::size_t>(Dp)), rv(rk.size());
+        for (std::int64_t j = j0; j < j1; ++j) {
+          for (std::int64_t d = 0; d < Dp; ++d) {
+            double sk = 0.0, sv = 0.0;
+            for (std::int64_t g = 0; g < G; ++g) {
+              const std::size_t at =
+                  static_cast<std::size_t>(((b * Hq + hk * G + g) * stripe * Bk + (j - j0)) * Dp + d);
+              sk += head_dk[at];
+              sv += head_dv[at];
+            }
+            rk[d] = static_cast<float>(sk * scale);
+            rv[d] = static_cast<float>(sv);
+          }
+          store_row(dk, b, j, hk, rk.data(), 1.0f);
+          store_row(dv, b, j, hk, rv.data(), 1.0f);
+        }
+      });
+    }
+    parallel_for(B * Hq, config.threads, [&](std::int64_t task, int) {
+      const std::int64_t b = task / Hq, h = task % Hq;
+      for (std::int64_t i = 0; i < Sq; ++i) {
+        store_row(dq, b, i, h, dq_acc.data() + (task * sq_padded + i) * Dp, grad_scale);
       }
     });
   }
-  parallel_for(B * Hq, config.threads, [&](std::int64_t task, int) {
-    const std::int64_t b = task / Hq, h = task % Hq;
-    for (std::int64_t i = 0; i < Sq; ++i) {
-      store_row(dq, b, i, h, dq_acc.data() + (task * sq_padded + i) * Dp, grad_scale);
-    }
-  });
 
   if (tiles != nullptr) {
     tiles->per_head = task_tiles;
