@@ -81,6 +81,22 @@ TEST(Npy, EmptyArraysReadAsEmpty) {
 
 TEST(Npy, RefusesWhatItCannotRead) {
   const std::string four(16, '\0');
+  // Found by fuzz_npy: sizes without commas were read as a shape.
+  for (const char* shape : {"(2 2)", "(2,, 2)", "(,4)", "(4 ,, )"}) {
+    EXPECT_NE(expect_rejected(
+                  npy_bytes(std::string("{'descr': '<f4', 'fortran_order': False, 'shape': ") + shape + ", }",
+                            four))
+                  .find("shape"),
+              std::string::npos)
+        << shape;
+  }
+  for (const char* shape : {"(4,)", "(2, 2)", "( 2 , 2 , )", "()"}) {
+    const std::string payload = std::string(shape) == "()" ? std::string(4, '\0') : four;
+    EXPECT_NO_THROW(parse_npy(
+        npy_bytes(std::string("{'descr': '<f4', 'fortran_order': False, 'shape': ") + shape + ", }", payload),
+        "ok"))
+        << shape;
+  }
   EXPECT_NE(expect_rejected("not an npy file at all").find("magic"), std::string::npos);
   EXPECT_NE(expect_rejected(npy_bytes("{'descr': '>f4', 'fortran_order': False, 'shape': (4,), }", four))
                 .find("big-endian"),

@@ -35,17 +35,25 @@ std::vector<std::int64_t> parse_shape(const std::string& text, const std::string
   const auto close = text.find(')');
   if (close == std::string::npos) bad(name, "shape tuple is not closed");
   std::vector<std::int64_t> shape;
-  std::string inner = text.substr(1, close - 1);
+  const std::string inner = text.substr(1, close - 1);
+  // Python's tuple syntax: sizes separated by commas, spaces around them, one trailing comma ("(5,)"). A
+  // missing or doubled comma is refused (fuzz_npy read "(5 0 7)" as a shape).
   std::size_t pos = 0;
+  auto skip_spaces = [&] {
+    while (pos < inner.size() && inner[pos] == ' ') ++pos;
+  };
+  skip_spaces();
   while (pos < inner.size()) {
-    while (pos < inner.size() && (inner[pos] == ' ' || inner[pos] == ',')) ++pos;
-    if (pos >= inner.size()) break;
     std::size_t end = pos;
     while (end < inner.size() && inner[end] >= '0' && inner[end] <= '9') ++end;
     if (end == pos || end - pos > 18) bad(name, "shape entry '" + inner.substr(pos, 20) + "' is not a size");
     shape.push_back(std::stoll(inner.substr(pos, end - pos)));
     pos = end;
-    if (pos < inner.size() && inner[pos] != ',' && inner[pos] != ' ') bad(name, "shape tuple is malformed");
+    skip_spaces();
+    if (pos == inner.size()) break;
+    if (inner[pos] != ',') bad(name, "shape tuple is malformed: sizes must be separated by commas");
+    ++pos;
+    skip_spaces();
   }
   if (shape.size() > 8) bad(name, "more than 8 dimensions");
   return shape;
