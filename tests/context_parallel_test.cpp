@@ -250,8 +250,8 @@ TEST(ContextParallel, AShapeThatDisagreesIsAnErrorOnEveryRank) {
     EXPECT_NE(messages[r].find("rank 2 passed tensors"), std::string::npos) << messages[r];
 }
 
-// A communicator that throws on its `fail_at`-th data collective (0-based): a rank that fails in the middle of
-// a strategy's forward or backward.
+// A communicator that throws on its `fail_at`-th data collective (0-based): a rank that fails in the middle
+// of a strategy's forward or backward.
 class FailingCommunicator final : public Communicator {
  public:
   FailingCommunicator(Communicator& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
@@ -281,15 +281,16 @@ class FailingCommunicator final : public Communicator {
 
  private:
   void step() {
-    if (calls_++ == fail_at_) throw std::runtime_error("injected fault at collective " + std::to_string(fail_at_));
+    if (calls_++ == fail_at_)
+      throw std::runtime_error("injected fault at collective " + std::to_string(fail_at_));
   }
   Communicator& inner_;
   int fail_at_;
   int calls_ = 0;
 };
 
-// A rank that fails mid-forward or mid-backward: every other rank gets an error naming it, promptly (not by the
-// group's timeout), no thread stays blocked (run() returns), and a new group in the same process works.
+// A rank that fails mid-forward or mid-backward: every other rank gets an error naming it, promptly (not by
+// the group's timeout), no thread stays blocked (run() returns), and a new group in the same process works.
 TEST(ContextParallel, ARankFailingMidForwardOrBackwardIsAnErrorOnEveryRank) {
   for (const Strategy strategy : {Strategy::ulysses, Strategy::all_gather}) {
     CpCase c;
@@ -298,8 +299,8 @@ TEST(ContextParallel, ARankFailingMidForwardOrBackwardIsAnErrorOnEveryRank) {
     c.seq = 256;
     c.hq = 8;
     const auto in = testing::make_whole_inputs(c, 3);
-    // The forward's data collectives, counted on a clean run: the fault points are the forward's second and the
-    // backward's second.
+    // The forward's data collectives, counted on a clean run: the fault points are the forward's second and
+    // the backward's second.
     int forward_calls = 0;
     {
       InProcessGroup group(4);
@@ -338,7 +339,8 @@ TEST(ContextParallel, ARankFailingMidForwardOrBackwardIsAnErrorOnEveryRank) {
       EXPECT_LT(seconds, 10.0) << "the other ranks waited for a timeout instead of being told";
       EXPECT_NE(messages[2].find("injected fault"), std::string::npos) << messages[2];
       for (int r : {0, 1, 3}) {
-        EXPECT_NE(messages[r].find("rank 2 failed: injected fault"), std::string::npos) << r << ": " << messages[r];
+        EXPECT_NE(messages[r].find("rank 2 failed: injected fault"), std::string::npos)
+            << r << ": " << messages[r];
       }
     }
   }

@@ -379,12 +379,7 @@ void flash_backward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const 
 
   // As the vector path: stripes of kv blocks keep the per-q-head fp64 partials of dK^T, dV^T ([D32][Bk] per
   // kv block) under the budget; dQ accumulates in fp32 over every stripe.
-  const double partial_bytes_per_block = 2.0 * 8.0 * static_cast<double>(B * Hq * Bk * D32);
-  const std::int64_t stripe =
-      G == 1 ? kv_blocks
-             : std::clamp<std::int64_t>(
-                   static_cast<std::int64_t>(config.backward_partial_bytes / partial_bytes_per_block), 1,
-                   kv_blocks);
+  const std::int64_t stripe = backward_stripe_blocks(config, B, Hq, G, D32, kv_blocks);
   std::vector<double> head_dk, head_dv;
   if (G > 1) {
     head_dk.assign(static_cast<std::size_t>(B * Hq * stripe * kv_elems), 0.0);

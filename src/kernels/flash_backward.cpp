@@ -131,12 +131,7 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
     // many kv blocks as keep those partials under config.backward_partial_bytes, so their memory does not
     // grow with the sequence; with G = 1 there are no partials and one stripe. dQ accumulates in fp32 over
     // every stripe, [B][Hq][Sq padded][Dp].
-    const double partial_bytes_per_block = 2.0 * 8.0 * static_cast<double>(B * Hq * Bk * Dp);
-    const std::int64_t stripe =
-        G == 1 ? kv_blocks
-               : std::clamp<std::int64_t>(
-                     static_cast<std::int64_t>(config.backward_partial_bytes / partial_bytes_per_block), 1,
-                     kv_blocks);
+    const std::int64_t stripe = backward_stripe_blocks(config, B, Hq, G, Dp, kv_blocks);
     std::vector<double> head_dk, head_dv;
     if (G > 1) {
       head_dk.assign(static_cast<std::size_t>(B * Hq * stripe * Bk * Dp), 0.0);

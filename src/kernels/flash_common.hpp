@@ -2,6 +2,7 @@
 // conversion, block packing and the mask applied by selection.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -73,6 +74,18 @@ inline void apply_mask(float* s, std::int64_t q_rows, std::int64_t keys, std::in
 // Whether any element of t is Inf or NaN (the kernels then guard their products so that a masked pair adds
 // exactly nothing: 0 * Inf is NaN).
 bool any_nonfinite(const ConstTensorRef& t);
+
+// The backward's stripe: how many kv blocks of per-q-head fp64 dK and dV partials
+// ([B][Hq][stripe][Bk][width], two of them) fit in config.backward_partial_bytes (at least 1, at most
+// kv_blocks); every kv block when a kv head serves one q head (group == 1: no partials).
+inline std::int64_t backward_stripe_blocks(const FlashConfig& config, std::int64_t batch,
+                                           std::int64_t q_heads, std::int64_t group, std::int64_t width,
+                                           std::int64_t kv_blocks) {
+  if (group == 1) return kv_blocks;
+  const double bytes_per_block = 2.0 * 8.0 * static_cast<double>(batch * q_heads * config.block_kv * width);
+  return std::clamp<std::int64_t>(static_cast<std::int64_t>(config.backward_partial_bytes / bytes_per_block),
+                                  1, kv_blocks);
+}
 
 // Shapes and sizes agree; throws Error(invalid_input) naming the tensor otherwise.
 void check_forward_args(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
