@@ -293,9 +293,9 @@ TEST(FlashKernel, RowsAreBitIdenticalAcrossShardsOrdersAndThreads) {
 TEST(FlashKernel, AmxForwardAndBackwardMatchTheVectorPathAndTheReference) {
   FlashConfig amx, vector_path;
   vector_path.allow_amx = false;
-  if (!flash_forward_uses_amx(DType::bf16, amx)) GTEST_SKIP() << "no AMX-BF16 on this CPU";
-  EXPECT_FALSE(flash_forward_uses_amx(DType::bf16, vector_path));
-  EXPECT_FALSE(flash_forward_uses_amx(DType::f32, amx));
+  if (!flash_uses_amx(DType::bf16, amx)) GTEST_SKIP() << "no AMX-BF16 on this CPU";
+  EXPECT_FALSE(flash_uses_amx(DType::bf16, vector_path));
+  EXPECT_FALSE(flash_uses_amx(DType::f32, amx));
   for (const Case& c :
        {Case{1, 300, 4, 2, 40, true, {}, DType::bf16}, Case{2, 129, 8, 2, 128, false, {60, 69}, DType::bf16},
         Case{1, 200, 2, 1, 256, true, {1, 120, 79}, DType::bf16},

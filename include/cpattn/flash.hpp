@@ -60,7 +60,8 @@ struct FlashConfig {
   // Backward with GQA: the most memory the per-q-head fp64 dK/dV partials may take; the kv blocks are walked
   // in stripes that fit. Results do not depend on it (each kv block's sums are the same in any stripe).
   double backward_partial_bytes = 64.0 * 1024 * 1024;
-  // bf16 forward on AMX tiles where the CPU has them (src/kernels/flash_amx.hpp); off: the vector path.
+  // bf16 forward and backward on AMX tiles where the CPU has them (src/kernels/flash_amx.hpp); off: the
+  // vector path.
   bool allow_amx = true;
 };
 
@@ -84,7 +85,7 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
 
 // Whether flash_forward runs on AMX tiles for inputs of this dtype under this config (bf16, allow_amx, and a
 // CPU with AMX-BF16 whose kernel grants the tile state); otherwise it runs the vector path.
-bool flash_forward_uses_amx(DType dtype, const FlashConfig& config);
+bool flash_uses_amx(DType dtype, const FlashConfig& config);
 
 // FA2 backward: P recomputed from LSE, D_i = rowsum(dO * O). dq: q's shape; dk, dv: k's shape, in the inputs'
 // dtype or fp32 (a bf16 backward can hand fp32 partials to a reduce-scatter). One pass, parallel over (batch,

@@ -162,7 +162,7 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
   std::atomic<std::int64_t> full{0}, partial{0};
   const bool bf16_inputs = q.dtype == DType::bf16 && k.dtype == DType::bf16 && v.dtype == DType::bf16;
   // The tile unit cannot skip a masked pair, so a non-finite V (0 * Inf = NaN) takes the vector path.
-  if (bf16_inputs && flash_forward_uses_amx(DType::bf16, config) && !any_nonfinite(v)) {
+  if (bf16_inputs && flash_uses_amx(DType::bf16, config) && !any_nonfinite(v)) {
     flash_forward_amx(q, k, v, mask, scale, config, grid, o, lse, task_tiles, full, partial);
   } else {
     forward_vector(q, k, v, mask, scale, config, grid, o, lse, task_tiles, full, partial);
@@ -176,7 +176,7 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
   }
 }
 
-bool flash_forward_uses_amx(DType dtype, const FlashConfig& config) {
+bool flash_uses_amx(DType dtype, const FlashConfig& config) {
   return dtype == DType::bf16 && config.allow_amx && amx_bf16_usable();
 }
 

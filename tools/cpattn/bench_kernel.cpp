@@ -123,7 +123,7 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
                     {"causal", a.causal},
                     {"dtype", to_string(a.dtype)},
                     {"threads", opt.threads}};
-  out["forward_path"] = flash_forward_uses_amx(a.dtype, cfg) ? "amx" : "vector";
+  out["forward_path"] = flash_uses_amx(a.dtype, cfg) ? "amx" : "vector";
   out["fma_peak_gflops"] = fma_peak;
   out["fma_peak_before_after_gflops"] = {peak_before, peak_after};
   out["bf16_peak_gflops"] = bf16_peak;
