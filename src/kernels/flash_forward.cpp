@@ -90,8 +90,8 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
         // st: [Bk][panel] = K Q'^T
         const float* kblock = kt.at(b, hk, kvi);
         for_row_tiles<kRowTile>(Bk, [&](auto R, std::int64_t r) {
-          dot_tile_adjacent<decltype(R)::value, kPanelVectors>(kblock + r, Bk, w.qt.data(), panel, D,
-                                                               w.st.data() + r * panel, panel);
+          dot_tile<decltype(R)::value, kPanelVectors>(kblock + r, kAdjacent(), Bk, w.qt.data(), panel, D,
+                                                      w.st.data() + r * panel, panel);
         });
         if (kind == TileKind::partial) {
           apply_mask(w.st.data(), panel, Bk, 1, panel, pb, kb, b, mask, Sq, Skv, neg_inf);

@@ -59,12 +59,17 @@ HWY_INLINE VF exp2_approx(VF x) {
   return hn::IfThenElse(nan, input, hn::IfThenZeroElse(tiny, hn::Mul(p, hn::BitCast(df, exponent))));
 }
 
-// out[r][j] = sum_{d < depth} a[r*as + d] * bt[d*bs + j] for r < R and j < C vectors of lanes: the score
-// tiles (forward S^T = K Q^T; backward S = Q K^T, dP = dO V^T). The sum over d runs in order, so an element's
-// bits do not depend on the tile shape that computed it.
-template <int R, int C>
-HWY_INLINE void dot_tile(const float* HWY_RESTRICT a, std::int64_t as, const float* HWY_RESTRICT bt,
-                         std::int64_t bs, std::int64_t depth, float* HWY_RESTRICT out, std::int64_t os) {
+// out[r][j] = sum_{d < depth} a[r*ar + d*ad] * bt[d*bs + j] for r < R and j < C vectors of lanes: the score
+// tiles (forward S^T = K Q^T with K^T's R values of one step adjacent; backward S = Q K^T, dP = dO V^T with
+// rows of a). The sum over d runs in order, so an element's bits do not depend on the tile shape that
+// computed it. `ar` may be a compile-time constant (kAdjacent): one pointer then addresses all R broadcasts
+// (base + displacement); R separate row pointers run out of general-purpose registers at R = 12 and spill
+// inside the loop.
+using kAdjacent = std::integral_constant<std::int64_t, 1>;
+template <int R, int C, class RowStride>
+HWY_INLINE void dot_tile(const float* HWY_RESTRICT a, RowStride ar, std::int64_t ad,
+                         const float* HWY_RESTRICT bt, std::int64_t bs, std::int64_t depth,
+                         float* HWY_RESTRICT out, std::int64_t os) {
   const DF df;
   const std::int64_t n = lanes();
   VF acc[R][C];
@@ -74,8 +79,9 @@ HWY_INLINE void dot_tile(const float* HWY_RESTRICT a, std::int64_t as, const flo
   for (std::int64_t d = 0; d < depth; ++d) {
     VF b[C];
     for (int c = 0; c < C; ++c) b[c] = hn::LoadU(df, bt + d * bs + c * n);
+    const float* step = a + d * ad;
     for (int r = 0; r < R; ++r) {
-      const VF av = hn::Set(df, a[r * as + d]);
+      const VF av = hn::Set(df, step[r * static_cast<std::int64_t>(ar)]);
       for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(av, b[c], acc[r][c]);
     }
   }
@@ -110,33 +116,6 @@ HWY_INLINE void axpy_tile(const float* HWY_RESTRICT coef, std::int64_t ct, std::
       } else {
         for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(cv, xv[c], acc[r][c]);
       }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) hn::StoreU(acc[r][c], df, out + r * os + c * n);
-  }
-}
-
-// The same two tiles with the broadcast operand's R values for one step adjacent in memory: a[d*ad + r] and
-// coef[t*ct + r]. One pointer then addresses all R broadcasts (base + displacement); R separate row pointers
-// run out of general-purpose registers at R = 12 and spill inside the loop.
-template <int R, int C>
-HWY_INLINE void dot_tile_adjacent(const float* HWY_RESTRICT a, std::int64_t ad, const float* HWY_RESTRICT bt,
-                                  std::int64_t bs, std::int64_t depth, float* HWY_RESTRICT out,
-                                  std::int64_t os) {
-  const DF df;
-  const std::int64_t n = lanes();
-  VF acc[R][C];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) acc[r][c] = hn::Zero(df);
-  }
-  for (std::int64_t d = 0; d < depth; ++d) {
-    VF b[C];
-    for (int c = 0; c < C; ++c) b[c] = hn::LoadU(df, bt + d * bs + c * n);
-    const float* ad_row = a + d * ad;
-    for (int r = 0; r < R; ++r) {
-      const VF av = hn::Set(df, ad_row[r]);
-      for (int c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(av, b[c], acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -207,7 +186,7 @@ inline void dot_rows(const float* a, std::int64_t as, const float* bt, std::int6
   const std::int64_t step = 4 * lanes();
   for (std::int64_t j = 0; j < cols; j += step) {
     for_row_tiles<6>(rows, [&](auto R, std::int64_t r) {
-      dot_tile<decltype(R)::value, 4>(a + r * as, as, bt + j, bs, depth, out + r * os + j, os);
+      dot_tile<decltype(R)::value, 4>(a + r * as, as, 1, bt + j, bs, depth, out + r * os + j, os);
     });
   }
 }
