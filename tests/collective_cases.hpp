@@ -2,6 +2,7 @@
 // known (element = rank * 1000 + index), and each case returns the number of wrong elements.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -23,6 +24,38 @@ inline std::int64_t wrong_all_to_all(Communicator& c, std::int64_t count) {
   for (int p = 0; p < n; ++p) {
     for (std::int64_t i = 0; i < count; ++i) wrong += recv[p * count + i] != value_of(p, r * count + i);
   }
+  return wrong;
+}
+
+// Strided blocks with padding on both sides (pad > 0), or rows that follow each other (pad = 0): block p of
+// the sender is the columns [p*row, (p+1)*row) of an [outer][inner][n*row + pad] array; block p of the
+// receiver is rows [p*inner, (p+1)*inner) of an [outer][n*inner + 1][row + pad] array. Counts wrong elements,
+// padding that was written included.
+inline std::int64_t wrong_all_to_all_strided(Communicator& c, std::int64_t outer, std::int64_t inner,
+                                             std::int64_t row, std::int64_t pad) {
+  const int n = c.size(), r = c.rank();
+  const BlockShape shape{outer, inner, row};
+  const std::int64_t send_row = n * row + pad, recv_row = row + pad;
+  const BlockStrides from{row, inner * send_row, send_row};
+  const BlockStrides to{inner * recv_row, (n * inner + (pad > 0 ? 1 : 0)) * recv_row, recv_row};
+  std::vector<float> send(static_cast<std::size_t>(outer * inner * send_row), -2.0f),
+      recv(static_cast<std::size_t>(outer * to.outer), -1.0f), expected(recv.size(), -1.0f);
+  auto id = [&](int dst, std::int64_t i, std::int64_t j, std::int64_t k) {
+    return ((dst * outer + i) * inner + j) * row + k;
+  };
+  for (int p = 0; p < n; ++p) {
+    for (std::int64_t i = 0; i < outer; ++i) {
+      for (std::int64_t j = 0; j < inner; ++j) {
+        for (std::int64_t k = 0; k < row; ++k) {
+          send[p * from.block + i * from.outer + j * from.inner + k] = value_of(r, id(p, i, j, k));
+          expected[p * to.block + i * to.outer + j * to.inner + k] = value_of(p, id(r, i, j, k));
+        }
+      }
+    }
+  }
+  c.all_to_all_strided(send.data(), from, recv.data(), to, shape, CommDType::f32);
+  std::int64_t wrong = 0;
+  for (std::size_t i = 0; i < recv.size(); ++i) wrong += recv[i] != expected[i];
   return wrong;
 }
 
@@ -93,11 +126,17 @@ inline std::int64_t wrong_in_all_cases(Communicator& c) {
   std::int64_t wrong = 0;
   for (std::int64_t count : {0, 1, 7, 1000, 65537}) {
     wrong += wrong_all_to_all(c, count);
+    wrong += wrong_all_to_all_strided(c, 1, 1, count, 0);
     wrong += wrong_all_gather(c, count);
     wrong += wrong_reduce_scatter(c, count, CommDType::f32);
     wrong += wrong_reduce_scatter(c, count, CommDType::bf16);
     wrong += wrong_permute(c, count, 1);
     wrong += wrong_permute(c, count, 0);
+  }
+  for (const auto& [outer, inner, row] :
+       {std::array<std::int64_t, 3>{2, 3, 5}, {1, 4, 7}, {3, 1, 16}, {2, 50, 33}, {0, 2, 3}}) {
+    wrong += wrong_all_to_all_strided(c, outer, inner, row, 0);
+    wrong += wrong_all_to_all_strided(c, outer, inner, row, 3);
   }
   wrong += wrong_all_reduce(c);
   c.barrier();

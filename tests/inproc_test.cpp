@@ -94,6 +94,99 @@ TEST(InProcessGroup, MismatchedCallsAreReportedOnEveryRank) {
   EXPECT_EQ(mismatch_errors.load(), 3);
 }
 
+TEST(InProcessGroup, StridedAllToAllWithDifferentBlockShapesIsAMismatch) {
+  InProcessGroup group(2);
+  std::vector<std::string> messages(2);
+  EXPECT_THROW(group.run([&](Communicator& c) {
+    std::vector<float> a(2 * 24), b(2 * 24);
+    // The same count (24) in rows of 6 on rank 0 and rows of 4 on rank 1: the rows would not line up.
+    const BlockShape shape = c.rank() == 0 ? BlockShape{1, 4, 6} : BlockShape{1, 6, 4};
+    const BlockStrides st{24, 24, shape.row};
+    try {
+      c.all_to_all_strided(a.data(), st, b.data(), st, shape, CommDType::f32);
+    } catch (const Error& e) {
+      messages[c.rank()] = e.what();
+      throw;
+    }
+  }),
+               Error);
+  for (const auto& m : messages) {
+    EXPECT_NE(m.find("collective mismatch"), std::string::npos) << m;
+    EXPECT_NE(m.find("1x4 rows of 6"), std::string::npos) << m;
+  }
+}
+
+TEST(InProcessGroup, StridedAllToAllRefusesANegativeStrideAndCountsLikeAllToAll) {
+  InProcessGroup group(2);
+  std::string message;
+  EXPECT_THROW(group.run([&](Communicator& c) {
+    float x[4] = {}, y[4] = {};
+    try {
+      c.all_to_all_strided(x, {2, 0, 1}, y, {2, 0, c.rank() == 1 ? -1 : 1}, {1, 2, 1}, CommDType::f32);
+    } catch (const Error& e) {
+      if (c.rank() == 1) message = e.what();
+      throw;
+    }
+  }),
+               Error);
+  EXPECT_NE(message.find("recv.inner = -1 is negative"), std::string::npos) << message;
+
+  InProcessGroup counted(4);
+  counted.run([&](Communicator& c) {
+    std::vector<float> a(4 * 60), b(4 * 60);
+    c.all_to_all_strided(a.data(), {15, 240, 60}, b.data(), {60, 240, 15}, {1, 4, 15}, CommDType::bf16);
+  });
+  const auto rec = counted.communicator(1).counters().records();
+  ASSERT_EQ(rec.size(), 1u);
+  EXPECT_EQ(rec[0], (CollectiveRecord{CollectiveKind::all_to_all, "unspecified", 1, 4 * 60 * 2, 3 * 60 * 2}));
+}
+
+// A communicator that only has the contiguous all_to_all, so all_to_all_strided takes the base class's
+// pack / exchange / unpack path; it must land every element where the in-process direct copy does.
+class PackingCommunicator final : public Communicator {
+ public:
+  explicit PackingCommunicator(Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  const char* backend() const override { return "packing"; }
+  void all_to_all(const void* s, void* r, std::int64_t n, CommDType t) override {
+    inner_.all_to_all(s, r, n, t);
+  }
+  void all_gather(const void* s, void* r, std::int64_t n, CommDType t) override {
+    inner_.all_gather(s, r, n, t);
+  }
+  void reduce_scatter_sum(const void* s, void* r, std::int64_t n, CommDType t) override {
+    inner_.reduce_scatter_sum(s, r, n, t);
+  }
+  void collective_permute(const void* s, void* r, std::int64_t n, CommDType t,
+                          const std::vector<int>& dest) override {
+    inner_.collective_permute(s, r, n, t, dest);
+  }
+  void barrier() override { inner_.barrier(); }
+  void all_reduce(std::int64_t* v, int n, ReduceOp op) override { inner_.all_reduce(v, n, op); }
+
+ private:
+  Communicator& inner_;
+};
+
+TEST(InProcessGroup, ThePackingFallbackOfStridedAllToAllIsExact) {
+  for (int n : {1, 3, 4}) {
+    InProcessGroup group(n);
+    std::vector<std::int64_t> wrong(static_cast<std::size_t>(n), -1);
+    group.run([&](Communicator& c) {
+      PackingCommunicator packing(c);
+      std::int64_t w = 0;
+      for (std::int64_t pad : {0, 3}) {
+        w += testing::wrong_all_to_all_strided(packing, 2, 3, 5, pad);
+        w += testing::wrong_all_to_all_strided(packing, 1, 40, 9, pad);
+        w += testing::wrong_all_to_all_strided(packing, 0, 4, 9, pad);
+      }
+      wrong[c.rank()] = w;
+    });
+    for (int r = 0; r < n; ++r) EXPECT_EQ(wrong[r], 0) << "cp " << n << " rank " << r;
+  }
+}
+
 TEST(InProcessGroup, AStuckRankTimesOutInsteadOfHanging) {
   InProcessOptions options;
   options.timeout = std::chrono::milliseconds(200);

@@ -63,6 +63,26 @@ class CollectiveCounters {
 
 enum class ReduceOp { sum, max, min };
 
+// The blocks of a strided all_to_all, in elements. A block holds shape.outer x shape.inner rows of shape.row
+// contiguous elements; in a buffer with strides st, block p starts at p * st.block and its row (i, j) at
+// i * st.outer + j * st.inner from there. Row i * inner + j of the block a rank sends lands as the same row
+// of the block its peer receives, so one call can split a [B, S/cp, H, D] shard by heads and place what
+// arrives straight into a [B, S, H/cp, D] one.
+struct BlockShape {
+  std::int64_t outer = 1, inner = 1, row = 0;
+  std::int64_t count() const { return outer * inner * row; }
+  bool operator==(const BlockShape&) const = default;
+};
+struct BlockStrides {
+  std::int64_t block = 0, outer = 0, inner = 0;
+};
+// Throws Error(invalid_input) naming the field when a shape or stride is negative or the count overflows.
+void check_block_layout(const BlockShape& shape, const BlockStrides& send, const BlockStrides& recv);
+// Copies one block's rows from src (laid out by `from`) to dst (laid out by `to`), both pointing at the
+// block.
+void copy_block(const void* src, const BlockStrides& from, void* dst, const BlockStrides& to,
+                const BlockShape& shape, std::size_t element_size);
+
 // Collectives over typed buffers. Buffers are rank-major: block p of a send or receive buffer is `count`
 // elements at offset p * count. Every rank must make the same calls in the same order with the same counts
 // and dtypes; a mismatch, a failed peer or a timeout is an Error(communication) on every rank, never a hang.
@@ -75,6 +95,11 @@ class Communicator {
 
   // send: size() blocks of `count`; block p goes to rank p. recv: size() blocks; block p came from rank p.
   virtual void all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) = 0;
+  // The same exchange (and the same accounting, count = shape.count()) between strided layouts. The default
+  // packs into a contiguous buffer, calls all_to_all and unpacks (two extra copies); the in-process group
+  // copies each byte once, straight from the sender's layout into the receiver's.
+  virtual void all_to_all_strided(const void* send, const BlockStrides& send_strides, void* recv,
+                                  const BlockStrides& recv_strides, const BlockShape& shape, CommDType dtype);
   // send: `count` elements; recv: size() blocks, block p from rank p.
   virtual void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) = 0;
   // send: size() blocks of `count`; recv: `count` = the sum over ranks of their block rank(). f32 or bf16

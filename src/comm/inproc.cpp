@@ -12,12 +12,14 @@ namespace cpattn {
 
 namespace {
 
-enum class Call { all_to_all, all_gather, reduce_scatter, permute, barrier, all_reduce };
+enum class Call { all_to_all, all_to_all_strided, all_gather, reduce_scatter, permute, barrier, all_reduce };
 
 const char* call_name(Call c) {
   switch (c) {
     case Call::all_to_all:
       return "all_to_all";
+    case Call::all_to_all_strided:
+      return "all_to_all_strided";
     case Call::all_gather:
       return "all_gather";
     case Call::reduce_scatter:
@@ -41,12 +43,32 @@ struct Slot {
   CommDType dtype = CommDType::f32;
   const std::vector<int>* dest = nullptr;
   ReduceOp op = ReduceOp::sum;
+  // all_to_all_strided only.
+  BlockShape shape;
+  BlockStrides send_strides, recv_strides;
 };
+
+Slot make_slot(Call call, const void* send, void* recv, std::int64_t count, CommDType dtype,
+               const std::vector<int>* dest = nullptr, ReduceOp op = ReduceOp::sum) {
+  Slot s;
+  s.call = call;
+  s.send = send;
+  s.recv = recv;
+  s.count = count;
+  s.dtype = dtype;
+  s.dest = dest;
+  s.op = op;
+  return s;
+}
 
 std::string describe(const Slot& s) {
   std::string d =
       std::string(call_name(s.call)) + "(count=" + std::to_string(s.count) + ", " + to_string(s.dtype);
   if (s.call == Call::all_reduce) d += ", op " + std::to_string(static_cast<int>(s.op));
+  if (s.call == Call::all_to_all_strided) {
+    d += ", block " + std::to_string(s.shape.outer) + "x" + std::to_string(s.shape.inner) + " rows of " +
+         std::to_string(s.shape.row);
+  }
   return d + ")";
 }
 
@@ -123,31 +145,42 @@ class InProcessCommunicator final : public Communicator {
   const char* backend() const override { return "inproc"; }
 
   void all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
-    state_.collective(rank_, {Call::all_to_all, send, recv, count, dtype, nullptr, ReduceOp::sum});
+    state_.collective(rank_, make_slot(Call::all_to_all, send, recv, count, dtype));
     this->count(CollectiveKind::all_to_all, count, dtype);
   }
+  void all_to_all_strided(const void* send, const BlockStrides& send_strides, void* recv,
+                          const BlockStrides& recv_strides, const BlockShape& shape,
+                          CommDType dtype) override {
+    check_block_layout(shape, send_strides, recv_strides);
+    Slot slot = make_slot(Call::all_to_all_strided, send, recv, shape.count(), dtype);
+    slot.shape = shape;
+    slot.send_strides = send_strides;
+    slot.recv_strides = recv_strides;
+    state_.collective(rank_, slot);
+    this->count(CollectiveKind::all_to_all, shape.count(), dtype);
+  }
   void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
-    state_.collective(rank_, {Call::all_gather, send, recv, count, dtype, nullptr, ReduceOp::sum});
+    state_.collective(rank_, make_slot(Call::all_gather, send, recv, count, dtype));
     this->count(CollectiveKind::all_gather, count, dtype);
   }
   void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
     if (dtype == CommDType::i32) {
       throw Error(ErrorKind::invalid_input, "dtype", "i32", "reduce_scatter_sum takes f32 or bf16, not i32");
     }
-    state_.collective(rank_, {Call::reduce_scatter, send, recv, count, dtype, nullptr, ReduceOp::sum});
+    state_.collective(rank_, make_slot(Call::reduce_scatter, send, recv, count, dtype));
     this->count(CollectiveKind::reduce_scatter, count, dtype);
   }
   void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
                           const std::vector<int>& dest) override {
     check_permutation(dest, size());
-    state_.collective(rank_, {Call::permute, send, recv, count, dtype, &dest, ReduceOp::sum});
+    state_.collective(rank_, make_slot(Call::permute, send, recv, count, dtype, &dest));
     this->count(CollectiveKind::collective_permute, count, dtype, &dest);
   }
   void barrier() override {
-    state_.collective(rank_, {Call::barrier, nullptr, nullptr, 0, CommDType::i32, nullptr, ReduceOp::sum});
+    state_.collective(rank_, make_slot(Call::barrier, nullptr, nullptr, 0, CommDType::i32));
   }
   void all_reduce(std::int64_t* values, int n, ReduceOp op) override {
-    state_.collective(rank_, {Call::all_reduce, values, values, n, CommDType::i32, nullptr, op});
+    state_.collective(rank_, make_slot(Call::all_reduce, values, values, n, CommDType::i32, nullptr, op));
   }
 
  private:
@@ -190,7 +223,8 @@ void InProcessGroup::State::collective(int rank, const Slot& mine) {
   for (int p = 0; p < size; ++p) {
     const Slot& s = slots[p];
     const bool same = s.call == mine.call && s.count == mine.count && s.dtype == mine.dtype &&
-                      s.op == mine.op && (mine.call != Call::permute || *s.dest == *mine.dest);
+                      s.op == mine.op && (mine.call != Call::permute || *s.dest == *mine.dest) &&
+                      s.shape == mine.shape;
     if (!same) {
       throw Error(ErrorKind::communication, "collective", describe(s),
                   "collective mismatch: rank " + std::to_string(rank) + " called " + describe(mine) +
@@ -207,6 +241,16 @@ void InProcessGroup::State::collective(int rank, const Slot& mine) {
     case Call::all_to_all:
       for (int p = 0; p < size; ++p) {
         std::memcpy(recv + p * block, static_cast<const unsigned char*>(slots[p].send) + rank * block, block);
+      }
+      break;
+    case Call::all_to_all_strided:
+      // Block `rank` of each peer's send layout, straight into block p of this rank's receive layout.
+      for (int p = 0; p < size; ++p) {
+        const auto* src = static_cast<const unsigned char*>(slots[p].send) +
+                          static_cast<std::size_t>(rank * slots[p].send_strides.block) * e;
+        copy_block(src, slots[p].send_strides,
+                   recv + static_cast<std::size_t>(p * mine.recv_strides.block) * e, mine.recv_strides,
+                   mine.shape, e);
       }
       break;
     case Call::all_gather:

@@ -37,57 +37,30 @@ CommDType comm_dtype(DType dtype) {
 
 Tensor all_to_all_sequence_to_heads(Communicator& comm, const Tensor& x) {
   const int cp = comm.size();
-  const Shape4 s = x.shape();
+  const Shape4 s = x.shape();  // [B, S/cp, H, D]
   CPATTN_ASSERT(s.h % cp == 0);
   const std::int64_t hl = s.h / cp;
-  const std::size_t run = static_cast<std::size_t>(hl * s.d) * dtype_size(x.dtype());
-  const std::int64_t count = s.b * s.s * hl * s.d;
-  Bytes send(static_cast<std::size_t>(cp) * run * static_cast<std::size_t>(s.b * s.s)), recv(send.size());
-  // send block p: [B, S/cp, H/cp, D], the heads of rank p.
-  for (int p = 0; p < cp; ++p) {
-    for (std::int64_t b = 0; b < s.b; ++b) {
-      for (std::int64_t t = 0; t < s.s; ++t) {
-        std::memcpy(send.data() + ((p * s.b + b) * s.s + t) * run, row_ptr(x, b, t, p * hl), run);
-      }
-    }
-  }
-  comm.all_to_all(send.data(), recv.data(), count, comm_dtype(x.dtype()));
-  // recv block p: rank p's tokens, which are positions [p*S/cp, (p+1)*S/cp) (contiguous layout).
   Tensor y(x.dtype(), {s.b, s.s * cp, hl, s.d});
-  for (int p = 0; p < cp; ++p) {
-    for (std::int64_t b = 0; b < s.b; ++b) {
-      for (std::int64_t t = 0; t < s.s; ++t) {
-        std::memcpy(row_ptr(y, b, p * s.s + t, 0), recv.data() + ((p * s.b + b) * s.s + t) * run, run);
-      }
-    }
-  }
+  // Block p of x: the heads of rank p, every token; block p of y: rank p's tokens, which are positions
+  // [p*S/cp, (p+1)*S/cp) (contiguous layout). One row = one token's hl heads.
+  const BlockShape shape{s.b, s.s, hl * s.d};
+  const BlockStrides from{hl * s.d, s.s * s.h * s.d, s.h * s.d};
+  const BlockStrides to{s.s * hl * s.d, s.s * cp * hl * s.d, hl * s.d};
+  comm.all_to_all_strided(x.raw(), from, y.raw(), to, shape, comm_dtype(x.dtype()));
   return y;
 }
 
 Tensor all_to_all_heads_to_sequence(Communicator& comm, const Tensor& y) {
   const int cp = comm.size();
-  const Shape4 s = y.shape();
+  const Shape4 s = y.shape();  // [B, S, H/cp, D]
   CPATTN_ASSERT(s.s % cp == 0);
   const std::int64_t sl = s.s / cp;
-  const std::size_t run = static_cast<std::size_t>(s.h * s.d) * dtype_size(y.dtype());
-  const std::int64_t count = s.b * sl * s.h * s.d;
-  Bytes send(static_cast<std::size_t>(cp * s.b * sl) * run), recv(send.size());
-  for (int p = 0; p < cp; ++p) {
-    for (std::int64_t b = 0; b < s.b; ++b) {
-      for (std::int64_t t = 0; t < sl; ++t) {
-        std::memcpy(send.data() + ((p * s.b + b) * sl + t) * run, row_ptr(y, b, p * sl + t, 0), run);
-      }
-    }
-  }
-  comm.all_to_all(send.data(), recv.data(), count, comm_dtype(y.dtype()));
   Tensor x(y.dtype(), {s.b, sl, s.h * cp, s.d});
-  for (int p = 0; p < cp; ++p) {
-    for (std::int64_t b = 0; b < s.b; ++b) {
-      for (std::int64_t t = 0; t < sl; ++t) {
-        std::memcpy(row_ptr(x, b, t, p * s.h), recv.data() + ((p * s.b + b) * sl + t) * run, run);
-      }
-    }
-  }
+  // Block p of y: rank p's tokens; block p of x: the heads that came from rank p.
+  const BlockShape shape{s.b, sl, s.h * s.d};
+  const BlockStrides from{sl * s.h * s.d, s.s * s.h * s.d, s.h * s.d};
+  const BlockStrides to{s.h * s.d, sl * s.h * cp * s.d, s.h * cp * s.d};
+  comm.all_to_all_strided(y.raw(), from, x.raw(), to, shape, comm_dtype(y.dtype()));
   return x;
 }
 
@@ -96,27 +69,12 @@ std::vector<float> all_to_all_lse_heads_to_sequence(Communicator& comm, const st
                                                     std::int64_t seq) {
   const int cp = comm.size();
   const std::int64_t sl = seq / cp;
-  std::vector<float> send(static_cast<std::size_t>(batch * local_heads * seq)), recv(send.size());
-  // send block p: [B, H/cp, S/cp] for rank p's tokens.
-  for (int p = 0; p < cp; ++p) {
-    for (std::int64_t b = 0; b < batch; ++b) {
-      for (std::int64_t h = 0; h < local_heads; ++h) {
-        std::memcpy(&send[((p * batch + b) * local_heads + h) * sl],
-                    &lse[(b * local_heads + h) * seq + p * sl], static_cast<std::size_t>(sl) * 4);
-      }
-    }
-  }
-  comm.all_to_all(send.data(), recv.data(), batch * local_heads * sl, CommDType::f32);
-  const std::int64_t heads = local_heads * cp;
-  std::vector<float> out(send.size());
-  for (int p = 0; p < cp; ++p) {
-    for (std::int64_t b = 0; b < batch; ++b) {
-      for (std::int64_t h = 0; h < local_heads; ++h) {
-        std::memcpy(&out[(b * heads + p * local_heads + h) * sl],
-                    &recv[((p * batch + b) * local_heads + h) * sl], static_cast<std::size_t>(sl) * 4);
-      }
-    }
-  }
+  std::vector<float> out(static_cast<std::size_t>(batch * local_heads * seq));
+  // lse: [B, H/cp, S] -> out: [B, H, S/cp]; one row = one head's sl positions.
+  const BlockShape shape{batch, local_heads, sl};
+  const BlockStrides from{sl, local_heads * seq, seq};
+  const BlockStrides to{local_heads * sl, local_heads * cp * sl, sl};
+  comm.all_to_all_strided(lse.data(), from, out.data(), to, shape, CommDType::f32);
   return out;
 }
 

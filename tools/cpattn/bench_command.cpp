@@ -38,21 +38,24 @@ struct CommOptions {
   bool json = false;
 };
 
-// n threads each copying `bytes` (the same total as the collective moves between ranks), started together
-// between barriers like the ranks of a collective; the best of several tries. Buffers are touched first.
-double memcpy_seconds(int threads, std::size_t bytes) {
+constexpr int kTries = 5;
+
+// n threads each copying `bytes`, started together between barriers like the ranks of a collective, `iters`
+// copies per try: the best try's seconds per copy, timed exactly as time_collective times a collective.
+// Buffers are touched first.
+double memcpy_seconds(int threads, std::size_t bytes, int iters) {
   std::vector<std::vector<unsigned char>> src(threads, std::vector<unsigned char>(bytes, 1)),
       dst(threads, std::vector<unsigned char>(bytes, 0));
-  constexpr int kTries = 7;
   std::barrier sync(threads);
   double best = 1e30;
   auto body = [&](int t) {
+    std::memcpy(dst[t].data(), src[t].data(), bytes);  // warm-up
     for (int attempt = 0; attempt < kTries; ++attempt) {
       sync.arrive_and_wait();
       const auto t0 = clock_type::now();
-      std::memcpy(dst[t].data(), src[t].data(), bytes);
+      for (int i = 0; i < iters; ++i) std::memcpy(dst[t].data(), src[t].data(), bytes);
       sync.arrive_and_wait();
-      if (t == 0) best = std::min(best, seconds_since(t0));
+      if (t == 0) best = std::min(best, seconds_since(t0) / iters);
     }
   };
   std::vector<std::thread> pool;
@@ -62,11 +65,22 @@ double memcpy_seconds(int threads, std::size_t bytes) {
   return best;
 }
 
+// Rows of the strided all_to_all case: 1024 fp32 (one token's 8 heads of D = 128 in Ulysses).
+constexpr std::int64_t kStridedRow = 1024;
+
+struct Timing {
+  double seconds = 0;  // per call, the best try
+  int iters = 0;       // calls per try
+};
+
 // Times one collective on this rank; `bytes` is the per-device size (HLO convention: all_to_all operand,
-// all_gather output, reduce_scatter input). Returns seconds per call (after warm-up).
-double time_collective(Communicator& comm, const std::string& kind, std::int64_t bytes, bool raw_mpi) {
+// all_gather output, reduce_scatter input). kTries tries of `iters` calls each between barriers, the slowest
+// rank's time per call, best try. "all_to_all_strided" is the Ulysses swap's layout: the sender's block p is
+// the columns [p*R, (p+1)*R) of a [T][n*R] array, the receiver's block p the rows [p*T, (p+1)*T) of [n*T][R].
+Timing time_collective(Communicator& comm, const std::string& kind, std::int64_t bytes, bool raw_mpi) {
   const int n = comm.size();
   const std::int64_t elems = bytes / 4, block = elems / n;
+  const std::int64_t row = std::min(block, kStridedRow), rows = row > 0 ? block / row : 0;
   std::vector<float> send(static_cast<std::size_t>(kind == "all_gather" ? block : elems), 1.0f),
       recv(static_cast<std::size_t>(kind == "reduce_scatter" ? block : elems));
   auto once = [&] {
@@ -81,6 +95,10 @@ double time_collective(Communicator& comm, const std::string& kind, std::int64_t
     (void)raw_mpi;
 #endif
     if (kind == "all_to_all") comm.all_to_all(send.data(), recv.data(), block, CommDType::f32);
+    if (kind == "all_to_all_strided") {
+      comm.all_to_all_strided(send.data(), {row, 0, n * row}, recv.data(), {rows * row, 0, row},
+                              {1, rows, row}, CommDType::f32);
+    }
     if (kind == "all_gather") comm.all_gather(send.data(), recv.data(), block, CommDType::f32);
     if (kind == "reduce_scatter") comm.reduce_scatter_sum(send.data(), recv.data(), block, CommDType::f32);
   };
@@ -92,26 +110,36 @@ double time_collective(Communicator& comm, const std::string& kind, std::int64_t
   std::int64_t warm_ns = static_cast<std::int64_t>(seconds_since(t0) * 1e9);
   comm.all_reduce(&warm_ns, 1, ReduceOp::max);
   const int iters =
-      static_cast<int>(std::clamp<std::int64_t>(200'000'000 / std::max<std::int64_t>(warm_ns, 1), 3, 200));
-  comm.barrier();
-  t0 = clock_type::now();
-  for (int i = 0; i < iters; ++i) once();
-  comm.barrier();
-  std::int64_t ns = static_cast<std::int64_t>(seconds_since(t0) * 1e9 / iters);
-  comm.all_reduce(&ns, 1, ReduceOp::max);
-  return static_cast<double>(ns) * 1e-9;
+      static_cast<int>(std::clamp<std::int64_t>(40'000'000 / std::max<std::int64_t>(warm_ns, 1), 1, 50));
+  double best = 1e30;
+  for (int attempt = 0; attempt < kTries; ++attempt) {
+    comm.barrier();
+    t0 = clock_type::now();
+    for (int i = 0; i < iters; ++i) once();
+    comm.barrier();
+    std::int64_t ns = static_cast<std::int64_t>(seconds_since(t0) * 1e9 / iters);
+    comm.all_reduce(&ns, 1, ReduceOp::max);
+    best = std::min(best, static_cast<double>(ns) * 1e-9);
+  }
+  return {best, iters};
 }
 
 int bench_comm(const CommOptions& opt) {
   nlohmann::ordered_json out;
   out["results"] = nlohmann::ordered_json::array();
-  const std::vector<std::string> kinds = {"all_to_all", "all_gather", "reduce_scatter"};
+  const std::vector<std::string> kinds = {"all_to_all", "all_to_all_strided", "all_gather", "reduce_scatter"};
   bool print = true;
   double memcpy_gbps = 0;
-  auto record = [&](const char* backend, const std::string& kind, int n, std::int64_t bytes, double t) {
+  auto record = [&](const char* backend, const std::string& kind, int n, std::int64_t bytes, Timing timing) {
+    const double t = timing.seconds;
     const double moved = static_cast<double>(bytes) * (n - 1) / n;  // per rank, to other ranks
-    const double mem_t = memcpy_seconds(n, static_cast<std::size_t>(moved));
+    const double mem_t = memcpy_seconds(n, static_cast<std::size_t>(moved), timing.iters);
     memcpy_gbps = std::max(memcpy_gbps, moved * n / mem_t / 1e9);
+    // Every byte a rank writes, its own block included: an out-of-place all_to_all copies n/(n-1) times what
+    // it sends, so fraction_of_memcpy cannot pass (n-1)/n while the copy itself runs at memcpy speed.
+    const double written = kind.starts_with("all_to_all") ? static_cast<double>(bytes) : moved;
+    const double mem_all_t =
+        written == moved ? mem_t : memcpy_seconds(n, static_cast<std::size_t>(written), timing.iters);
     const double algbw = static_cast<double>(bytes) / t / 1e9;
     out["results"].push_back({{"backend", backend},
                               {"collective", kind},
@@ -120,16 +148,17 @@ int bench_comm(const CommOptions& opt) {
                               {"seconds", t},
                               {"algbw_gbps", algbw},
                               {"busbw_gbps", algbw * (n - 1) / n},
-                              {"fraction_of_memcpy", mem_t / t}});
+                              {"fraction_of_memcpy", mem_t / t},
+                              {"written_fraction_of_memcpy", mem_all_t / t}});
   };
   if (opt.backend == "inproc") {
     for (int n : opt.ranks) {
       for (const auto& kind : kinds) {
         for (std::int64_t bytes = opt.min_bytes; bytes <= opt.max_bytes; bytes *= 4) {
           InProcessGroup group(n);
-          double t = 0;
+          Timing t;
           group.run([&](Communicator& c) {
-            const double s = time_collective(c, kind, bytes, false);
+            const Timing s = time_collective(c, kind, bytes, false);
             if (c.rank() == 0) t = s;
           });
           record("inproc", kind, n, bytes, t);
@@ -143,10 +172,11 @@ int bench_comm(const CommOptions& opt) {
     if (!initialized) MPI_Init(nullptr, nullptr);
     MpiCommunicator comm;
     print = comm.rank() == 0;
-    for (const std::string kind : {"all_to_all", "raw_MPI_Alltoall", "all_gather", "reduce_scatter"}) {
+    for (const std::string kind :
+         {"all_to_all", "raw_MPI_Alltoall", "all_to_all_strided", "all_gather", "reduce_scatter"}) {
       for (std::int64_t bytes = opt.min_bytes; bytes <= opt.max_bytes; bytes *= 4) {
         const bool raw = kind == "raw_MPI_Alltoall";
-        const double t = time_collective(comm, raw ? "all_to_all" : kind, bytes, raw);
+        const Timing t = time_collective(comm, raw ? "all_to_all" : kind, bytes, raw);
         if (print) record(raw ? "mpi_raw" : "mpi", raw ? "all_to_all" : kind, comm.size(), bytes, t);
       }
     }
@@ -163,17 +193,18 @@ int bench_comm(const CommOptions& opt) {
   }
   std::cout << "memcpy (same threads, same bytes): up to " << std::setprecision(3) << memcpy_gbps
             << " GB/s\n";
-  std::cout << std::left << std::setw(9) << "backend" << std::setw(16) << "collective" << std::setw(6)
+  std::cout << std::left << std::setw(9) << "backend" << std::setw(20) << "collective" << std::setw(6)
             << "ranks" << std::setw(12) << "bytes/rank" << std::setw(12) << "seconds" << std::setw(11)
-            << "algbw GB/s" << std::setw(11) << "busbw GB/s"
-            << "of memcpy\n";
+            << "algbw GB/s" << std::setw(11) << "busbw GB/s" << std::setw(11) << "of memcpy"
+            << "written/memcpy\n";
   for (const auto& r : out["results"]) {
-    std::cout << std::left << std::setw(9) << r["backend"].get<std::string>() << std::setw(16)
+    std::cout << std::left << std::setw(9) << r["backend"].get<std::string>() << std::setw(20)
               << r["collective"].get<std::string>() << std::setw(6) << r["ranks"].get<int>() << std::setw(12)
               << r["bytes_per_rank"].get<std::int64_t>() << std::setw(12) << std::setprecision(4)
               << r["seconds"].get<double>() << std::setw(11) << std::setprecision(3)
               << r["algbw_gbps"].get<double>() << std::setw(11) << r["busbw_gbps"].get<double>()
-              << r["fraction_of_memcpy"].get<double>() << "\n";
+              << std::setw(11) << r["fraction_of_memcpy"].get<double>()
+              << r["written_fraction_of_memcpy"].get<double>() << "\n";
   }
   return 0;
 }
