@@ -122,6 +122,9 @@ class Communicator {
 
  private:
   CollectiveCounters counters_;
+  // The packing fallback's buffers, kept between calls (a fresh 2 x 64 MiB per call costs more in page faults
+  // than the copies).
+  std::vector<unsigned char> pack_send_, pack_recv_;
 };
 
 // DESIGN.md's accounting of one call that moves `count` elements per block (all_to_all, reduce_scatter: per

@@ -22,6 +22,10 @@ class MpiCommunicator final : public Communicator {
   const char* backend() const override { return "mpi"; }
 
   void all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
+  // MPI_Alltoallw over derived datatypes (packing around MPI_Alltoall where byte offsets pass INT_MAX).
+  void all_to_all_strided(const void* send, const BlockStrides& send_strides, void* recv,
+                          const BlockStrides& recv_strides, const BlockShape& shape,
+                          CommDType dtype) override;
   void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
   void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
   void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,

@@ -65,15 +65,21 @@ void Communicator::all_to_all_strided(const void* send, const BlockStrides& send
   const std::size_t e = comm_dtype_size(dtype);
   const std::int64_t count = shape.count();
   const BlockStrides packed{count, shape.inner * shape.row, shape.row};
-  std::vector<unsigned char> a(static_cast<std::size_t>(count * size()) * e), b(a.size());
+  const std::size_t total = static_cast<std::size_t>(count * size()) * e;
+  if (pack_send_.size() < total) {
+    pack_send_.resize(total);
+    pack_recv_.resize(total);
+  }
+  unsigned char* a = pack_send_.data();
+  unsigned char* b = pack_recv_.data();
   for (int p = 0; p < size(); ++p) {
     copy_block(
         static_cast<const unsigned char*>(send) + p * send_strides.block * static_cast<std::int64_t>(e),
-        send_strides, a.data() + p * count * static_cast<std::int64_t>(e), packed, shape, e);
+        send_strides, a + p * count * static_cast<std::int64_t>(e), packed, shape, e);
   }
-  all_to_all(a.data(), b.data(), count, dtype);
+  all_to_all(a, b, count, dtype);
   for (int p = 0; p < size(); ++p) {
-    copy_block(b.data() + p * count * static_cast<std::int64_t>(e), packed,
+    copy_block(b + p * count * static_cast<std::int64_t>(e), packed,
                static_cast<unsigned char*>(recv) + p * recv_strides.block * static_cast<std::int64_t>(e),
                recv_strides, shape, e);
   }

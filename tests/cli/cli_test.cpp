@@ -245,6 +245,24 @@ TEST(CliRun, UlyssesCheckPassesAndPrintsTheJsonScriptsRead) {
   EXPECT_TRUE(saw_forward_a2a);
 }
 
+TEST(CliBench, CommJsonHasEveryCollectiveWithItsKeys) {
+  const Result r = run("bench comm --json --ranks 2,3 --min-bytes 65536 --max-bytes 262144");
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_GT(j["memcpy_gbps"].get<double>(), 0.0);
+  // 2 group sizes x 4 collectives x 2 sizes (64 KiB, 256 KiB).
+  ASSERT_EQ(j["results"].size(), 16u);
+  for (const auto& row : j["results"]) {
+    EXPECT_EQ(row["backend"], "inproc");
+    for (const char* k :
+         {"seconds", "algbw_gbps", "busbw_gbps", "fraction_of_memcpy", "written_fraction_of_memcpy"})
+      EXPECT_GT(row[k].get<double>(), 0.0) << k << " " << row.dump();
+    const double n = row["ranks"].get<double>();
+    EXPECT_NEAR(row["busbw_gbps"].get<double>(), row["algbw_gbps"].get<double>() * (n - 1) / n, 1e-9);
+  }
+  EXPECT_EQ(j["results"][2]["collective"], "all_to_all_strided");
+}
+
 TEST(CliRun, SavesOutputsAndLoadsInputsWhoseShapesWin) {
   const auto dir = std::filesystem::temp_directory_path() / "cpattn_cli_run";
   std::filesystem::remove_all(dir);

@@ -1,7 +1,6 @@
 #include "bench_command.hpp"
 
 #include <algorithm>
-#include <barrier>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -40,31 +39,6 @@ struct CommOptions {
 
 constexpr int kTries = 5;
 
-// n threads each copying `bytes`, started together between barriers like the ranks of a collective, `iters`
-// copies per try: the best try's seconds per copy, timed exactly as time_collective times a collective.
-// Buffers are touched first.
-double memcpy_seconds(int threads, std::size_t bytes, int iters) {
-  std::vector<std::vector<unsigned char>> src(threads, std::vector<unsigned char>(bytes, 1)),
-      dst(threads, std::vector<unsigned char>(bytes, 0));
-  std::barrier sync(threads);
-  double best = 1e30;
-  auto body = [&](int t) {
-    std::memcpy(dst[t].data(), src[t].data(), bytes);  // warm-up
-    for (int attempt = 0; attempt < kTries; ++attempt) {
-      sync.arrive_and_wait();
-      const auto t0 = clock_type::now();
-      for (int i = 0; i < iters; ++i) std::memcpy(dst[t].data(), src[t].data(), bytes);
-      sync.arrive_and_wait();
-      if (t == 0) best = std::min(best, seconds_since(t0) / iters);
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(body, t);
-  body(0);
-  for (auto& t : pool) t.join();
-  return best;
-}
-
 // Rows of the strided all_to_all case: 1024 fp32 (one token's 8 heads of D = 128 in Ulysses).
 constexpr std::int64_t kStridedRow = 1024;
 
@@ -77,8 +51,26 @@ struct Timing {
 // all_gather output, reduce_scatter input). kTries tries of `iters` calls each between barriers, the slowest
 // rank's time per call, best try. "all_to_all_strided" is the Ulysses swap's layout: the sender's block p is
 // the columns [p*R, (p+1)*R) of a [T][n*R] array, the receiver's block p the rows [p*T, (p+1)*T) of [n*T][R].
-Timing time_collective(Communicator& comm, const std::string& kind, std::int64_t bytes, bool raw_mpi) {
+// "memcpy" is the baseline: every rank copies `bytes` of its own, timed the same way (iters given).
+Timing time_collective(Communicator& comm, const std::string& kind, std::int64_t bytes, bool raw_mpi,
+                       int fixed_iters = 0) {
   const int n = comm.size();
+  if (kind == "memcpy") {
+    std::vector<unsigned char> src(static_cast<std::size_t>(bytes), 1), dst(src.size(), 0);
+    auto copy = [&] { std::memcpy(dst.data(), src.data(), src.size()); };
+    copy();
+    double best = 1e30;
+    for (int attempt = 0; attempt < kTries; ++attempt) {
+      comm.barrier();
+      const auto t0 = clock_type::now();
+      for (int i = 0; i < fixed_iters; ++i) copy();
+      comm.barrier();
+      std::int64_t ns = static_cast<std::int64_t>(seconds_since(t0) * 1e9 / fixed_iters);
+      comm.all_reduce(&ns, 1, ReduceOp::max);
+      best = std::min(best, static_cast<double>(ns) * 1e-9);
+    }
+    return {best, fixed_iters};
+  }
   const std::int64_t elems = bytes / 4, block = elems / n;
   const std::int64_t row = std::min(block, kStridedRow), rows = row > 0 ? block / row : 0;
   std::vector<float> send(static_cast<std::size_t>(kind == "all_gather" ? block : elems), 1.0f),
@@ -130,16 +122,26 @@ int bench_comm(const CommOptions& opt) {
   const std::vector<std::string> kinds = {"all_to_all", "all_to_all_strided", "all_gather", "reduce_scatter"};
   bool print = true;
   double memcpy_gbps = 0;
-  auto record = [&](const char* backend, const std::string& kind, int n, std::int64_t bytes, Timing timing) {
-    const double t = timing.seconds;
-    const double moved = static_cast<double>(bytes) * (n - 1) / n;  // per rank, to other ranks
-    const double mem_t = memcpy_seconds(n, static_cast<std::size_t>(moved), timing.iters);
-    memcpy_gbps = std::max(memcpy_gbps, moved * n / mem_t / 1e9);
+  // On every rank: the collective, then the memcpy baselines with as many calls per try.
+  struct Measured {
+    double t = 0, mem_t = 0, mem_all_t = 0;
+  };
+  auto measure = [](Communicator& c, const std::string& kind, std::int64_t bytes, bool raw) {
+    const int n = c.size();
+    const Timing timing = time_collective(c, kind, bytes, raw);
+    const std::int64_t moved = bytes / n * (n - 1);  // per rank, to other ranks
     // Every byte a rank writes, its own block included: an out-of-place all_to_all copies n/(n-1) times what
     // it sends, so fraction_of_memcpy cannot pass (n-1)/n while the copy itself runs at memcpy speed.
-    const double written = kind.starts_with("all_to_all") ? static_cast<double>(bytes) : moved;
-    const double mem_all_t =
-        written == moved ? mem_t : memcpy_seconds(n, static_cast<std::size_t>(written), timing.iters);
+    const std::int64_t written = kind.starts_with("all_to_all") ? bytes / n * n : moved;
+    Measured m{timing.seconds, time_collective(c, "memcpy", moved, false, timing.iters).seconds, 0};
+    m.mem_all_t =
+        written == moved ? m.mem_t : time_collective(c, "memcpy", written, false, timing.iters).seconds;
+    return m;
+  };
+  auto record = [&](const char* backend, const std::string& kind, int n, std::int64_t bytes, Measured m) {
+    const double t = m.t, mem_t = m.mem_t, mem_all_t = m.mem_all_t;
+    const double moved = static_cast<double>(bytes / n * (n - 1));
+    memcpy_gbps = std::max(memcpy_gbps, moved * n / mem_t / 1e9);
     const double algbw = static_cast<double>(bytes) / t / 1e9;
     out["results"].push_back({{"backend", backend},
                               {"collective", kind},
@@ -156,9 +158,9 @@ int bench_comm(const CommOptions& opt) {
       for (const auto& kind : kinds) {
         for (std::int64_t bytes = opt.min_bytes; bytes <= opt.max_bytes; bytes *= 4) {
           InProcessGroup group(n);
-          Timing t;
+          Measured t;
           group.run([&](Communicator& c) {
-            const Timing s = time_collective(c, kind, bytes, false);
+            const Measured s = measure(c, kind, bytes, false);
             if (c.rank() == 0) t = s;
           });
           record("inproc", kind, n, bytes, t);
@@ -176,7 +178,7 @@ int bench_comm(const CommOptions& opt) {
          {"all_to_all", "raw_MPI_Alltoall", "all_to_all_strided", "all_gather", "reduce_scatter"}) {
       for (std::int64_t bytes = opt.min_bytes; bytes <= opt.max_bytes; bytes *= 4) {
         const bool raw = kind == "raw_MPI_Alltoall";
-        const Timing t = time_collective(comm, raw ? "all_to_all" : kind, bytes, raw);
+        const Measured t = measure(comm, raw ? "all_to_all" : kind, bytes, raw);
         if (print) record(raw ? "mpi_raw" : "mpi", raw ? "all_to_all" : kind, comm.size(), bytes, t);
       }
     }
