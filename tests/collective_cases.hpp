@@ -3,7 +3,9 @@
 #pragma once
 
 #include <array>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "cpattn/bf16.hpp"
@@ -94,6 +96,39 @@ inline std::int64_t wrong_reduce_scatter(Communicator& c, std::int64_t count, Co
   return wrong;
 }
 
+// Non-integer values whose sum depends on the order: every backend must sum in rank order (fp32 left to
+// right; bf16 in fp32, rounded once), so that results agree bit for bit across backends.
+inline float rounding_value(int rank, std::int64_t index) {
+  return static_cast<float>(std::sin(0.37 * static_cast<double>(index) + 1.3 * rank) *
+                            std::pow(10.0, rank % 3));
+}
+
+inline std::int64_t wrong_reduce_scatter_order(Communicator& c, std::int64_t count, CommDType dtype) {
+  const int n = c.size(), r = c.rank();
+  std::vector<float> send(static_cast<std::size_t>(n * count)), recv(static_cast<std::size_t>(count), -1.0f);
+  for (std::int64_t i = 0; i < n * count; ++i) send[i] = rounding_value(r, i);
+  std::vector<float> expected(recv.size());
+  for (std::int64_t i = 0; i < count; ++i) {
+    float sum = dtype == CommDType::f32 ? rounding_value(0, r * count + i) : 0.0f;
+    for (int p = dtype == CommDType::f32 ? 1 : 0; p < n; ++p) {
+      const float x = rounding_value(p, r * count + i);
+      sum += dtype == CommDType::f32 ? x : bf16_to_float(float_to_bf16(x));
+    }
+    expected[i] = dtype == CommDType::f32 ? sum : bf16_to_float(float_to_bf16(sum));
+  }
+  if (dtype == CommDType::f32) {
+    c.reduce_scatter_sum(send.data(), recv.data(), count, dtype);
+  } else {
+    std::vector<bf16> s(send.size()), o(recv.size());
+    for (std::size_t i = 0; i < send.size(); ++i) s[i] = float_to_bf16(send[i]);
+    c.reduce_scatter_sum(s.data(), o.data(), count, dtype);
+    for (std::size_t i = 0; i < o.size(); ++i) recv[i] = bf16_to_float(o[i]);
+  }
+  std::int64_t wrong = 0;
+  for (std::int64_t i = 0; i < count; ++i) wrong += std::memcmp(&recv[i], &expected[i], 4) != 0;
+  return wrong;
+}
+
 // Rank p sends to (p + shift) % n.
 inline std::int64_t wrong_permute(Communicator& c, std::int64_t count, int shift) {
   const int n = c.size(), r = c.rank();
@@ -130,6 +165,8 @@ inline std::int64_t wrong_in_all_cases(Communicator& c) {
     wrong += wrong_all_gather(c, count);
     wrong += wrong_reduce_scatter(c, count, CommDType::f32);
     wrong += wrong_reduce_scatter(c, count, CommDType::bf16);
+    wrong += wrong_reduce_scatter_order(c, count, CommDType::f32);
+    wrong += wrong_reduce_scatter_order(c, count, CommDType::bf16);
     wrong += wrong_permute(c, count, 1);
     wrong += wrong_permute(c, count, 0);
   }

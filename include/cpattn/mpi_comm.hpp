@@ -37,8 +37,8 @@ class MpiCommunicator final : public Communicator {
 
  private:
   MPI_Comm comm_ = MPI_COMM_NULL;
-  MPI_Op bf16_sum_ = MPI_OP_NULL;
   int rank_ = 0, size_ = 1;
+  std::vector<unsigned char> gathered_;  // reduce_scatter's blocks from every rank, kept between calls
 };
 
 }  // namespace cpattn

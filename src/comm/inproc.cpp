@@ -7,6 +7,7 @@
 
 #include "cpattn/bf16.hpp"
 #include "cpattn/error.hpp"
+#include "sum_blocks.hpp"
 
 namespace cpattn {
 
@@ -189,24 +190,11 @@ class InProcessCommunicator final : public Communicator {
 };
 
 void sum_blocks(const std::vector<Slot>& slots, int rank, std::int64_t count, CommDType dtype, void* out) {
-  const std::size_t off = static_cast<std::size_t>(rank) * static_cast<std::size_t>(count);
-  if (dtype == CommDType::f32) {
-    float* o = static_cast<float*>(out);
-    std::memcpy(o, static_cast<const float*>(slots[0].send) + off, static_cast<std::size_t>(count) * 4);
-    for (std::size_t p = 1; p < slots.size(); ++p) {
-      const float* in = static_cast<const float*>(slots[p].send) + off;
-      for (std::int64_t i = 0; i < count; ++i) o[i] += in[i];
-    }
-    return;
-  }
-  // bf16: accumulate in fp32, in rank order, then round once.
-  std::vector<float> acc(static_cast<std::size_t>(count), 0.0f);
-  for (const Slot& s : slots) {
-    const bf16* in = static_cast<const bf16*>(s.send) + off;
-    for (std::int64_t i = 0; i < count; ++i) acc[i] += bf16_to_float(in[i]);
-  }
-  bf16* o = static_cast<bf16*>(out);
-  for (std::int64_t i = 0; i < count; ++i) o[i] = float_to_bf16(acc[i]);
+  const std::size_t off =
+      static_cast<std::size_t>(rank) * static_cast<std::size_t>(count) * comm_dtype_size(dtype);
+  std::vector<const void*> blocks;
+  for (const Slot& s : slots) blocks.push_back(static_cast<const unsigned char*>(s.send) + off);
+  detail::sum_rank_blocks(blocks, count, dtype, out);
 }
 
 }  // namespace
