@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 
+#include "cpattn/error.hpp"
 #include "cpattn/flash.hpp"
 #include "cpattn/npy.hpp"
 #include "cpattn/reference.hpp"
@@ -87,6 +88,35 @@ TEST(FlashKernel, MatchesReferenceOnAwkwardSizesFp32) {
       {1, 70, 2, 1, 17, false, {30, 40}},
   };
   for (const Case& c : cases) check_against_reference(c, 1e-5);
+}
+
+// Every SIMD target compiled in and supported here (one in a -march=native build; SSSE3 .. AVX3_DL and the
+// portable scalar one in a generic build, scripts/test --portable) is selectable and matches the reference.
+TEST(FlashKernel, EverySimdTargetIsSelectableAndMatchesTheReference) {
+  const std::vector<std::string> targets = flash_vector_targets();
+  ASSERT_FALSE(targets.empty());
+  EXPECT_EQ(flash_vector_target(), targets.front());  // the best one by default
+  for (const std::string& t : targets) {
+    SCOPED_TRACE(t);
+    flash_force_vector_target(t);
+    EXPECT_EQ(flash_vector_target(), t);
+    for (const Case& c : std::vector<Case>{{1, 70, 2, 1, 17, false, {30, 40}},
+                                           {2, 129, 4, 2, 64, true, {60, 69}},
+                                           {1, 33, 3, 3, 1, true, {}},
+                                           {1, 100, 2, 1, 128, true, {}}}) {
+      check_against_reference(c, 1e-5);
+    }
+  }
+  flash_force_vector_target("");
+  EXPECT_EQ(flash_vector_target(), targets.front());
+  try {
+    flash_force_vector_target("AVX9");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'AVX9' is not compiled in"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(targets.front()), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(flash_vector_target(), targets.front());  // a bad name changes nothing
 }
 
 TEST(FlashKernel, MatchesReferenceWithTwoThreads) {

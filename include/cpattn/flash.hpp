@@ -11,6 +11,7 @@
 
 #include <array>
 #include <cstdint>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -86,6 +87,20 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
 // Whether flash_forward runs on AMX tiles for inputs of this dtype under this config (bf16, allow_amx, and a
 // CPU with AMX-BF16 whose kernel grants the tile state); otherwise it runs the vector path.
 bool flash_uses_amx(DType dtype, const FlashConfig& config);
+
+// The vector path is compiled for several SIMD targets when the library is built for a generic CPU
+// (CPATTN_MARCH empty: SSSE3, SSE4, AVX2, AVX3 and a portable scalar one, Highway's names) and for the build
+// machine's own when it is built with -march=native (the default); the best target this CPU supports is
+// chosen at run time, or the one named by the environment variable CPATTN_SIMD_TARGET (read before the first
+// kernel runs; an unknown name is an Error(invalid_config) listing the valid ones).
+// flash_vector_targets(): the compiled targets this CPU supports, best first; flash_vector_target(): the one
+// the kernels use now.
+std::vector<std::string> flash_vector_targets();
+std::string flash_vector_target();
+// Restricts the kernels to one of flash_vector_targets() ("" lifts the restriction): for tests and
+// comparisons. Process-wide; not to be called while a kernel runs. Throws Error(invalid_input) naming the
+// valid targets for any other name.
+void flash_force_vector_target(const std::string& name);
 
 // FA2 backward: P recomputed from LSE, D_i = rowsum(dO * O). dq: q's shape; dk, dv: k's shape, in the inputs'
 // dtype or fp32 (a bf16 backward can hand fp32 partials to a reduce-scatter). One pass, parallel over (batch,

@@ -13,11 +13,15 @@
 #include "flash_amx.hpp"
 #include "flash_common.hpp"
 
-namespace cpattn {
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/flash_backward.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
 
-using namespace kernels;
+#include "flash_simd.hpp"
 
-namespace {
+HWY_BEFORE_NAMESPACE();
+namespace cpattn::kernels::HWY_NAMESPACE {
 
 // p[r][j] = exp2(s[r][j] - lse2[r]) in place, then ds[r][j] = p[r][j] * (dp[r][j] - delta[r]).
 void probabilities_and_ds(float* s, float* dp, std::int64_t rows, std::int64_t cols, const float* lse2,
@@ -37,7 +41,169 @@ void probabilities_and_ds(float* s, float* dp, std::int64_t rows, std::int64_t c
   }
 }
 
-}  // namespace
+// The vector path of flash_backward after its checks: lse2 and delta as flash_backward computes them.
+void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
+                     const ConstTensorRef& d_out, const AttentionMask& mask, double scale,
+                     const FlashConfig& config, const BlockGrid& grid, const std::vector<float>& lse2,
+                     const std::vector<float>& delta, bool guard, const TensorRef& dq, const TensorRef& dk,
+                     const TensorRef& dv, std::vector<std::int64_t>& task_tiles,
+                     std::atomic<std::int64_t>& full, std::atomic<std::int64_t>& partial) {
+  const std::int64_t B = q.shape.b, Sq = q.shape.s, Skv = k.shape.s, Hq = q.shape.h, Hkv = k.shape.h;
+  const std::int64_t D = q.shape.d, G = Hq / Hkv;
+  const std::int64_t Bq = config.block_q, Bk = config.block_kv;
+  const std::int64_t Dp = padded_head_dim(D);
+  const float q_factor = static_cast<float>(scale * 1.4426950408889634);
+  const float grad_scale = static_cast<float>(scale);
+  const std::int64_t q_blocks = (Sq + Bq - 1) / Bq, kv_blocks = (Skv + Bk - 1) / Bk;
+  const std::int64_t sq_padded = q_blocks * Bq;
+  const bool segments = mask.has_segments();
+  // Every operand block is packed once per call (converted to fp32, zero-padded, Q pre-scaled for the
+  // base-2 scores) and then read by every tile that needs it.
+  struct Workspace {
+    std::vector<float> s, dp, acc_a, acc_b;
+    std::vector<double> sum_a, sum_b;  // dK, dV running sums over tiles
+  };
+  std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
+  // S, P and dS for one tile from packed rows of Q' and dO ([rows][Dp]) and K^T, V^T ([Dp][Bk]); rows
+  // padded to the tile height.
+  auto tile_ds = [&](Workspace& w, const float* qs, const float* dop, const float* kt, const float* vt,
+                     std::int64_t b, std::int64_t h, const BlockMeta& qb, const BlockMeta& kb, TileKind kind,
+                     std::int64_t rows) {
+    w.s.resize(Bq * Bk);
+    w.dp.resize(Bq * Bk);
+    dot_rows(qs, Dp, kt, Bk, D, rows, Bk, w.s.data(), Bk);
+    dot_rows(dop, Dp, vt, Bk, D, rows, Bk, w.dp.data(), Bk);
+    const std::int64_t row0 = (b * Hq + h) * sq_padded + qb.begin;
+    probabilities_and_ds(w.s.data(), w.dp.data(), rows, Bk, lse2.data() + row0, delta.data() + row0);
+    // The mask is applied to P and dS (not to S): a masked pair's P and dS are then exactly 0 even for a
+    // row whose LSE is NaN (exp2(-inf - NaN) is NaN), and a NaN row cannot reach the keys it may not see.
+    if (kind == TileKind::partial) {
+      apply_mask(w.s.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, 0.0f);
+      apply_mask(w.dp.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, 0.0f);
+    }
+  };
+
+  // Q' and dO as rows [Bq][Dp], K^T and V^T as [Dp][Bk].
+  const PackedBlocks qs(q, grid.q, Bq, Dp, false, q_factor, config.threads);
+  const PackedBlocks dop(d_out, grid.q, Bq, Dp, false, 1.0f, config.threads);
+  const PackedBlocks kt(k, grid.kv, Bk, Dp, true, 1.0f, config.threads);
+  const PackedBlocks vt(v, grid.kv, Bk, Dp, true, 1.0f, config.threads);
+
+  // The kv blocks are walked in stripes. Within a stripe one task per (batch row, q head) computes its
+  // tiles; a kv head serving several q heads (G > 1) gets one fp64 partial per q head,
+  // [B][Hq][stripe][Bk][Dp], summed over the group in head order when the stripe ends. The stripe is as
+  // many kv blocks as keep those partials under config.backward_partial_bytes, so their memory does not
+  // grow with the sequence; with G = 1 there are no partials and one stripe. dQ accumulates in fp32 over
+  // every stripe, [B][Hq][Sq padded][Dp].
+  const std::int64_t stripe = backward_stripe_blocks(config, B, Hq, G, Dp, kv_blocks);
+  std::vector<double> head_dk, head_dv;
+  if (G > 1) {
+    head_dk.assign(static_cast<std::size_t>(B * Hq * stripe * Bk * Dp), 0.0);
+    head_dv.assign(head_dk.size(), 0.0);
+  }
+  const PackedBlocks qraw(q, grid.q, Bq, Dp, false, 1.0f, config.threads);    // Q unscaled, for dK
+  const PackedBlocks krows(k, grid.kv, Bk, Dp, false, 1.0f, config.threads);  // K as rows, for dQ
+  std::vector<float> dq_acc(static_cast<std::size_t>(B * Hq * sq_padded * Dp), 0.0f);
+  for (std::int64_t s0 = 0; s0 < kv_blocks; s0 += stripe) {
+    const std::int64_t s1 = std::min(kv_blocks, s0 + stripe);
+    parallel_for(B * Hq, config.threads, [&](std::int64_t task, int worker) {
+      const std::int64_t b = task / Hq, h = task % Hq, hk = h / G;
+      Workspace& w = spaces[worker];
+      float* dq_head = dq_acc.data() + task * sq_padded * Dp;
+      w.acc_a.resize(Bk * Dp);
+      w.acc_b.resize(Bk * Dp);
+      std::int64_t computed = 0, computed_full = 0;
+      for (std::int64_t kvi = s0; kvi < s1; ++kvi) {
+        const BlockMeta& kb = grid.kv[b][kvi];
+        // dK and dV of this kv block sum over the q blocks: each tile's rows in fp32 registers, the running
+        // sum over tiles in fp64, so the error does not grow with the sequence and the group size
+        // (strategies that split the sum differently then agree to ~1e-7 of max |grad|).
+        w.sum_a.assign(Bk * Dp, 0.0);
+        w.sum_b.assign(Bk * Dp, 0.0);
+        for (std::int64_t qi = 0; qi < q_blocks; ++qi) {
+          const BlockMeta& qb = grid.q[b][qi];
+          const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
+          if (kind == TileKind::empty) continue;
+          ++computed;
+          computed_full += kind == TileKind::full;
+          const std::int64_t rows = round_up(qb.length, kTileRows);
+          const float* dop_block = dop.at(b, h, qi);
+          tile_ds(w, qs.at(b, h, qi), dop_block, kt.at(b, hk, kvi), vt.at(b, hk, kvi), b, h, qb, kb, kind,
+                  rows);
+          // dV[j] += sum_i P[i][j] dO[i]; dK[j] += sum_i dS[i][j] Q[i]  (keys as output rows)
+          std::fill(w.acc_a.begin(), w.acc_a.end(), 0.0f);
+          std::fill(w.acc_b.begin(), w.acc_b.end(), 0.0f);
+          axpy_rows(w.s.data(), Bk, 1, dop_block, Dp, rows, Bk, Dp, w.acc_b.data(), Dp, guard);
+          axpy_rows(w.dp.data(), Bk, 1, qraw.at(b, h, qi), Dp, rows, Bk, Dp, w.acc_a.data(), Dp, guard);
+          for (std::int64_t i = 0; i < Bk * Dp; ++i) {
+            w.sum_a[i] += w.acc_a[i];
+            w.sum_b[i] += w.acc_b[i];
+          }
+          // dQ[i] += sum_j dS[i][j] K[j], continuing the row's sum over the kv blocks in order
+          axpy_rows(w.dp.data(), 1, Bk, krows.at(b, hk, kvi), Dp, Bk, rows, Dp, dq_head + qb.begin * Dp, Dp,
+                    guard);
+        }
+        if (G > 1) {
+          const std::size_t at = static_cast<std::size_t>((task * stripe + (kvi - s0)) * Bk * Dp);
+          std::copy(w.sum_a.begin(), w.sum_a.end(), head_dk.begin() + at);
+          std::copy(w.sum_b.begin(), w.sum_b.end(), head_dv.begin() + at);
+          continue;
+        }
+        for (std::int64_t j = 0; j < kb.length; ++j) {
+          for (std::int64_t d = 0; d < Dp; ++d) {
+            w.acc_a[j * Dp + d] = static_cast<float>(w.sum_a[j * Dp + d] * scale);
+            w.acc_b[j * Dp + d] = static_cast<float>(w.sum_b[j * Dp + d]);
+          }
+          store_row(dk, b, kb.begin + j, hk, w.acc_a.data() + j * Dp, 1.0f);
+          store_row(dv, b, kb.begin + j, hk, w.acc_b.data() + j * Dp, 1.0f);
+        }
+      }
+      task_tiles[task] += computed;
+      full += computed_full;
+      partial += computed - computed_full;
+    });
+    if (G == 1) continue;
+    // dK, dV of the stripe's keys = the group's per-head sums, added in head order.
+    const std::int64_t j0 = s0 * Bk, j1 = std::min(Skv, s1 * Bk);
+    parallel_for(B * Hkv, config.threads, [&](std::int64_t task, int) {
+      const std::int64_t b = task / Hkv, hk = task % Hkv;
+      std::vector<float> rk(static_cast<std::size_t>(Dp)), rv(rk.size());
+      for (std::int64_t j = j0; j < j1; ++j) {
+        for (std::int64_t d = 0; d < Dp; ++d) {
+          double sk = 0.0, sv = 0.0;
+          for (std::int64_t g = 0; g < G; ++g) {
+            const std::size_t at =
+                static_cast<std::size_t>(((b * Hq + hk * G + g) * stripe * Bk + (j - j0)) * Dp + d);
+            sk += head_dk[at];
+            sv += head_dv[at];
+          }
+          rk[d] = static_cast<float>(sk * scale);
+          rv[d] = static_cast<float>(sv);
+        }
+        store_row(dk, b, j, hk, rk.data(), 1.0f);
+        store_row(dv, b, j, hk, rv.data(), 1.0f);
+      }
+    });
+  }
+  parallel_for(B * Hq, config.threads, [&](std::int64_t task, int) {
+    const std::int64_t b = task / Hq, h = task % Hq;
+    for (std::int64_t i = 0; i < Sq; ++i) {
+      store_row(dq, b, i, h, dq_acc.data() + (task * sq_padded + i) * Dp, grad_scale);
+    }
+  });
+}
+
+}  // namespace cpattn::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace cpattn {
+
+namespace kernels {
+HWY_EXPORT(backward_vector);
+}  // namespace kernels
+
+using namespace kernels;
 
 void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
                     const ConstTensorRef& o, const float* lse, const ConstTensorRef& d_out,
@@ -50,15 +216,11 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   check_same_shape("dk", dk.shape, k.shape);
   check_same_shape("dv", dv.shape, k.shape);
   CPATTN_ASSERT(lse != nullptr);
-  const std::int64_t B = q.shape.b, Sq = q.shape.s, Skv = k.shape.s, Hq = q.shape.h, Hkv = k.shape.h;
-  const std::int64_t D = q.shape.d, G = Hq / Hkv;
-  const std::int64_t Bq = config.block_q, Bk = config.block_kv;
-  const std::int64_t Dp = padded_head_dim(D);
-  const float q_factor = static_cast<float>(scale * 1.4426950408889634);
-  const float grad_scale = static_cast<float>(scale);
+  apply_simd_target_env();
+  const std::int64_t B = q.shape.b, Sq = q.shape.s, Skv = k.shape.s, Hq = q.shape.h, D = q.shape.d;
+  const std::int64_t Bq = config.block_q;
   const BlockGrid grid = make_block_grid(mask, B, Sq, Skv, config);
-  const std::int64_t q_blocks = (Sq + Bq - 1) / Bq, kv_blocks = (Skv + Bk - 1) / Bk;
-  const bool segments = mask.has_segments();
+  const std::int64_t q_blocks = (Sq + Bq - 1) / Bq;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const float pos_inf = std::numeric_limits<float>::infinity();
 
@@ -93,140 +255,8 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
     flash_backward_amx(q, k, v, d_out, mask, scale, config, grid, lse2, delta, dq, dk, dv, task_tiles, full,
                        partial);
   } else {
-    // Every operand block is packed once per call (converted to fp32, zero-padded, Q pre-scaled for the
-    // base-2 scores) and then read by every tile that needs it.
-    struct Workspace {
-      std::vector<float> s, dp, acc_a, acc_b;
-      std::vector<double> sum_a, sum_b;  // dK, dV running sums over tiles
-    };
-    std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
-    // S, P and dS for one tile from packed rows of Q' and dO ([rows][Dp]) and K^T, V^T ([Dp][Bk]); rows
-    // padded to the tile height.
-    auto tile_ds = [&](Workspace& w, const float* qs, const float* dop, const float* kt, const float* vt,
-                       std::int64_t b, std::int64_t h, const BlockMeta& qb, const BlockMeta& kb,
-                       TileKind kind, std::int64_t rows) {
-      w.s.resize(Bq * Bk);
-      w.dp.resize(Bq * Bk);
-      dot_rows(qs, Dp, kt, Bk, D, rows, Bk, w.s.data(), Bk);
-      dot_rows(dop, Dp, vt, Bk, D, rows, Bk, w.dp.data(), Bk);
-      const std::int64_t row0 = (b * Hq + h) * sq_padded + qb.begin;
-      probabilities_and_ds(w.s.data(), w.dp.data(), rows, Bk, lse2.data() + row0, delta.data() + row0);
-      // The mask is applied to P and dS (not to S): a masked pair's P and dS are then exactly 0 even for a
-      // row whose LSE is NaN (exp2(-inf - NaN) is NaN), and a NaN row cannot reach the keys it may not see.
-      if (kind == TileKind::partial) {
-        apply_mask(w.s.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, 0.0f);
-        apply_mask(w.dp.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, 0.0f);
-      }
-    };
-
-    // Q' and dO as rows [Bq][Dp], K^T and V^T as [Dp][Bk].
-    const PackedBlocks qs(q, grid.q, Bq, Dp, false, q_factor, config.threads);
-    const PackedBlocks dop(d_out, grid.q, Bq, Dp, false, 1.0f, config.threads);
-    const PackedBlocks kt(k, grid.kv, Bk, Dp, true, 1.0f, config.threads);
-    const PackedBlocks vt(v, grid.kv, Bk, Dp, true, 1.0f, config.threads);
-
-    // The kv blocks are walked in stripes. Within a stripe one task per (batch row, q head) computes its
-    // tiles; a kv head serving several q heads (G > 1) gets one fp64 partial per q head,
-    // [B][Hq][stripe][Bk][Dp], summed over the group in head order when the stripe ends. The stripe is as
-    // many kv blocks as keep those partials under config.backward_partial_bytes, so their memory does not
-    // grow with the sequence; with G = 1 there are no partials and one stripe. dQ accumulates in fp32 over
-    // every stripe, [B][Hq][Sq padded][Dp].
-    const std::int64_t stripe = backward_stripe_blocks(config, B, Hq, G, Dp, kv_blocks);
-    std::vector<double> head_dk, head_dv;
-    if (G > 1) {
-      head_dk.assign(static_cast<std::size_t>(B * Hq * stripe * Bk * Dp), 0.0);
-      head_dv.assign(head_dk.size(), 0.0);
-    }
-    const PackedBlocks qraw(q, grid.q, Bq, Dp, false, 1.0f, config.threads);    // Q unscaled, for dK
-    const PackedBlocks krows(k, grid.kv, Bk, Dp, false, 1.0f, config.threads);  // K as rows, for dQ
-    std::vector<float> dq_acc(static_cast<std::size_t>(B * Hq * sq_padded * Dp), 0.0f);
-    for (std::int64_t s0 = 0; s0 < kv_blocks; s0 += stripe) {
-      const std::int64_t s1 = std::min(kv_blocks, s0 + stripe);
-      parallel_for(B * Hq, config.threads, [&](std::int64_t task, int worker) {
-        const std::int64_t b = task / Hq, h = task % Hq, hk = h / G;
-        Workspace& w = spaces[worker];
-        float* dq_head = dq_acc.data() + task * sq_padded * Dp;
-        w.acc_a.resize(Bk * Dp);
-        w.acc_b.resize(Bk * Dp);
-        std::int64_t computed = 0, computed_full = 0;
-        for (std::int64_t kvi = s0; kvi < s1; ++kvi) {
-          const BlockMeta& kb = grid.kv[b][kvi];
-          // dK and dV of this kv block sum over the q blocks: each tile's rows in fp32 registers, the running
-          // sum over tiles in fp64, so the error does not grow with the sequence and the group size
-          // (strategies that split the sum differently then agree to ~1e-7 of max |grad|).
-          w.sum_a.assign(Bk * Dp, 0.0);
-          w.sum_b.assign(Bk * Dp, 0.0);
-          for (std::int64_t qi = 0; qi < q_blocks; ++qi) {
-            const BlockMeta& qb = grid.q[b][qi];
-            const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
-            if (kind == TileKind::empty) continue;
-            ++computed;
-            computed_full += kind == TileKind::full;
-            const std::int64_t rows = round_up(qb.length, kTileRows);
-            const float* dop_block = dop.at(b, h, qi);
-            tile_ds(w, qs.at(b, h, qi), dop_block, kt.at(b, hk, kvi), vt.at(b, hk, kvi), b, h, qb, kb, kind,
-                    rows);
-            // dV[j] += sum_i P[i][j] dO[i]; dK[j] += sum_i dS[i][j] Q[i]  (keys as output rows)
-            std::fill(w.acc_a.begin(), w.acc_a.end(), 0.0f);
-            std::fill(w.acc_b.begin(), w.acc_b.end(), 0.0f);
-            axpy_rows(w.s.data(), Bk, 1, dop_block, Dp, rows, Bk, Dp, w.acc_b.data(), Dp, guard);
-            axpy_rows(w.dp.data(), Bk, 1, qraw.at(b, h, qi), Dp, rows, Bk, Dp, w.acc_a.data(), Dp, guard);
-            for (std::int64_t i = 0; i < Bk * Dp; ++i) {
-              w.sum_a[i] += w.acc_a[i];
-              w.sum_b[i] += w.acc_b[i];
-            }
-            // dQ[i] += sum_j dS[i][j] K[j], continuing the row's sum over the kv blocks in order
-            axpy_rows(w.dp.data(), 1, Bk, krows.at(b, hk, kvi), Dp, Bk, rows, Dp, dq_head + qb.begin * Dp, Dp,
-                      guard);
-          }
-          if (G > 1) {
-            const std::size_t at = static_cast<std::size_t>((task * stripe + (kvi - s0)) * Bk * Dp);
-            std::copy(w.sum_a.begin(), w.sum_a.end(), head_dk.begin() + at);
-            std::copy(w.sum_b.begin(), w.sum_b.end(), head_dv.begin() + at);
-            continue;
-          }
-          for (std::int64_t j = 0; j < kb.length; ++j) {
-            for (std::int64_t d = 0; d < Dp; ++d) {
-              w.acc_a[j * Dp + d] = static_cast<float>(w.sum_a[j * Dp + d] * scale);
-              w.acc_b[j * Dp + d] = static_cast<float>(w.sum_b[j * Dp + d]);
-            }
-            store_row(dk, b, kb.begin + j, hk, w.acc_a.data() + j * Dp, 1.0f);
-            store_row(dv, b, kb.begin + j, hk, w.acc_b.data() + j * Dp, 1.0f);
-          }
-        }
-        task_tiles[task] += computed;
-        full += computed_full;
-        partial += computed - computed_full;
-      });
-      if (G == 1) continue;
-      // dK, dV of the stripe's keys = the group's per-head sums, added in head order.
-      const std::int64_t j0 = s0 * Bk, j1 = std::min(Skv, s1 * Bk);
-      parallel_for(B * Hkv, config.threads, [&](std::int64_t task, int) {
-        const std::int64_t b = task / Hkv, hk = task % Hkv;
-        std::vector<float> rk(static_cast<std::size_t>(Dp)), rv(rk.size());
-        for (std::int64_t j = j0; j < j1; ++j) {
-          for (std::int64_t d = 0; d < Dp; ++d) {
-            double sk = 0.0, sv = 0.0;
-            for (std::int64_t g = 0; g < G; ++g) {
-              const std::size_t at =
-                  static_cast<std::size_t>(((b * Hq + hk * G + g) * stripe * Bk + (j - j0)) * Dp + d);
-              sk += head_dk[at];
-              sv += head_dv[at];
-            }
-            rk[d] = static_cast<float>(sk * scale);
-            rv[d] = static_cast<float>(sv);
-          }
-          store_row(dk, b, j, hk, rk.data(), 1.0f);
-          store_row(dv, b, j, hk, rv.data(), 1.0f);
-        }
-      });
-    }
-    parallel_for(B * Hq, config.threads, [&](std::int64_t task, int) {
-      const std::int64_t b = task / Hq, h = task % Hq;
-      for (std::int64_t i = 0; i < Sq; ++i) {
-        store_row(dq, b, i, h, dq_acc.data() + (task * sq_padded + i) * Dp, grad_scale);
-      }
-    });
+    HWY_DYNAMIC_DISPATCH(backward_vector)
+    (q, k, v, d_out, mask, scale, config, grid, lse2, delta, guard, dq, dk, dv, task_tiles, full, partial);
   }
 
   if (tiles != nullptr) {
@@ -255,3 +285,4 @@ FlashBackwardResult flash_attention_backward(const Tensor& q, const Tensor& k, c
 }
 
 }  // namespace cpattn
+#endif  // HWY_ONCE

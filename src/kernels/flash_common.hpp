@@ -11,10 +11,17 @@
 
 #include "cpattn/error.hpp"
 #include "cpattn/flash.hpp"
-#include "flash_simd.hpp"
 #include "tile_map.hpp"
 
 namespace cpattn::kernels {
+
+inline constexpr int kTileRows = 4;  // q rows of a backward tile are padded to a multiple of it
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+inline std::int64_t round_up(std::int64_t x, std::int64_t m) {
+  return (x + m - 1) / m * m;
+}
 
 // D values of row (b, s, h) as floats times `factor` into out[0, width), zero-padded past D.
 inline void load_row(const ConstTensorRef& t, std::int64_t b, std::int64_t s, std::int64_t h, float factor,
@@ -86,6 +93,10 @@ inline std::int64_t backward_stripe_blocks(const FlashConfig& config, std::int64
   return std::clamp<std::int64_t>(static_cast<std::int64_t>(config.backward_partial_bytes / bytes_per_block),
                                   1, kv_blocks);
 }
+
+// Applies CPATTN_SIMD_TARGET (a name from flash_vector_targets()) once per process, before the first kernel;
+// an invalid name throws Error(invalid_config) naming the valid ones, on every call.
+void apply_simd_target_env();
 
 // Shapes and sizes agree; throws Error(invalid_input) naming the tensor otherwise.
 void check_forward_args(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,

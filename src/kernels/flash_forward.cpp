@@ -5,16 +5,22 @@
 // order.
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <mutex>
 
 #include "../core/parallel_for.hpp"
 #include "flash_amx.hpp"
 #include "flash_common.hpp"
 
-namespace cpattn {
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/flash_forward.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
 
-using namespace kernels;
+#include "flash_simd.hpp"
 
-namespace {
+HWY_BEFORE_NAMESPACE();
+namespace cpattn::kernels::HWY_NAMESPACE {
 
 // The vector path (Highway): fp32 arithmetic for fp32 and bf16 inputs alike.
 void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
@@ -146,13 +152,30 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   });
 }
 
-}  // namespace
+// The SIMD target this copy of the kernels was compiled for (Highway's name).
+const char* vector_target_name() {
+  return hwy::TargetName(HWY_TARGET);
+}
+
+}  // namespace cpattn::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace cpattn {
+
+namespace kernels {
+HWY_EXPORT(forward_vector);
+HWY_EXPORT(vector_target_name);
+}  // namespace kernels
+
+using namespace kernels;
 
 void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
                    const AttentionMask& mask, double scale, const FlashConfig& config, const TensorRef& o,
                    float* lse, TileCounts* tiles) {
   check_forward_args(q, k, v, mask, config);
   check_same_shape("o", o.shape, q.shape);
+  apply_simd_target_env();
   const std::int64_t B = q.shape.b, Sq = q.shape.s, Skv = k.shape.s, Hq = q.shape.h;
   const std::int64_t q_blocks = (Sq + config.block_q - 1) / config.block_q;
   const BlockGrid grid = make_block_grid(mask, B, Sq, Skv, config);
@@ -165,7 +188,8 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
   if (bf16_inputs && flash_uses_amx(DType::bf16, config) && !any_nonfinite(v)) {
     flash_forward_amx(q, k, v, mask, scale, config, grid, o, lse, task_tiles, full, partial);
   } else {
-    forward_vector(q, k, v, mask, scale, config, grid, o, lse, task_tiles, full, partial);
+    HWY_DYNAMIC_DISPATCH(forward_vector)
+    (q, k, v, mask, scale, config, grid, o, lse, task_tiles, full, partial);
   }
 
   if (tiles != nullptr) {
@@ -175,6 +199,68 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
     tiles->partial = partial;
   }
 }
+
+namespace {
+std::int64_t forced_target = 0;  // flash_force_vector_target's, 0: none
+
+// Every compiled target this CPU supports, whatever is forced now.
+std::vector<std::int64_t> all_vector_targets() {
+  hwy::SetSupportedTargetsForTest(0);
+  std::vector<std::int64_t> targets = hwy::SupportedAndGeneratedTargets();
+  hwy::SetSupportedTargetsForTest(forced_target);
+  return targets;
+}
+
+void force_vector_target(const std::string& name) {
+  std::int64_t chosen = 0;
+  std::string valid;
+  for (const std::int64_t t : all_vector_targets()) {
+    if (name == hwy::TargetName(t)) chosen = t;
+    valid += (valid.empty() ? "" : ", ") + std::string(hwy::TargetName(t));
+  }
+  if (!name.empty() && chosen == 0) {
+    throw Error(
+        ErrorKind::invalid_input, "simd_target", name,
+        "SIMD target '" + name + "' is not compiled in or not supported by this CPU (valid: " + valid + ")");
+  }
+  forced_target = chosen;
+  hwy::SetSupportedTargetsForTest(forced_target);
+}
+}  // namespace
+
+std::vector<std::string> flash_vector_targets() {
+  kernels::apply_simd_target_env();
+  std::vector<std::string> names;
+  for (const std::int64_t t : all_vector_targets()) names.emplace_back(hwy::TargetName(t));
+  return names;
+}
+
+std::string flash_vector_target() {
+  kernels::apply_simd_target_env();
+  return HWY_DYNAMIC_DISPATCH(vector_target_name)();
+}
+
+void flash_force_vector_target(const std::string& name) {
+  kernels::apply_simd_target_env();
+  force_vector_target(name);
+}
+
+namespace kernels {
+// CPATTN_SIMD_TARGET, read once before the kernels first run (an invalid name is an error on every call).
+void apply_simd_target_env() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* env = std::getenv("CPATTN_SIMD_TARGET");
+    if (env == nullptr || *env == 0) return;
+    try {
+      force_vector_target(env);
+    } catch (const Error& e) {
+      throw Error(ErrorKind::invalid_config, "CPATTN_SIMD_TARGET", env,
+                  std::string("environment variable CPATTN_SIMD_TARGET=") + env + ": " + e.what());
+    }
+  });
+}
+}  // namespace kernels
 
 bool flash_uses_amx(DType dtype, const FlashConfig& config) {
   return dtype == DType::bf16 && config.allow_amx && amx_bf16_usable();
@@ -191,3 +277,4 @@ FlashForwardResult flash_attention_forward(const Tensor& q, const Tensor& k, con
 }
 
 }  // namespace cpattn
+#endif  // HWY_ONCE

@@ -1,7 +1,16 @@
-// The vector building blocks of the flash kernels (Highway, compiled for the build's target). Every row of a
-// tile runs the same instructions whatever its position, so a row's result does not depend on its lane or on
-// which rows share its tile.
-#pragma once
+// The vector building blocks of the flash kernels (Highway), compiled once per SIMD target: a file that
+// includes it after <hwy/foreach_target.h> gets them in cpattn::kernels::HWY_NAMESPACE for every target it is
+// built for (runtime dispatch picks one; see flash_vector_target()). Every row of a tile runs the same
+// instructions whatever its position, so a row's result does not depend on its lane or on which rows share
+// its tile.
+
+// Per-target include guard (Highway's convention).
+#if defined(CPATTN_KERNELS_FLASH_SIMD_HPP_) == defined(HWY_TARGET_TOGGLE)
+#ifdef CPATTN_KERNELS_FLASH_SIMD_HPP_
+#undef CPATTN_KERNELS_FLASH_SIMD_HPP_
+#else
+#define CPATTN_KERNELS_FLASH_SIMD_HPP_
+#endif
 
 #include <hwy/highway.h>
 
@@ -11,21 +20,17 @@
 #include <limits>
 #include <type_traits>
 
-namespace cpattn::kernels {
+#include "flash_common.hpp"
+
+HWY_BEFORE_NAMESPACE();
+namespace cpattn::kernels::HWY_NAMESPACE {
 
 namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 
-inline constexpr int kTileRows = 4;  // q rows of a backward tile are padded to a multiple of it
-inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr float kLn2 = 0.6931471805599453f;
-
 inline std::int64_t lanes() {
   return static_cast<std::int64_t>(hn::Lanes(DF()));
-}
-inline std::int64_t round_up(std::int64_t x, std::int64_t m) {
-  return (x + m - 1) / m * m;
 }
 // Dp: the head dim padded to whole vectors and to an even count, since the register tiles cover output rows
 // (the forward's O^T rows are head-dim rows) two at a time or more. With Highway's scalar target (1 lane) an
@@ -231,4 +236,7 @@ inline void axpy_rows(const float* coef, std::int64_t ct, std::int64_t cr, const
   }
 }
 
-}  // namespace cpattn::kernels
+}  // namespace cpattn::kernels::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard

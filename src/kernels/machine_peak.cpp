@@ -1,6 +1,6 @@
 #include "cpattn/machine_peak.hpp"
 
-#include <hwy/highway.h>
+#include "flash_common.hpp"
 
 #include <algorithm>
 #include <array>
@@ -15,18 +15,30 @@
 #define CPATTN_X86 1
 #endif
 
-namespace cpattn {
-namespace {
-
-namespace hn = hwy::HWY_NAMESPACE;
-
+#ifndef CPATTN_MACHINE_PEAK_CONSTANTS_
+#define CPATTN_MACHINE_PEAK_CONSTANTS_  // once, though foreach_target.h includes this file once per target
+namespace cpattn::peak {
 constexpr int kChains = 16;
 constexpr int kTries = 5;
+}  // namespace cpattn::peak
+#endif
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/machine_peak.cpp"
+#include <hwy/foreach_target.h>  // IWYU pragma: keep
+#include <hwy/highway.h>
+
+HWY_BEFORE_NAMESPACE();
+namespace cpattn::peak::HWY_NAMESPACE {
+
+namespace hn = hwy::HWY_NAMESPACE;
 
 // Defeats constant folding and keeps each accumulator a live register the optimizer cannot reason about.
 template <class V>
 HWY_INLINE void opaque(V& v) {
-#if defined(__GNUC__) && defined(CPATTN_X86)
+#if HWY_TARGET == HWY_SCALAR || HWY_TARGET == HWY_EMU128
+  asm volatile("" : : "r"(&v) : "memory");  // not a vector register: keep it in memory
+#elif defined(__GNUC__) && defined(CPATTN_X86)
   asm volatile("" : "+v"(v.raw));
 #else
   (void)v;
@@ -52,6 +64,23 @@ double fma_loop_seconds(std::int64_t iters, double& flops) {
   flops = 2.0 * kChains * static_cast<double>(hn::Lanes(df)) * static_cast<double>(iters);
   return s;
 }
+
+}  // namespace cpattn::peak::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace cpattn {
+namespace peak {
+HWY_EXPORT(fma_loop_seconds);
+double dispatched_fma_loop_seconds(std::int64_t iters, double& flops) {
+  return HWY_DYNAMIC_DISPATCH(fma_loop_seconds)(iters, flops);
+}
+}  // namespace peak
+
+namespace {
+
+using peak::kChains;
+using peak::kTries;
 
 #if defined(CPATTN_X86)
 __attribute__((target("avx512f,avx512bf16"))) double bf16_loop_seconds(std::int64_t iters, double& flops) {
@@ -97,7 +126,9 @@ double peak_on_threads(int threads, Loop loop) {
 }  // namespace
 
 double measure_fma_peak_gflops(int threads) {
-  return peak_on_threads(threads, fma_loop_seconds);
+  kernels::apply_simd_target_env();
+  // The target the kernels dispatch to (flash_vector_target()), so the peak is that vector width's.
+  return peak_on_threads(threads, peak::dispatched_fma_loop_seconds);
 }
 
 double measure_bf16_dot_peak_gflops(int threads) {
@@ -111,3 +142,4 @@ double measure_bf16_dot_peak_gflops(int threads) {
 }
 
 }  // namespace cpattn
+#endif  // HWY_ONCE

@@ -263,6 +263,21 @@ TEST(CliBench, CommJsonHasEveryCollectiveWithItsKeys) {
   EXPECT_EQ(j["results"][2]["collective"], "all_to_all_strided");
 }
 
+TEST(CliBench, KernelJsonNamesItsPathAndTarget) {
+  const Result r = run("bench kernel --json --seq 64 --q-heads 2 --kv-heads 1 --head-dim 32 --min-seconds 0");
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  for (const char* k : {"fma_peak_gflops", "forward_gflops", "backward_gflops", "forward_fraction_of_peak",
+                        "backward_fraction_of_peak", "reference_seconds"}) {
+    EXPECT_GT(j[k].get<double>(), 0.0) << k;
+  }
+  EXPECT_EQ(j["forward_path"], "vector");
+  EXPECT_FALSE(j["vector_target"].get<std::string>().empty());
+  const Result bad = run("bench kernel --seq 64 --q-heads 2 --kv-heads 1 --head-dim 32 --simd-target AVX9");
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("SIMD target 'AVX9' is not compiled in"), std::string::npos) << bad.err;
+}
+
 TEST(CliRun, SavesOutputsAndLoadsInputsWhoseShapesWin) {
   const auto dir = std::filesystem::temp_directory_path() / "cpattn_cli_run";
   std::filesystem::remove_all(dir);

@@ -29,6 +29,7 @@ struct KernelOptions {
   std::int64_t reference_max_seq = 4096;
   bool json = false;
   bool no_amx = false;
+  std::string simd_target;  // empty: the best the CPU has
 };
 
 // Best of repeated calls (the least disturbed by the machine's other tenants), after one warm-up call.
@@ -84,6 +85,7 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
   FlashConfig cfg;
   cfg.threads = opt.threads;
   cfg.allow_amx = !opt.no_amx;
+  if (!opt.simd_target.empty()) flash_force_vector_target(opt.simd_target);
 
   // The peak first and again after the kernels; their mean is the baseline (the machine's clock drifts).
   const double peak_before = measure_fma_peak_gflops(opt.threads);
@@ -124,6 +126,7 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
                     {"dtype", to_string(a.dtype)},
                     {"threads", opt.threads}};
   out["forward_path"] = flash_uses_amx(a.dtype, cfg) ? "amx" : "vector";
+  out["vector_target"] = flash_vector_target();
   out["fma_peak_gflops"] = fma_peak;
   out["fma_peak_before_after_gflops"] = {peak_before, peak_after};
   out["bf16_peak_gflops"] = bf16_peak;
@@ -157,7 +160,8 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
             << "fp32 FMA peak   " << fma_peak << " GFLOP/s (before " << peak_before << ", after "
             << peak_after << ")\nbf16 dot peak   " << bf16_peak << " GFLOP/s"
             << (bf16_peak == 0 ? " (no AVX512_BF16)" : "") << "\nforward path    "
-            << out["forward_path"].get<std::string>() << "\nforward         " << forward_s << " s  "
+            << out["forward_path"].get<std::string>() << " (vector target "
+            << out["vector_target"].get<std::string>() << ")\nforward         " << forward_s << " s  "
             << forward_gflops << " GFLOP/s  " << forward_gflops / fma_peak << " of the FMA peak\n"
             << "backward        " << backward_s << " s  " << backward_gflops << " GFLOP/s  "
             << backward_gflops / fma_peak << " of the FMA peak\n"
@@ -185,6 +189,10 @@ void add_bench_kernel_command(CLI::App& bench, int& exit_code) {
   sub->add_option("--reference-max-seq", opt->reference_max_seq,
                   "time the float64 reference forward only up to this S (default 4096)");
   sub->add_flag("--no-amx", opt->no_amx, "bf16: run the vector path even where AMX is available");
+  sub->add_option(
+      "--simd-target", opt->simd_target,
+      "the vector kernels' SIMD target (Highway's name, e.g. AVX2; default: the best this CPU has; a "
+      "-march=native build has only its own)");
   sub->add_flag("--json", opt->json, "print JSON");
   sub->callback([sub, opt, &exit_code] { exit_code = bench_kernel(*sub, *opt); });
 }
