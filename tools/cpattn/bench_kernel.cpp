@@ -30,6 +30,7 @@ struct KernelOptions {
   bool json = false;
   bool no_amx = false;
   std::string simd_target;  // empty: the best the CPU has
+  bool single_run = false;  // time one call each, no warm-up (for problems that take minutes)
 };
 
 // Best of repeated calls (the least disturbed by the machine's other tenants), after one warm-up call.
@@ -89,16 +90,27 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
 
   // The peak first and again after the kernels; their mean is the baseline (the machine's clock drifts).
   const double peak_before = measure_fma_peak_gflops(opt.threads);
-  FlashForwardResult fwd = flash_attention_forward(q, k, v, mask, scale, cfg);
-  const double forward_s = best_seconds(opt.min_seconds, [&] {
-    flash_forward(cref(q), cref(k), cref(v), mask, scale, cfg, ref(fwd.o), fwd.lse.data());
-  });
-  FlashBackwardResult grads =
-      flash_attention_backward(q, k, v, fwd.o, fwd.lse, d_out, mask, scale, cfg, a.dtype);
-  const double backward_s = best_seconds(opt.min_seconds, [&] {
-    flash_backward(cref(q), cref(k), cref(v), cref(fwd.o), fwd.lse.data(), cref(d_out), mask, scale, cfg,
-                   ref(grads.dq), ref(grads.dk), ref(grads.dv));
-  });
+  auto seconds_of = [](auto&& fn) {
+    const auto t0 = clock_type::now();
+    fn();
+    return std::chrono::duration<double>(clock_type::now() - t0).count();
+  };
+  FlashForwardResult fwd;
+  double forward_s = seconds_of([&] { fwd = flash_attention_forward(q, k, v, mask, scale, cfg); });
+  if (!opt.single_run) {
+    forward_s = best_seconds(opt.min_seconds, [&] {
+      flash_forward(cref(q), cref(k), cref(v), mask, scale, cfg, ref(fwd.o), fwd.lse.data());
+    });
+  }
+  FlashBackwardResult grads;
+  double backward_s = seconds_of(
+      [&] { grads = flash_attention_backward(q, k, v, fwd.o, fwd.lse, d_out, mask, scale, cfg, a.dtype); });
+  if (!opt.single_run) {
+    backward_s = best_seconds(opt.min_seconds, [&] {
+      flash_backward(cref(q), cref(k), cref(v), cref(fwd.o), fwd.lse.data(), cref(d_out), mask, scale, cfg,
+                     ref(grads.dq), ref(grads.dk), ref(grads.dv));
+    });
+  }
   const double rss = peak_rss_bytes();
   const double peak_after = measure_fma_peak_gflops(opt.threads);
   const double fma_peak = (peak_before + peak_after) / 2;
@@ -189,6 +201,9 @@ void add_bench_kernel_command(CLI::App& bench, int& exit_code) {
   sub->add_option("--reference-max-seq", opt->reference_max_seq,
                   "time the float64 reference forward only up to this S (default 4096)");
   sub->add_flag("--no-amx", opt->no_amx, "bf16: run the vector path even where AMX is available");
+  sub->add_flag("--single-run", opt->single_run,
+                "time one forward and one backward call, allocation and first touch included (no warm-up, no "
+                "repeats): for problems that take minutes");
   sub->add_option(
       "--simd-target", opt->simd_target,
       "the vector kernels' SIMD target (Highway's name, e.g. AVX2; default: the best this CPU has; a "
