@@ -53,57 +53,85 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   constexpr int kPanelVectors = 2;
   constexpr int kRowTile = 12;  // 12 x 2 register tiles: 24 accumulators
   const std::int64_t panel = kPanelVectors * n;
+  // Cache blocking: a task takes a group of up to kGroupBlocks q blocks (256 rows at Bq = 64) and walks the
+  // kv blocks once for all of their panels, so each packed K and V block (32 + 32 KB at D = 128) is read from
+  // L2 once per group instead of once per panel; the panels' Q'^T and O^T (16 + 16 KB each, 256 KB for the
+  // group) stay in L2. A K/V head at S = 4096 (4 MB) does not fit the 2 MB L2, so without the group every
+  // panel streamed it from L3. Each row's operations and their order are the same as with one panel at a
+  // time.
+  constexpr std::int64_t kGroupBlocks = 4;
+  const std::int64_t groups = (q_blocks + kGroupBlocks - 1) / kGroupBlocks;
+  struct Panel {
+    BlockMeta rows;          // the panel's rows [begin, begin + length)
+    std::int64_t block = 0;  // its q block, relative to the group
+    std::vector<float> qt, acc, m, l;
+  };
   struct Workspace {
-    std::vector<float> qt, st, acc, m, l, alpha;
+    std::vector<float> st, alpha;
+    std::vector<Panel> panels;
   };
   std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
 
-  parallel_for(B * Hq * q_blocks, config.threads, [&](std::int64_t task, int worker) {
-    const std::int64_t b = task / (Hq * q_blocks);
-    const std::int64_t h = (task / q_blocks) % Hq;
+  parallel_for(B * Hq * groups, config.threads, [&](std::int64_t task, int worker) {
+    const std::int64_t b = task / (Hq * groups);
+    const std::int64_t h = (task / groups) % Hq;
     const std::int64_t hk = h / G;
-    const BlockMeta& qb = grid.q[b][task % q_blocks];
+    const std::int64_t qi0 = (task % groups) * kGroupBlocks, qi1 = std::min(q_blocks, qi0 + kGroupBlocks);
     Workspace& w = spaces[worker];
-    w.qt.resize(D * panel);
     w.st.resize(Bk * panel);
-    w.acc.resize(Dp * panel);
-    w.m.resize(panel);
-    w.l.resize(panel);
     w.alpha.resize(panel);
     std::vector<float> row(static_cast<std::size_t>(std::max(D, Dp)));
     const DF df;
-    std::int64_t computed = 0, computed_full = 0;
-    for (std::int64_t p0 = 0; p0 < qb.length; p0 += panel) {
-      // The panel's rows [qb.begin + p0, + len); the tiles are still classified on the whole (Bq, Bk) block.
-      const BlockMeta pb{qb.begin + p0, std::min(panel, qb.length - p0), 0, 0, 0, 0};
-      std::fill(w.qt.begin(), w.qt.end(), 0.0f);
-      std::fill(w.acc.begin(), w.acc.end(), 0.0f);
-      std::fill(w.m.begin(), w.m.end(), neg_inf);
-      std::fill(w.l.begin(), w.l.end(), 0.0f);
-      for (std::int64_t r = 0; r < pb.length; ++r) {  // Q'^T: [D][panel]
-        load_row(q, b, pb.begin + r, h, q_factor, D, row.data());
-        for (std::int64_t d = 0; d < D; ++d) w.qt[d * panel + r] = row[d];
-      }
-      for (std::size_t kv_index = 0; kv_index < grid.kv[b].size(); ++kv_index) {
-        const BlockMeta& kb = grid.kv[b][kv_index];
-        const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
-        if (kind == TileKind::empty) continue;
-        if (p0 == 0) {
-          ++computed;
-          computed_full += kind == TileKind::full;
+    std::size_t used = 0;
+    for (std::int64_t qi = qi0; qi < qi1; ++qi) {
+      const BlockMeta& qb = grid.q[b][qi];
+      for (std::int64_t p0 = 0; p0 < qb.length; p0 += panel) {
+        if (w.panels.size() <= used) w.panels.emplace_back();
+        Panel& pn = w.panels[used++];
+        pn.rows = BlockMeta{qb.begin + p0, std::min(panel, qb.length - p0), 0, 0, 0, 0};
+        pn.block = qi - qi0;
+        pn.qt.assign(D * panel, 0.0f);
+        pn.acc.assign(Dp * panel, 0.0f);
+        pn.m.assign(panel, neg_inf);
+        pn.l.assign(panel, 0.0f);
+        for (std::int64_t r = 0; r < pn.rows.length; ++r) {  // Q'^T: [D][panel]
+          load_row(q, b, pn.rows.begin + r, h, q_factor, D, row.data());
+          for (std::int64_t d = 0; d < D; ++d) pn.qt[d * panel + r] = row[d];
         }
-        const std::int64_t kvi = static_cast<std::int64_t>(kv_index);
+      }
+    }
+    std::int64_t computed[kGroupBlocks] = {}, computed_full[kGroupBlocks] = {};
+    TileKind kinds[kGroupBlocks];
+    for (std::size_t kv_index = 0; kv_index < grid.kv[b].size(); ++kv_index) {
+      const BlockMeta& kb = grid.kv[b][kv_index];
+      bool any = false;
+      for (std::int64_t qi = qi0; qi < qi1; ++qi) {
+        // Tiles are classified on the whole (Bq, Bk) block, whatever its panels.
+        const TileKind kind = classify_tile(grid.q[b][qi], kb, mask.causal, segments, Bk);
+        kinds[qi - qi0] = kind;
+        if (kind == TileKind::empty) continue;
+        any = true;
+        ++computed[qi - qi0];
+        computed_full[qi - qi0] += kind == TileKind::full;
+      }
+      if (!any) continue;
+      const std::int64_t kvi = static_cast<std::int64_t>(kv_index);
+      const float* kblock = kt.at(b, hk, kvi);
+      const float* vblock = vp.at(b, hk, kvi);
+      for (std::size_t pi = 0; pi < used; ++pi) {
+        Panel& pn = w.panels[pi];
+        const TileKind kind = kinds[pn.block];
+        if (kind == TileKind::empty) continue;
         // st: [Bk][panel] = K Q'^T
-        const float* kblock = kt.at(b, hk, kvi);
         for_row_tiles<kRowTile>(Bk, [&](auto R, std::int64_t r) {
-          dot_tile<decltype(R)::value, kPanelVectors>(kblock + r, kAdjacent(), Bk, w.qt.data(), panel, D,
+          dot_tile<decltype(R)::value, kPanelVectors>(kblock + r, kAdjacent(), Bk, pn.qt.data(), panel, D,
                                                       w.st.data() + r * panel, panel);
         });
         if (kind == TileKind::partial) {
-          apply_mask(w.st.data(), panel, Bk, 1, panel, pb, kb, b, mask, Sq, Skv, neg_inf);
+          apply_mask(w.st.data(), panel, Bk, 1, panel, pn.rows, kb, b, mask, Sq, Skv, neg_inf);
         }
         for (std::int64_t c = 0; c < panel; c += n) {
-          const VF m_old = hn::LoadU(df, w.m.data() + c);
+          const VF m_old = hn::LoadU(df, pn.m.data() + c);
           VF m_new = m_old;
           for (std::int64_t j = 0; j < Bk; ++j)
             m_new = hn::Max(m_new, hn::LoadU(df, w.st.data() + j * panel + c));
@@ -116,39 +144,43 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
             hn::StoreU(p, df, w.st.data() + j * panel + c);
             sum = hn::Add(sum, p);
           }
-          hn::StoreU(hn::MulAdd(hn::LoadU(df, w.l.data() + c), alpha, sum), df, w.l.data() + c);
-          hn::StoreU(m_new, df, w.m.data() + c);
+          hn::StoreU(hn::MulAdd(hn::LoadU(df, pn.l.data() + c), alpha, sum), df, pn.l.data() + c);
+          hn::StoreU(m_new, df, pn.m.data() + c);
           hn::StoreU(alpha, df, w.alpha.data() + c);
         }
         // acc: [Dp][panel] = acc * alpha + V^T P^T
-        const float* vblock = vp.at(b, hk, kvi);
         for_row_tiles<kRowTile>(Dp, [&](auto R, std::int64_t r) {
           if (guard) {
             scale_axpy_tile_adjacent<decltype(R)::value, kPanelVectors, true>(
-                w.alpha.data(), vblock + r, Dp, w.st.data(), panel, Bk, w.acc.data() + r * panel, panel);
+                w.alpha.data(), vblock + r, Dp, w.st.data(), panel, Bk, pn.acc.data() + r * panel, panel);
           } else {
             scale_axpy_tile_adjacent<decltype(R)::value, kPanelVectors>(
-                w.alpha.data(), vblock + r, Dp, w.st.data(), panel, Bk, w.acc.data() + r * panel, panel);
+                w.alpha.data(), vblock + r, Dp, w.st.data(), panel, Bk, pn.acc.data() + r * panel, panel);
           }
         });
       }
-      for (std::int64_t r = 0; r < pb.length; ++r) {
-        const std::int64_t i = pb.begin + r;
-        const float l = w.l[r];
-        for (std::int64_t d = 0; d < D; ++d) row[d] = l != 0.0f ? w.acc[d * panel + r] / l : 0.0f;
+    }
+    for (std::size_t pi = 0; pi < used; ++pi) {
+      const Panel& pn = w.panels[pi];
+      for (std::int64_t r = 0; r < pn.rows.length; ++r) {
+        const std::int64_t i = pn.rows.begin + r;
+        const float l = pn.l[r];
+        for (std::int64_t d = 0; d < D; ++d) row[d] = l != 0.0f ? pn.acc[d * panel + r] / l : 0.0f;
         store_row(o, b, i, h, row.data(), 1.0f);
         if (lse != nullptr) {
           lse[(b * Hq + h) * Sq + i] =
               l != 0.0f
-                  ? static_cast<float>((static_cast<double>(w.m[r]) + std::log2(static_cast<double>(l))) *
+                  ? static_cast<float>((static_cast<double>(pn.m[r]) + std::log2(static_cast<double>(l))) *
                                        0.6931471805599453)
                   : neg_inf;
         }
       }
     }
-    task_tiles[task] = computed;
-    full += computed_full;
-    partial += computed - computed_full;
+    for (std::int64_t qi = qi0; qi < qi1; ++qi) {
+      task_tiles[(b * Hq + h) * q_blocks + qi] = computed[qi - qi0];
+      full += computed_full[qi - qi0];
+      partial += computed[qi - qi0] - computed_full[qi - qi0];
+    }
   });
 }
 
