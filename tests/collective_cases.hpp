@@ -75,12 +75,9 @@ inline std::int64_t wrong_all_gather(Communicator& c, std::int64_t count) {
   return wrong;
 }
 
-inline std::int64_t wrong_reduce_scatter(Communicator& c, std::int64_t count, CommDType dtype) {
-  const int n = c.size(), r = c.rank();
-  std::vector<float> send(static_cast<std::size_t>(n * count));
-  // Small integers so that the bf16 sums are exact too.
-  for (std::int64_t i = 0; i < n * count; ++i) send[i] = static_cast<float>((r + 1) * (i % 7));
-  std::vector<float> recv(static_cast<std::size_t>(count), -1.0f);
+// reduce_scatter_sum of float values as f32, or rounded to bf16 and back.
+inline void reduce_scatter_floats(Communicator& c, const std::vector<float>& send, std::vector<float>& recv,
+                                  std::int64_t count, CommDType dtype) {
   if (dtype == CommDType::f32) {
     c.reduce_scatter_sum(send.data(), recv.data(), count, dtype);
   } else {
@@ -89,6 +86,15 @@ inline std::int64_t wrong_reduce_scatter(Communicator& c, std::int64_t count, Co
     c.reduce_scatter_sum(s.data(), o.data(), count, dtype);
     for (std::size_t i = 0; i < o.size(); ++i) recv[i] = bf16_to_float(o[i]);
   }
+}
+
+inline std::int64_t wrong_reduce_scatter(Communicator& c, std::int64_t count, CommDType dtype) {
+  const int n = c.size(), r = c.rank();
+  std::vector<float> send(static_cast<std::size_t>(n * count));
+  // Small integers so that the bf16 sums are exact too.
+  for (std::int64_t i = 0; i < n * count; ++i) send[i] = static_cast<float>((r + 1) * (i % 7));
+  std::vector<float> recv(static_cast<std::size_t>(count), -1.0f);
+  reduce_scatter_floats(c, send, recv, count, dtype);
   std::int64_t wrong = 0;
   const float rank_sum = static_cast<float>(n * (n + 1) / 2);
   for (std::int64_t i = 0; i < count; ++i)
@@ -116,14 +122,7 @@ inline std::int64_t wrong_reduce_scatter_order(Communicator& c, std::int64_t cou
     }
     expected[i] = dtype == CommDType::f32 ? sum : bf16_to_float(float_to_bf16(sum));
   }
-  if (dtype == CommDType::f32) {
-    c.reduce_scatter_sum(send.data(), recv.data(), count, dtype);
-  } else {
-    std::vector<bf16> s(send.size()), o(recv.size());
-    for (std::size_t i = 0; i < send.size(); ++i) s[i] = float_to_bf16(send[i]);
-    c.reduce_scatter_sum(s.data(), o.data(), count, dtype);
-    for (std::size_t i = 0; i < o.size(); ++i) recv[i] = bf16_to_float(o[i]);
-  }
+  reduce_scatter_floats(c, send, recv, count, dtype);
   std::int64_t wrong = 0;
   for (std::int64_t i = 0; i < count; ++i) wrong += std::memcmp(&recv[i], &expected[i], 4) != 0;
   return wrong;

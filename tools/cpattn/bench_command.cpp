@@ -51,6 +51,22 @@ struct Timing {
 // all_gather output, reduce_scatter input). kTries tries of `iters` calls each between barriers, the slowest
 // rank's time per call, best try. "all_to_all_strided" is the Ulysses swap's layout: the sender's block p is
 // the columns [p*R, (p+1)*R) of a [T][n*R] array, the receiver's block p the rows [p*T, (p+1)*T) of [n*T][R].
+// kTries tries of `iters` calls of fn between barriers: the slowest rank's seconds per call, best try.
+template <class Fn>
+double best_try_seconds(Communicator& comm, int iters, Fn&& fn) {
+  double best = 1e30;
+  for (int attempt = 0; attempt < kTries; ++attempt) {
+    comm.barrier();
+    const auto t0 = clock_type::now();
+    for (int i = 0; i < iters; ++i) fn();
+    comm.barrier();
+    std::int64_t ns = static_cast<std::int64_t>(seconds_since(t0) * 1e9 / iters);
+    comm.all_reduce(&ns, 1, ReduceOp::max);
+    best = std::min(best, static_cast<double>(ns) * 1e-9);
+  }
+  return best;
+}
+
 // "memcpy" is the baseline: every rank copies `bytes` of its own, timed the same way (iters given).
 Timing time_collective(Communicator& comm, const std::string& kind, std::int64_t bytes, bool raw_mpi,
                        int fixed_iters = 0) {
@@ -59,17 +75,7 @@ Timing time_collective(Communicator& comm, const std::string& kind, std::int64_t
     std::vector<unsigned char> src(static_cast<std::size_t>(bytes), 1), dst(src.size(), 0);
     auto copy = [&] { std::memcpy(dst.data(), src.data(), src.size()); };
     copy();
-    double best = 1e30;
-    for (int attempt = 0; attempt < kTries; ++attempt) {
-      comm.barrier();
-      const auto t0 = clock_type::now();
-      for (int i = 0; i < fixed_iters; ++i) copy();
-      comm.barrier();
-      std::int64_t ns = static_cast<std::int64_t>(seconds_since(t0) * 1e9 / fixed_iters);
-      comm.all_reduce(&ns, 1, ReduceOp::max);
-      best = std::min(best, static_cast<double>(ns) * 1e-9);
-    }
-    return {best, fixed_iters};
+    return {best_try_seconds(comm, fixed_iters, copy), fixed_iters};
   }
   const std::int64_t elems = bytes / 4, block = elems / n;
   const std::int64_t row = std::min(block, kStridedRow), rows = row > 0 ? block / row : 0;
@@ -103,17 +109,7 @@ Timing time_collective(Communicator& comm, const std::string& kind, std::int64_t
   comm.all_reduce(&warm_ns, 1, ReduceOp::max);
   const int iters =
       static_cast<int>(std::clamp<std::int64_t>(40'000'000 / std::max<std::int64_t>(warm_ns, 1), 1, 50));
-  double best = 1e30;
-  for (int attempt = 0; attempt < kTries; ++attempt) {
-    comm.barrier();
-    t0 = clock_type::now();
-    for (int i = 0; i < iters; ++i) once();
-    comm.barrier();
-    std::int64_t ns = static_cast<std::int64_t>(seconds_since(t0) * 1e9 / iters);
-    comm.all_reduce(&ns, 1, ReduceOp::max);
-    best = std::min(best, static_cast<double>(ns) * 1e-9);
-  }
-  return {best, iters};
+  return {best_try_seconds(comm, iters, once), iters};
 }
 
 int bench_comm(const CommOptions& opt) {
