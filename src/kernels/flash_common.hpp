@@ -17,7 +17,6 @@ namespace cpattn::kernels {
 
 inline constexpr int kTileRows = 4;  // q rows of a backward tile are padded to a multiple of it
 inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr float kLn2 = 0.6931471805599453f;
 
 inline std::int64_t round_up(std::int64_t x, std::int64_t m) {
   return (x + m - 1) / m * m;
