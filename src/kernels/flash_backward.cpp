@@ -1,7 +1,8 @@
 // Flash attention backward (FA2: P recomputed from LSE, D_i = rowsum(dO * O)) in one pass of five products
-// per tile (S, dP, dV, dK, dQ), deterministic without atomics: one task per (batch row, q head) walks the kv
-// blocks in order and, for each, the q blocks in order. dQ of a row then sums over kv blocks in their order
-// (its own [Sq][Dp] accumulator per task), dK/dV of a kv block over the q blocks in theirs; the q heads of a
+// per tile (S, dP, dV, dK, dQ), deterministic without atomics: one task per (batch row, q head) walks groups
+// of kv blocks in order and, for each group, the q blocks in order (each q block's tiles with the group's kv
+// blocks in order). dQ of a row then sums over kv blocks in their order (its own [Sq][Dp] accumulator per
+// task), dK/dV of a kv block over the q blocks in theirs; the q heads of a
 // group each leave an fp64 partial that is summed in head order at the end. An earlier two-pass form (dK/dV
 // by kv block, dQ by q block) needed no partials but computed S and dP twice: 7 products per tile instead
 // of 5.
@@ -60,9 +61,11 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
   // Every operand block is packed once per call (converted to fp32, zero-padded, Q pre-scaled for the
   // base-2 scores) and then read by every tile that needs it.
   struct Workspace {
-    std::vector<float> s, dp, acc_a, acc_b;
-    std::vector<double> sum_a, sum_b;  // dK, dV running sums over tiles
+    std::vector<float> s, dp, acc_a, acc_b;  // acc: dK, dV fp32 sums over up to kFlushTiles tiles
+    std::vector<double> sum_a, sum_b;        // dK, dV sums of those, per kv block of the group
   };
+  constexpr std::int64_t kKvGroup = 4;     // kv blocks per walk over the q blocks
+  constexpr std::int64_t kFlushTiles = 4;  // tiles summed in fp32 before their fp64 running sum
   std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
   // S, P and dS for one tile from packed rows of Q' and dO ([rows][Dp]) and K^T, V^T ([Dp][Bk]); rows
   // padded to the tile height.
@@ -101,61 +104,96 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
     head_dk.assign(static_cast<std::size_t>(B * Hq * stripe * Bk * Dp), 0.0);
     head_dv.assign(head_dk.size(), 0.0);
   }
-  const PackedBlocks qraw(q, grid.q, Bq, Dp, false, 1.0f, config.threads);    // Q unscaled, for dK
   const PackedBlocks krows(k, grid.kv, Bk, Dp, false, 1.0f, config.threads);  // K as rows, for dQ
   std::vector<float> dq_acc(static_cast<std::size_t>(B * Hq * sq_padded * Dp), 0.0f);
+  // dK is summed from Q' = q_factor * Q (the packed scores operand) instead of a second, unscaled copy of Q:
+  // dK = scale * sum dS Q = (scale / q_factor) * sum dS Q'.
+  const double dk_scale = scale / static_cast<double>(q_factor);
+  const std::size_t block_floats = static_cast<std::size_t>(Bk * Dp);
   for (std::int64_t s0 = 0; s0 < kv_blocks; s0 += stripe) {
     const std::int64_t s1 = std::min(kv_blocks, s0 + stripe);
     parallel_for(B * Hq, config.threads, [&](std::int64_t task, int worker) {
       const std::int64_t b = task / Hq, h = task % Hq, hk = h / G;
       Workspace& w = spaces[worker];
       float* dq_head = dq_acc.data() + task * sq_padded * Dp;
-      w.acc_a.resize(Bk * Dp);
-      w.acc_b.resize(Bk * Dp);
+      w.acc_a.resize(kKvGroup * block_floats);
+      w.acc_b.resize(kKvGroup * block_floats);
+      w.sum_a.resize(kKvGroup * block_floats);
+      w.sum_b.resize(kKvGroup * block_floats);
       std::int64_t computed = 0, computed_full = 0;
-      for (std::int64_t kvi = s0; kvi < s1; ++kvi) {
-        const BlockMeta& kb = grid.kv[b][kvi];
-        // dK and dV of this kv block sum over the q blocks: each tile's rows in fp32 registers, the running
-        // sum over tiles in fp64, so the error does not grow with the sequence and the group size
-        // (strategies that split the sum differently then agree to ~1e-7 of max |grad|).
-        w.sum_a.assign(Bk * Dp, 0.0);
-        w.sum_b.assign(Bk * Dp, 0.0);
+      // A group of kKvGroup kv blocks walks the q blocks once: each q block's Q', dO and dQ rows are read
+      // for all of the group's tiles while they are in cache (per tile they are 96 KB at D = 128, the head's
+      // 6 MB at S = 4096 streaming from L3 otherwise). Each kv block's dK/dV still sum over the q blocks in
+      // order, and each dQ row over the kv blocks in order, as with one kv block at a time.
+      for (std::int64_t g0 = s0; g0 < s1; g0 += kKvGroup) {
+        const std::int64_t g1 = std::min(s1, g0 + kKvGroup);
+        // dK and dV of a kv block sum over the q blocks: in fp32 (registers, then acc) over up to
+        // kFlushTiles tiles, and those partial sums in fp64, so the error does not grow with the sequence
+        // and the group size (strategies that split the sum differently then agree to ~1e-7 of max |grad|).
+        std::fill(w.acc_a.begin(), w.acc_a.end(), 0.0f);
+        std::fill(w.acc_b.begin(), w.acc_b.end(), 0.0f);
+        std::fill(w.sum_a.begin(), w.sum_a.end(), 0.0);
+        std::fill(w.sum_b.begin(), w.sum_b.end(), 0.0);
+        std::int64_t pending[kKvGroup] = {};
+        auto flush = [&](std::int64_t slot) {
+          float* acc_a = w.acc_a.data() + slot * block_floats;
+          float* acc_b = w.acc_b.data() + slot * block_floats;
+          double* sum_a = w.sum_a.data() + slot * block_floats;
+          double* sum_b = w.sum_b.data() + slot * block_floats;
+          for (std::size_t i = 0; i < block_floats; ++i) {
+            sum_a[i] += acc_a[i];
+            sum_b[i] += acc_b[i];
+          }
+          std::fill(acc_a, acc_a + block_floats, 0.0f);
+          std::fill(acc_b, acc_b + block_floats, 0.0f);
+          pending[slot] = 0;
+        };
         for (std::int64_t qi = 0; qi < q_blocks; ++qi) {
           const BlockMeta& qb = grid.q[b][qi];
-          const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
-          if (kind == TileKind::empty) continue;
-          ++computed;
-          computed_full += kind == TileKind::full;
-          const std::int64_t rows = round_up(qb.length, kTileRows);
-          const float* dop_block = dop.at(b, h, qi);
-          tile_ds(w, qs.at(b, h, qi), dop_block, kt.at(b, hk, kvi), vt.at(b, hk, kvi), b, h, qb, kb, kind,
-                  rows);
-          // dV[j] += sum_i P[i][j] dO[i]; dK[j] += sum_i dS[i][j] Q[i]  (keys as output rows)
-          std::fill(w.acc_a.begin(), w.acc_a.end(), 0.0f);
-          std::fill(w.acc_b.begin(), w.acc_b.end(), 0.0f);
-          axpy_rows(w.s.data(), Bk, 1, dop_block, Dp, rows, Bk, Dp, w.acc_b.data(), Dp, guard);
-          axpy_rows(w.dp.data(), Bk, 1, qraw.at(b, h, qi), Dp, rows, Bk, Dp, w.acc_a.data(), Dp, guard);
-          for (std::int64_t i = 0; i < Bk * Dp; ++i) {
-            w.sum_a[i] += w.acc_a[i];
-            w.sum_b[i] += w.acc_b[i];
+          for (std::int64_t kvi = g0; kvi < g1; ++kvi) {
+            const BlockMeta& kb = grid.kv[b][kvi];
+            const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
+            if (kind == TileKind::empty) continue;
+            ++computed;
+            computed_full += kind == TileKind::full;
+            const std::int64_t slot = kvi - g0;
+            const std::int64_t rows = round_up(qb.length, kTileRows);
+            const float* qs_block = qs.at(b, h, qi);
+            const float* dop_block = dop.at(b, h, qi);
+            tile_ds(w, qs_block, dop_block, kt.at(b, hk, kvi), vt.at(b, hk, kvi), b, h, qb, kb, kind, rows);
+            // dV[j] += sum_i P[i][j] dO[i]; dK[j] += sum_i dS[i][j] Q'[i]  (keys as output rows)
+            axpy_rows(w.s.data(), Bk, 1, dop_block, Dp, rows, Bk, Dp, w.acc_b.data() + slot * block_floats,
+                      Dp, guard);
+            axpy_rows(w.dp.data(), Bk, 1, qs_block, Dp, rows, Bk, Dp, w.acc_a.data() + slot * block_floats,
+                      Dp, guard);
+            if (++pending[slot] == kFlushTiles) flush(slot);
+            // dQ[i] += sum_j dS[i][j] K[j], continuing the row's sum over the kv blocks in order
+            axpy_rows(w.dp.data(), 1, Bk, krows.at(b, hk, kvi), Dp, Bk, rows, Dp, dq_head + qb.begin * Dp, Dp,
+                      guard);
           }
-          // dQ[i] += sum_j dS[i][j] K[j], continuing the row's sum over the kv blocks in order
-          axpy_rows(w.dp.data(), 1, Bk, krows.at(b, hk, kvi), Dp, Bk, rows, Dp, dq_head + qb.begin * Dp, Dp,
-                    guard);
         }
-        if (G > 1) {
-          const std::size_t at = static_cast<std::size_t>((task * stripe + (kvi - s0)) * Bk * Dp);
-          std::copy(w.sum_a.begin(), w.sum_a.end(), head_dk.begin() + at);
-          std::copy(w.sum_b.begin(), w.sum_b.end(), head_dv.begin() + at);
-          continue;
-        }
-        for (std::int64_t j = 0; j < kb.length; ++j) {
-          for (std::int64_t d = 0; d < Dp; ++d) {
-            w.acc_a[j * Dp + d] = static_cast<float>(w.sum_a[j * Dp + d] * scale);
-            w.acc_b[j * Dp + d] = static_cast<float>(w.sum_b[j * Dp + d]);
+        for (std::int64_t kvi = g0; kvi < g1; ++kvi) {
+          const std::int64_t slot = kvi - g0;
+          if (pending[slot] != 0) flush(slot);
+          const double* sum_a = w.sum_a.data() + slot * block_floats;
+          const double* sum_b = w.sum_b.data() + slot * block_floats;
+          if (G > 1) {
+            const std::size_t at = static_cast<std::size_t>((task * stripe + (kvi - s0)) * Bk * Dp);
+            std::copy(sum_a, sum_a + block_floats, head_dk.begin() + at);
+            std::copy(sum_b, sum_b + block_floats, head_dv.begin() + at);
+            continue;
           }
-          store_row(dk, b, kb.begin + j, hk, w.acc_a.data() + j * Dp, 1.0f);
-          store_row(dv, b, kb.begin + j, hk, w.acc_b.data() + j * Dp, 1.0f);
+          const BlockMeta& kb = grid.kv[b][kvi];
+          float* row_a = w.acc_a.data() + slot * block_floats;  // flushed: free as output rows
+          float* row_b = w.acc_b.data() + slot * block_floats;
+          for (std::int64_t j = 0; j < kb.length; ++j) {
+            for (std::int64_t d = 0; d < Dp; ++d) {
+              row_a[j * Dp + d] = static_cast<float>(sum_a[j * Dp + d] * dk_scale);
+              row_b[j * Dp + d] = static_cast<float>(sum_b[j * Dp + d]);
+            }
+            store_row(dk, b, kb.begin + j, hk, row_a + j * Dp, 1.0f);
+            store_row(dv, b, kb.begin + j, hk, row_b + j * Dp, 1.0f);
+          }
         }
       }
       task_tiles[task] += computed;
@@ -177,7 +215,7 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
             sk += head_dk[at];
             sv += head_dv[at];
           }
-          rk[d] = static_cast<float>(sk * scale);
+          rk[d] = static_cast<float>(sk * dk_scale);
           rv[d] = static_cast<float>(sv);
         }
         store_row(dk, b, j, hk, rk.data(), 1.0f);
