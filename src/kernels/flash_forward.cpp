@@ -122,19 +122,30 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
         Panel& pn = w.panels[pi];
         const TileKind kind = kinds[pn.block];
         if (kind == TileKind::empty) continue;
-        // st: [Bk][panel] = K Q'^T
+        // st: [Bk][panel] = K Q'^T; a full tile's row maxima are taken as it is stored, a partial tile's
+        // after its mask, from st. Either way the maximum is exact, whatever the order.
+        VF colmax[kPanelVectors];
+        for (int c = 0; c < kPanelVectors; ++c) colmax[c] = hn::LoadU(df, pn.m.data() + c * n);
+        VF* fused_max = kind == TileKind::full ? colmax : nullptr;
         for_row_tiles<kRowTile>(Bk, [&](auto R, std::int64_t r) {
           dot_tile<decltype(R)::value, kPanelVectors>(kblock + r, kAdjacent(), Bk, pn.qt.data(), panel, D,
-                                                      w.st.data() + r * panel, panel);
+                                                      w.st.data() + r * panel, panel, fused_max);
         });
         if (kind == TileKind::partial) {
           apply_mask(w.st.data(), panel, Bk, 1, panel, pn.rows, kb, b, mask, Sq, Skv, neg_inf);
+          for (int c = 0; c < kPanelVectors; ++c) {
+            // Four chains: the maximum is exact in any order, and one chain waits on each max's latency.
+            VF m4[4] = {colmax[c], colmax[c], colmax[c], colmax[c]};
+            for (std::int64_t j = 0; j < Bk; j += 4) {
+              for (int u = 0; u < 4; ++u)
+                m4[u] = hn::Max(m4[u], hn::LoadU(df, w.st.data() + (j + u) * panel + c * n));
+            }
+            colmax[c] = hn::Max(hn::Max(m4[0], m4[1]), hn::Max(m4[2], m4[3]));
+          }
         }
         for (std::int64_t c = 0; c < panel; c += n) {
           const VF m_old = hn::LoadU(df, pn.m.data() + c);
-          VF m_new = m_old;
-          for (std::int64_t j = 0; j < Bk; ++j)
-            m_new = hn::Max(m_new, hn::LoadU(df, w.st.data() + j * panel + c));
+          const VF m_new = colmax[c / n];
           // A row that has seen nothing yet subtracts 0: its P is exp2(-inf) = 0 and its alpha 0 (acc is 0).
           const VF m_use = hn::IfThenZeroElse(hn::Eq(m_new, hn::Set(df, neg_inf)), m_new);
           const VF alpha = exp2_approx(hn::Sub(m_old, m_use));
