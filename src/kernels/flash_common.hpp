@@ -17,6 +17,15 @@ namespace cpattn::kernels {
 
 inline constexpr int kTileRows = 4;  // q rows of a backward tile are padded to a multiple of it
 inline constexpr float kLog2e = 1.4426950408889634f;
+// 2^f for f in [-0.5, 0.5]: the degree-6 minimax polynomial of the kernels' exp2 (relative error 1.9e-9
+// before float rounding; Remez exchange on the relative error), coefficients of f^6 down to f^0, for Horner.
+inline constexpr float kExp2Poly[7] = {1.5345812004000534e-04f,
+                                       1.3399931219124377e-03f,
+                                       9.618488957102513e-03f,
+                                       5.5503287769656406e-02f,
+                                       2.4022646890634405e-01f,
+                                       6.931472057372673e-01f,
+                                       1.0f};
 
 inline std::int64_t round_up(std::int64_t x, std::int64_t m) {
   return (x + m - 1) / m * m;

@@ -41,10 +41,9 @@ inline std::int64_t padded_head_dim(std::int64_t d) {
 
 // 2^x for x <= ~0 (the softmax's s - m). Inputs below -126, -inf among them, give exactly 0; x = 0 gives
 // exactly 1, so a rescale by exp2(m - m) is an exact no-op; NaN (Inf - Inf: a score of +Inf) stays NaN.
-// 2^x = 2^round(x) * 2^f with f in [-0.5, 0.5] and 2^f a degree-6 minimax polynomial (relative error
-// 1.9e-9 before float rounding; fitted by the Remez exchange). On AVX-512 the power of two is applied by
-// vscalefps, elsewhere by building its exponent bits and multiplying: both round the exact p * 2^round(x)
-// once, so every target gives the same bits.
+// 2^x = 2^round(x) * 2^f with f in [-0.5, 0.5] and 2^f the polynomial kExp2Poly. On AVX-512 the power of two
+// is applied by vscalefps, elsewhere by building its exponent bits and multiplying: both round the exact p *
+// 2^round(x) once, so every target gives the same bits.
 HWY_INLINE VF exp2_approx(VF x) {
   const DF df;
   const auto tiny = hn::Lt(x, hn::Set(df, -126.0f));
@@ -53,13 +52,9 @@ HWY_INLINE VF exp2_approx(VF x) {
   x = hn::Max(x, hn::Set(df, -126.0f));
   const VF xi = hn::Round(x);
   const VF f = hn::Sub(x, xi);
-  VF p = hn::Set(df, 1.5345812004000534e-04f);
-  p = hn::MulAdd(p, f, hn::Set(df, 1.3399931219124377e-03f));
-  p = hn::MulAdd(p, f, hn::Set(df, 9.618488957102513e-03f));
-  p = hn::MulAdd(p, f, hn::Set(df, 5.5503287769656406e-02f));
-  p = hn::MulAdd(p, f, hn::Set(df, 2.4022646890634405e-01f));
-  p = hn::MulAdd(p, f, hn::Set(df, 6.931472057372673e-01f));
-  p = hn::MulAdd(p, f, hn::Set(df, 1.0f));
+  VF p = hn::Set(df, kExp2Poly[0]);
+#pragma GCC unroll 7
+  for (int i = 1; i < 7; ++i) p = hn::MulAdd(p, f, hn::Set(df, kExp2Poly[i]));
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
   const VF scaled{_mm512_scalef_ps(p.raw, xi.raw)};
 #else
