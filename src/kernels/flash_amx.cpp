@@ -1,4 +1,5 @@
 #include "flash_amx.hpp"
+#include "exp2_avx512.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -129,18 +130,6 @@ CPATTN_AMX_TARGET void tile_product(const std::uint16_t* left, std::int64_t left
       _tile_stored(3, c + 16 * out_stride + 16, ob);
     }
   }
-}
-
-// exp2 for x <= ~0, the vector path's (flash_simd.hpp exp2_approx) in AVX-512 intrinsics: the same values.
-CPATTN_AMX_TARGET inline __m512 exp2_avx512(__m512 x) {
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_LT_OQ);
-  x = _mm512_max_ps(_mm512_set1_ps(-126.0f), x);  // max_ps returns its second operand for NaN: NaN stays NaN
-  const __m512 xi = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, xi);
-  __m512 p = _mm512_set1_ps(kExp2Poly[0]);
-#pragma GCC unroll 7
-  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
-  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), p, xi);
 }
 
 // One row of the online softmax over `keys` (a multiple of 16) base-2 scores: updates m and l, writes P as

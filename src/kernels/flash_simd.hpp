@@ -20,6 +20,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "exp2_avx512.hpp"
 #include "flash_common.hpp"
 
 HWY_BEFORE_NAMESPACE();
@@ -42,10 +43,14 @@ inline std::int64_t padded_head_dim(std::int64_t d) {
 // 2^x for x <= ~0 (the softmax's s - m). Inputs below -126, -inf among them, give exactly 0; x = 0 gives
 // exactly 1, so a rescale by exp2(m - m) is an exact no-op; NaN (Inf - Inf: a score of +Inf) stays NaN.
 // 2^x = 2^round(x) * 2^f with f in [-0.5, 0.5] and 2^f the polynomial kExp2Poly. On AVX-512 the power of two
-// is applied by vscalefps, elsewhere by building its exponent bits and multiplying: both round the exact p *
-// 2^round(x) once, so every target gives the same bits.
+// is applied by vscalefps (exp2_avx512.hpp), elsewhere by building its exponent bits and multiplying: both
+// round the exact p * 2^round(x) once, so every target gives the same values.
 HWY_INLINE VF exp2_approx(VF x) {
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+  return VF{exp2_avx512(x.raw)};
+#else
   const DF df;
+  const hn::RebindToSigned<DF> di;
   const auto tiny = hn::Lt(x, hn::Set(df, -126.0f));
   const auto nan = hn::IsNaN(x);  // NaN in, NaN out (the clamp below would turn it into 2^-126)
   const VF input = x;
@@ -55,14 +60,10 @@ HWY_INLINE VF exp2_approx(VF x) {
   VF p = hn::Set(df, kExp2Poly[0]);
 #pragma GCC unroll 7
   for (int i = 1; i < 7; ++i) p = hn::MulAdd(p, f, hn::Set(df, kExp2Poly[i]));
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
-  const VF scaled{_mm512_scalef_ps(p.raw, xi.raw)};
-#else
-  const hn::RebindToSigned<DF> di;
   const auto exponent = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, xi), hn::Set(di, 127)));
   const VF scaled = hn::Mul(p, hn::BitCast(df, exponent));
-#endif
   return hn::IfThenElse(nan, input, hn::IfThenZeroElse(tiny, scaled));
+#endif
 }
 
 // out[r][j] = sum_{d < depth} a[r*ar + d*ad] * bt[d*bs + j] for r < R and j < C vectors of lanes: the score
