@@ -17,6 +17,7 @@ namespace cpattn::kernels {
 
 inline constexpr int kTileRows = 4;  // q rows of a backward tile are padded to a multiple of it
 inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr std::int64_t kCacheLine = 64;  // bytes, for software prefetches
 // 2^f for f in [-0.5, 0.5]: the degree-6 minimax polynomial of the kernels' exp2 (relative error 1.9e-9
 // before float rounding; Remez exchange on the relative error), coefficients of f^6 down to f^0, for Horner.
 inline constexpr float kExp2Poly[7] = {1.5345812004000534e-04f,

@@ -118,8 +118,23 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
       const std::int64_t kvi = static_cast<std::int64_t>(kv_index);
       const float* kblock = kt.at(b, hk, kvi);
       const float* vblock = vp.at(b, hk, kvi);
+      // The next kv block's K and V are fetched into L2 while this one is in use, a share per panel: the
+      // group's first panel would otherwise wait on L3 for every line of them.
+      const bool prefetch = kv_index + 1 < grid.kv[b].size();
+      const float* next_k = prefetch ? kt.at(b, hk, kvi + 1) : nullptr;
+      const float* next_v = prefetch ? vp.at(b, hk, kvi + 1) : nullptr;
+      const std::int64_t block_lines = Dp * Bk * static_cast<std::int64_t>(sizeof(float)) / kCacheLine;
+      const std::int64_t lines_per_panel =
+          (block_lines + static_cast<std::int64_t>(used) - 1) / static_cast<std::int64_t>(used);
       for (std::size_t pi = 0; pi < used; ++pi) {
         Panel& pn = w.panels[pi];
+        if (prefetch) {
+          const std::int64_t l0 = static_cast<std::int64_t>(pi) * lines_per_panel;
+          for (std::int64_t l = l0; l < std::min(block_lines, l0 + lines_per_panel); ++l) {
+            __builtin_prefetch(next_k + l * kCacheLine / 4, 0, 2);
+            __builtin_prefetch(next_v + l * kCacheLine / 4, 0, 2);
+          }
+        }
         const TileKind kind = kinds[pn.block];
         if (kind == TileKind::empty) continue;
         // st: [Bk][panel] = K Q'^T; a full tile's row maxima are taken as it is stored, a partial tile's
