@@ -61,11 +61,10 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
   // Every operand block is packed once per call (converted to fp32, zero-padded, Q pre-scaled for the
   // base-2 scores) and then read by every tile that needs it.
   struct Workspace {
-    std::vector<float> s, dp, acc_a, acc_b;  // acc: dK, dV fp32 sums over up to kFlushTiles tiles
-    std::vector<double> sum_a, sum_b;        // dK, dV sums of those, per kv block of the group
+    std::vector<float> s, dp, row_a, row_b;
+    std::vector<double> sum_a, sum_b;  // dK, dV running sums over tiles, per kv block of the group
   };
-  constexpr std::int64_t kKvGroup = 4;     // kv blocks per walk over the q blocks
-  constexpr std::int64_t kFlushTiles = 4;  // tiles summed in fp32 before their fp64 running sum
+  constexpr std::int64_t kKvGroup = 4;  // kv blocks per walk over the q blocks
   std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
   // S, P and dS for one tile from packed rows of Q' and dO ([rows][Dp]) and K^T, V^T ([Dp][Bk]); rows
   // padded to the tile height.
@@ -116,8 +115,6 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
       const std::int64_t b = task / Hq, h = task % Hq, hk = h / G;
       Workspace& w = spaces[worker];
       float* dq_head = dq_acc.data() + task * sq_padded * Dp;
-      w.acc_a.resize(kKvGroup * block_floats);
-      w.acc_b.resize(kKvGroup * block_floats);
       w.sum_a.resize(kKvGroup * block_floats);
       w.sum_b.resize(kKvGroup * block_floats);
       std::int64_t computed = 0, computed_full = 0;
@@ -127,27 +124,11 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
       // order, and each dQ row over the kv blocks in order, as with one kv block at a time.
       for (std::int64_t g0 = s0; g0 < s1; g0 += kKvGroup) {
         const std::int64_t g1 = std::min(s1, g0 + kKvGroup);
-        // dK and dV of a kv block sum over the q blocks: in fp32 (registers, then acc) over up to
-        // kFlushTiles tiles, and those partial sums in fp64, so the error does not grow with the sequence
-        // and the group size (strategies that split the sum differently then agree to ~1e-7 of max |grad|).
-        std::fill(w.acc_a.begin(), w.acc_a.end(), 0.0f);
-        std::fill(w.acc_b.begin(), w.acc_b.end(), 0.0f);
+        // dK and dV of a kv block sum over the q blocks: each tile's rows in fp32 registers, the running sum
+        // over tiles in fp64 (axpy_rows into double), so the error does not grow with the sequence and the
+        // group size (strategies that split the sum differently then agree to ~1e-7 of max |grad|).
         std::fill(w.sum_a.begin(), w.sum_a.end(), 0.0);
         std::fill(w.sum_b.begin(), w.sum_b.end(), 0.0);
-        std::int64_t pending[kKvGroup] = {};
-        auto flush = [&](std::int64_t slot) {
-          float* acc_a = w.acc_a.data() + slot * block_floats;
-          float* acc_b = w.acc_b.data() + slot * block_floats;
-          double* sum_a = w.sum_a.data() + slot * block_floats;
-          double* sum_b = w.sum_b.data() + slot * block_floats;
-          for (std::size_t i = 0; i < block_floats; ++i) {
-            sum_a[i] += acc_a[i];
-            sum_b[i] += acc_b[i];
-          }
-          std::fill(acc_a, acc_a + block_floats, 0.0f);
-          std::fill(acc_b, acc_b + block_floats, 0.0f);
-          pending[slot] = 0;
-        };
         for (std::int64_t qi = 0; qi < q_blocks; ++qi) {
           const BlockMeta& qb = grid.q[b][qi];
           for (std::int64_t kvi = g0; kvi < g1; ++kvi) {
@@ -156,27 +137,23 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
             if (kind == TileKind::empty) continue;
             ++computed;
             computed_full += kind == TileKind::full;
-            const std::int64_t slot = kvi - g0;
+            const std::size_t slot = static_cast<std::size_t>(kvi - g0) * block_floats;
             const std::int64_t rows = round_up(qb.length, kTileRows);
             const float* qs_block = qs.at(b, h, qi);
             const float* dop_block = dop.at(b, h, qi);
             tile_ds(w, qs_block, dop_block, kt.at(b, hk, kvi), vt.at(b, hk, kvi), b, h, qb, kb, kind, rows);
             // dV[j] += sum_i P[i][j] dO[i]; dK[j] += sum_i dS[i][j] Q'[i]  (keys as output rows)
-            axpy_rows(w.s.data(), Bk, 1, dop_block, Dp, rows, Bk, Dp, w.acc_b.data() + slot * block_floats,
-                      Dp, guard);
-            axpy_rows(w.dp.data(), Bk, 1, qs_block, Dp, rows, Bk, Dp, w.acc_a.data() + slot * block_floats,
-                      Dp, guard);
-            if (++pending[slot] == kFlushTiles) flush(slot);
+            axpy_rows(w.s.data(), Bk, 1, dop_block, Dp, rows, Bk, Dp, w.sum_b.data() + slot, Dp, guard);
+            axpy_rows(w.dp.data(), Bk, 1, qs_block, Dp, rows, Bk, Dp, w.sum_a.data() + slot, Dp, guard);
             // dQ[i] += sum_j dS[i][j] K[j], continuing the row's sum over the kv blocks in order
             axpy_rows(w.dp.data(), 1, Bk, krows.at(b, hk, kvi), Dp, Bk, rows, Dp, dq_head + qb.begin * Dp, Dp,
                       guard);
           }
         }
         for (std::int64_t kvi = g0; kvi < g1; ++kvi) {
-          const std::int64_t slot = kvi - g0;
-          if (pending[slot] != 0) flush(slot);
-          const double* sum_a = w.sum_a.data() + slot * block_floats;
-          const double* sum_b = w.sum_b.data() + slot * block_floats;
+          const std::size_t slot = static_cast<std::size_t>(kvi - g0) * block_floats;
+          const double* sum_a = w.sum_a.data() + slot;
+          const double* sum_b = w.sum_b.data() + slot;
           if (G > 1) {
             const std::size_t at = static_cast<std::size_t>((task * stripe + (kvi - s0)) * Bk * Dp);
             std::copy(sum_a, sum_a + block_floats, head_dk.begin() + at);
@@ -184,15 +161,15 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
             continue;
           }
           const BlockMeta& kb = grid.kv[b][kvi];
-          float* row_a = w.acc_a.data() + slot * block_floats;  // flushed: free as output rows
-          float* row_b = w.acc_b.data() + slot * block_floats;
+          w.row_a.resize(static_cast<std::size_t>(Dp));
+          w.row_b.resize(static_cast<std::size_t>(Dp));
           for (std::int64_t j = 0; j < kb.length; ++j) {
             for (std::int64_t d = 0; d < Dp; ++d) {
-              row_a[j * Dp + d] = static_cast<float>(sum_a[j * Dp + d] * dk_scale);
-              row_b[j * Dp + d] = static_cast<float>(sum_b[j * Dp + d]);
+              w.row_a[d] = static_cast<float>(sum_a[j * Dp + d] * dk_scale);
+              w.row_b[d] = static_cast<float>(sum_b[j * Dp + d]);
             }
-            store_row(dk, b, kb.begin + j, hk, row_a + j * Dp, 1.0f);
-            store_row(dv, b, kb.begin + j, hk, row_b + j * Dp, 1.0f);
+            store_row(dk, b, kb.begin + j, hk, w.row_a.data(), 1.0f);
+            store_row(dv, b, kb.begin + j, hk, w.row_b.data(), 1.0f);
           }
         }
       }

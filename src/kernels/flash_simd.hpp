@@ -106,17 +106,26 @@ HWY_INLINE void dot_tile(const float* HWY_RESTRICT a, RowStride ar, std::int64_t
 
 // out[r][:] += sum_{t < count} coef[t*ct + r*cr] * x[t*xs + :] for r < R, over C vectors of columns:
 // O^T += V^T P^T, dV += P^T dO, dK += dS^T Q, dQ += dS K. The sum over t runs in order.
+// Out = float: the sum continues from out's values in fp32. Out = double (the backward's dK/dV): the tile's
+// sum is formed in fp32 registers from zero and then added to out in fp64, so a running sum over tiles keeps
+// fp32 rounding within a tile only.
 // kGuard: a zero coefficient adds nothing even where x is Inf or NaN (0 * Inf would be NaN): the masked pairs
 // of a tile then cannot reach a row that may not see them. Used only when an input holds a non-finite value.
-template <int R, int C, bool kGuard = false>
+template <int R, int C, bool kGuard = false, class Out = float>
 HWY_INLINE void axpy_tile(const float* HWY_RESTRICT coef, std::int64_t ct, std::int64_t cr,
                           const float* HWY_RESTRICT x, std::int64_t xs, std::int64_t count,
-                          float* HWY_RESTRICT out, std::int64_t os) {
+                          Out* HWY_RESTRICT out, std::int64_t os) {
   const DF df;
   const std::int64_t n = lanes();
   VF acc[R][C];
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) acc[r][c] = hn::LoadU(df, out + r * os + c * n);
+    for (int c = 0; c < C; ++c) {
+      if constexpr (std::is_same_v<Out, float>) {
+        acc[r][c] = hn::LoadU(df, out + r * os + c * n);
+      } else {
+        acc[r][c] = hn::Zero(df);
+      }
+    }
   }
   for (std::int64_t t = 0; t < count; ++t) {
     VF xv[C];
@@ -132,8 +141,18 @@ HWY_INLINE void axpy_tile(const float* HWY_RESTRICT coef, std::int64_t ct, std::
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) hn::StoreU(acc[r][c], df, out + r * os + c * n);
+  if constexpr (std::is_same_v<Out, float>) {
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) hn::StoreU(acc[r][c], df, out + r * os + c * n);
+    }
+  } else {
+    HWY_ALIGN float tile[R * C * hn::MaxLanes(DF())];
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) hn::Store(acc[r][c], df, tile + (r * C + c) * n);
+    }
+    for (int r = 0; r < R; ++r) {
+      for (std::int64_t i = 0; i < C * n; ++i) out[r * os + i] += static_cast<double>(tile[r * C * n + i]);
+    }
   }
 }
 
@@ -207,15 +226,15 @@ inline void dot_rows(const float* a, std::int64_t as, const float* bt, std::int6
 
 // axpy_tile over `rows` output rows (a multiple of 2) and `width` columns (a multiple of the lane count), 4
 // vectors at a time and the remainder with fewer.
-template <bool kGuard>
+template <bool kGuard, class Out>
 inline void axpy_rows_impl(const float* coef, std::int64_t ct, std::int64_t cr, const float* x,
                            std::int64_t xs, std::int64_t count, std::int64_t rows, std::int64_t width,
-                           float* out, std::int64_t os) {
+                           Out* out, std::int64_t os) {
   const std::int64_t n = lanes();
   for_row_tiles<6>(rows, [&](auto R, std::int64_t r) {
     constexpr int kR = decltype(R)::value;
     const float* cf = coef + r * cr;
-    float* o = out + r * os;
+    Out* o = out + r * os;
     std::int64_t c = 0;
     for (; c + 4 * n <= width; c += 4 * n) axpy_tile<kR, 4, kGuard>(cf, ct, cr, x + c, xs, count, o + c, os);
     switch ((width - c) / n) {
@@ -234,9 +253,10 @@ inline void axpy_rows_impl(const float* coef, std::int64_t ct, std::int64_t cr, 
   });
 }
 
-// guard: see axpy_tile's kGuard.
+// guard: see axpy_tile's kGuard; Out: see axpy_tile (float or double).
+template <class Out>
 inline void axpy_rows(const float* coef, std::int64_t ct, std::int64_t cr, const float* x, std::int64_t xs,
-                      std::int64_t count, std::int64_t rows, std::int64_t width, float* out, std::int64_t os,
+                      std::int64_t count, std::int64_t rows, std::int64_t width, Out* out, std::int64_t os,
                       bool guard = false) {
   if (guard) {
     axpy_rows_impl<true>(coef, ct, cr, x, xs, count, rows, width, out, os);
