@@ -101,11 +101,11 @@ PackedBlocks::PackedBlocks(const ConstTensorRef& t, const std::vector<std::vecto
   heads_ = t.shape.h;
   per_row_ = blocks.empty() ? 0 : static_cast<std::int64_t>(blocks[0].size());
   block_floats_ = transposed ? width * block : block * width;  // transposed: [width][block], rows >= D zero
-  data_.resize(static_cast<std::size_t>(B * heads_ * per_row_ * block_floats_));
+  data_.reset(new float[static_cast<std::size_t>(B * heads_ * per_row_ * block_floats_)]);
   parallel_for(B * heads_ * per_row_, threads, [&](std::int64_t task, int) {
     const std::int64_t b = task / (heads_ * per_row_), h = (task / per_row_) % heads_,
                        index = task % per_row_;
-    float* out = data_.data() + task * block_floats_;
+    float* out = data_.get() + task * block_floats_;
     const BlockMeta& blk = blocks[b][index];
     if (transposed) {
       std::vector<float> row(static_cast<std::size_t>(D));

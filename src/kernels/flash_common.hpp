@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -185,12 +186,14 @@ class PackedBlocks {
   PackedBlocks(const ConstTensorRef& t, const std::vector<std::vector<BlockMeta>>& blocks, std::int64_t block,
                std::int64_t width, bool transposed, float factor, int threads);
   const float* at(std::int64_t b, std::int64_t h, std::int64_t index) const {
-    return data_.data() + ((b * heads_ + h) * per_row_ + index) * block_floats_;
+    return data_.get() + ((b * heads_ + h) * per_row_ + index) * block_floats_;
   }
 
  private:
   std::int64_t heads_ = 0, per_row_ = 0, block_floats_ = 0;
-  std::vector<float> data_;
+  // Not value-initialized: every block is written whole by its packing task (a zeroing pass first was a
+  // second write of every byte).
+  std::unique_ptr<float[]> data_;
 };
 
 }  // namespace cpattn::kernels
