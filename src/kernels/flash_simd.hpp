@@ -44,7 +44,8 @@ inline std::int64_t padded_head_dim(std::int64_t d) {
 // exactly 1, so a rescale by exp2(m - m) is an exact no-op; NaN (Inf - Inf: a score of +Inf) stays NaN.
 // 2^x = 2^round(x) * 2^f with f in [-0.5, 0.5] and 2^f the polynomial kExp2Poly. On AVX-512 the power of two
 // is applied by vscalefps (exp2_avx512.hpp), elsewhere by building its exponent bits and multiplying: both
-// round the exact p * 2^round(x) once, so every target gives the same values.
+// round the exact p * 2^round(x) once, so every target with FMA gives the same values (without FMA, MulAdd
+// rounds twice and the last bits may differ; tests/exp2_test.cpp).
 HWY_INLINE VF exp2_approx(VF x) {
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
   return VF{exp2_avx512(x.raw)};
