@@ -123,7 +123,8 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
       const bool prefetch = kv_index + 1 < grid.kv[b].size();
       const float* next_k = prefetch ? kt.at(b, hk, kvi + 1) : nullptr;
       const float* next_v = prefetch ? vp.at(b, hk, kvi + 1) : nullptr;
-      const std::int64_t block_lines = Dp * Bk * static_cast<std::int64_t>(sizeof(float)) / kCacheLine;
+      constexpr auto kLineFloats = kCacheLine / static_cast<std::int64_t>(sizeof(float));
+      const std::int64_t block_lines = Dp * Bk / kLineFloats;
       const std::int64_t lines_per_panel =
           (block_lines + static_cast<std::int64_t>(used) - 1) / static_cast<std::int64_t>(used);
       for (std::size_t pi = 0; pi < used; ++pi) {
@@ -131,8 +132,8 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
         if (prefetch) {
           const std::int64_t l0 = static_cast<std::int64_t>(pi) * lines_per_panel;
           for (std::int64_t l = l0; l < std::min(block_lines, l0 + lines_per_panel); ++l) {
-            __builtin_prefetch(next_k + l * kCacheLine / 4, 0, 2);
-            __builtin_prefetch(next_v + l * kCacheLine / 4, 0, 2);
+            __builtin_prefetch(next_k + l * kLineFloats, 0, 2);
+            __builtin_prefetch(next_v + l * kLineFloats, 0, 2);
           }
         }
         const TileKind kind = kinds[pn.block];
