@@ -2,10 +2,9 @@
 // per tile (S, dP, dV, dK, dQ), deterministic without atomics: one task per (batch row, q head) walks groups
 // of kv blocks in order and, for each group, the q blocks in order (each q block's tiles with the group's kv
 // blocks in order). dQ of a row then sums over kv blocks in their order (its own [Sq][Dp] accumulator per
-// task), dK/dV of a kv block over the q blocks in theirs; the q heads of a
-// group each leave an fp64 partial that is summed in head order at the end. An earlier two-pass form (dK/dV
-// by kv block, dQ by q block) needed no partials but computed S and dP twice: 7 products per tile instead
-// of 5.
+// task), dK/dV of a kv block over the q blocks in theirs; the q heads of a group each leave an fp64 partial
+// that is summed in head order at the end. An earlier two-pass form (dK/dV by kv block, dQ by q block)
+// needed no partials but computed S and dP twice: 7 products per tile instead of 5.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
