@@ -1,5 +1,6 @@
 #include "flash_common.hpp"
 
+#include <bit>
 #include <cmath>
 
 #include "../core/parallel_for.hpp"
@@ -62,22 +63,31 @@ void check_forward_args(const ConstTensorRef& q, const ConstTensorRef& k, const 
   if (config.threads < 1) fail("threads", std::to_string(config.threads), "threads must be at least 1");
 }
 
+namespace {
+// Whether any of n values has its exponent bits all ones (Inf or NaN). No early exit inside the row, so the
+// compiler vectorizes it (the element-wise std::isfinite loop with a return ran scalar: 2.4 % of a causal
+// S = 1024 forward + backward in perf).
+template <class Bits, class T>
+bool row_nonfinite(const T* p, std::int64_t n, Bits exponent) {
+  Bits bad = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    bad |= static_cast<Bits>((std::bit_cast<Bits>(p[i]) & exponent) == exponent);
+  }
+  return bad != 0;
+}
+}  // namespace
+
 bool any_nonfinite(const ConstTensorRef& t) {
   for (std::int64_t b = 0; b < t.shape.b; ++b) {
     for (std::int64_t s = 0; s < t.shape.s; ++s) {
       for (std::int64_t h = 0; h < t.shape.h; ++h) {
         const std::int64_t off = t.offset(b, s, h);
-        if (t.dtype == DType::f32) {
-          const float* p = static_cast<const float*>(t.ptr) + off;
-          for (std::int64_t d = 0; d < t.shape.d; ++d) {
-            if (!std::isfinite(p[d])) return true;
-          }
-        } else {
-          const bf16* p = static_cast<const bf16*>(t.ptr) + off;
-          for (std::int64_t d = 0; d < t.shape.d; ++d) {
-            if (!std::isfinite(bf16_to_float(p[d]))) return true;
-          }
-        }
+        const bool bad = t.dtype == DType::f32
+                             ? row_nonfinite<std::uint32_t>(static_cast<const float*>(t.ptr) + off, t.shape.d,
+                                                            0x7f800000u)
+                             : row_nonfinite<std::uint16_t>(static_cast<const bf16*>(t.ptr) + off, t.shape.d,
+                                                            std::uint16_t{0x7f80});
+        if (bad) return true;
       }
     }
   }
