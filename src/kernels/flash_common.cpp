@@ -82,11 +82,11 @@ bool any_nonfinite(const ConstTensorRef& t) {
     for (std::int64_t s = 0; s < t.shape.s; ++s) {
       for (std::int64_t h = 0; h < t.shape.h; ++h) {
         const std::int64_t off = t.offset(b, s, h);
-        const bool bad = t.dtype == DType::f32
-                             ? row_nonfinite<std::uint32_t>(static_cast<const float*>(t.ptr) + off, t.shape.d,
-                                                            0x7f800000u)
-                             : row_nonfinite<std::uint16_t>(static_cast<const bf16*>(t.ptr) + off, t.shape.d,
-                                                            std::uint16_t{0x7f80});
+        const bool bad =
+            t.dtype == DType::f32
+                ? row_nonfinite<std::uint32_t>(static_cast<const float*>(t.ptr) + off, t.shape.d, 0x7f800000u)
+                : row_nonfinite<std::uint16_t>(static_cast<const bf16*>(t.ptr) + off, t.shape.d,
+                                               std::uint16_t{0x7f80});
         if (bad) return true;
       }
     }
