@@ -1,7 +1,11 @@
 #include "flash_common.hpp"
 
+#include <sys/mman.h>
+
 #include <bit>
 #include <cmath>
+#include <cstdlib>
+#include <new>
 
 #include "../core/parallel_for.hpp"
 
@@ -104,6 +108,24 @@ BlockGrid make_block_grid(const AttentionMask& mask, std::int64_t batch, std::in
   return g;
 }
 
+float* huge_floats(std::size_t n) {
+  constexpr std::size_t kHuge = std::size_t{2} << 20;
+  const std::size_t bytes = std::max<std::size_t>(n * sizeof(float), sizeof(float));
+  void* p = nullptr;
+  if (bytes >= kHuge) {
+    p = std::aligned_alloc(kHuge, (bytes + kHuge - 1) / kHuge * kHuge);
+    if (p != nullptr) madvise(p, bytes, MADV_HUGEPAGE);  // advice only: without THP the pages stay 4 KiB
+  } else {
+    p = std::malloc(bytes);
+  }
+  if (p == nullptr) throw std::bad_alloc();
+  return static_cast<float*>(p);
+}
+
+void PackedBlocks::Free::operator()(float* p) const {
+  std::free(p);
+}
+
 PackedBlocks::PackedBlocks(const ConstTensorRef& t, const std::vector<std::vector<BlockMeta>>& blocks,
                            std::int64_t block, std::int64_t width, bool transposed, float factor,
                            int threads) {
@@ -111,7 +133,7 @@ PackedBlocks::PackedBlocks(const ConstTensorRef& t, const std::vector<std::vecto
   heads_ = t.shape.h;
   per_row_ = blocks.empty() ? 0 : static_cast<std::int64_t>(blocks[0].size());
   block_floats_ = transposed ? width * block : block * width;  // transposed: [width][block], rows >= D zero
-  data_.reset(new float[static_cast<std::size_t>(B * heads_ * per_row_ * block_floats_)]);
+  data_.reset(huge_floats(static_cast<std::size_t>(B * heads_ * per_row_ * block_floats_)));
   parallel_for(B * heads_ * per_row_, threads, [&](std::int64_t task, int) {
     const std::int64_t b = task / (heads_ * per_row_), h = (task / per_row_) % heads_,
                        index = task % per_row_;

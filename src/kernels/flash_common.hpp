@@ -178,6 +178,12 @@ struct BlockGrid {
 BlockGrid make_block_grid(const AttentionMask& mask, std::int64_t batch, std::int64_t sq, std::int64_t skv,
                           const FlashConfig& config);
 
+// n floats, uninitialized, freed with std::free. From 2 MiB on, aligned to 2 MiB and advised as transparent
+// huge pages (madvise; the kernel's THP mode here is "madvise"): each call's packed operands are fresh
+// memory, so 4 KiB pages meant a page fault per 4 KiB on every call, and the kernels' K/V streams a TLB entry
+// each.
+float* huge_floats(std::size_t n);
+
 // Every block of t ([B, S, H, D]) on a grid, packed once per call and shared by all the tiles that read it:
 // transposed as [width][block] (rows past D zero; keys along the vector axis) or as rows
 // [block][width] (for P V, dS K, and the q-side blocks), zero-padded, times `factor`.
@@ -192,8 +198,11 @@ class PackedBlocks {
  private:
   std::int64_t heads_ = 0, per_row_ = 0, block_floats_ = 0;
   // Not value-initialized: every block is written whole by its packing task (a zeroing pass first was a
-  // second write of every byte).
-  std::unique_ptr<float[]> data_;
+  // second write of every byte). Large buffers are backed by transparent huge pages (huge_floats).
+  struct Free {
+    void operator()(float* p) const;
+  };
+  std::unique_ptr<float[], Free> data_;
 };
 
 }  // namespace cpattn::kernels
