@@ -180,8 +180,7 @@ BlockGrid make_block_grid(const AttentionMask& mask, std::int64_t batch, std::in
 
 // n floats, uninitialized, freed with std::free. From 2 MiB on, aligned to 2 MiB and advised as transparent
 // huge pages (madvise; the kernel's THP mode here is "madvise"): each call's packed operands are fresh
-// memory, so 4 KiB pages meant a page fault per 4 KiB on every call, and the kernels' K/V streams a TLB entry
-// each.
+// memory, and with 4 KiB pages every call took a page fault per 4 KiB of them.
 float* huge_floats(std::size_t n);
 
 // Every block of t ([B, S, H, D]) on a grid, packed once per call and shared by all the tiles that read it:
