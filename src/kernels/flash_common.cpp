@@ -3,7 +3,6 @@
 #include <sys/mman.h>
 
 #include <bit>
-#include <cmath>
 #include <cstdlib>
 #include <new>
 
