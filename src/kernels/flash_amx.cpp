@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "../core/parallel_for.hpp"
+#include "aligned_vector.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define CPATTN_HAVE_AMX 1
@@ -257,8 +258,8 @@ void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const C
   });
 
   struct Workspace {
-    std::vector<std::uint16_t> qb, p;
-    std::vector<float> s, acc, m, l, alpha, row;
+    AlignedVector<std::uint16_t> qb, p;
+    AlignedVector<float> s, acc, m, l, alpha, row;
   };
   std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
   parallel_for(B * Hq * q_blocks, config.threads, [&](std::int64_t task, int worker) {
@@ -368,11 +369,11 @@ void flash_backward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const 
     head_dk.assign(static_cast<std::size_t>(B * Hq * stripe * kv_elems), 0.0);
     head_dv.assign(head_dk.size(), 0.0);
   }
-  std::vector<float> dq_acc(static_cast<std::size_t>(B * Hq * q_blocks * q_elems), 0.0f);
+  AlignedVector<float> dq_acc(static_cast<std::size_t>(B * Hq * q_blocks * q_elems), 0.0f);
   struct Workspace {
-    std::vector<float> s, dp, dkt, dvt, row;
-    std::vector<std::uint16_t> p_pairs, ds_pairs, ds_rows;
-    std::vector<double> sum_k, sum_v;  // dK^T, dV^T of one kv block: [D32][Bk]
+    AlignedVector<float> s, dp, dkt, dvt, row;
+    AlignedVector<std::uint16_t> p_pairs, ds_pairs, ds_rows;
+    AlignedVector<double> sum_k, sum_v;  // dK^T, dV^T of one kv block: [D32][Bk]
   };
   std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
   auto store_kv_rows = [&](Workspace& w, const double* sum_k, const double* sum_v, std::int64_t b,

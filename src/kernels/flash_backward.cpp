@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "../core/parallel_for.hpp"
+#include "aligned_vector.hpp"
 #include "flash_amx.hpp"
 #include "flash_common.hpp"
 
@@ -60,8 +61,8 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
   // Every operand block is packed once per call (converted to fp32, zero-padded, Q pre-scaled for the
   // base-2 scores) and then read by every tile that needs it.
   struct Workspace {
-    std::vector<float> s, dp, row_a, row_b;
-    std::vector<double> sum_a, sum_b;  // dK, dV running sums over tiles, per kv block of the group
+    AlignedVector<float> s, dp, row_a, row_b;
+    AlignedVector<double> sum_a, sum_b;  // dK, dV running sums over tiles, per kv block of the group
   };
   constexpr std::int64_t kKvGroup = 4;  // kv blocks per walk over the q blocks
   std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
@@ -103,7 +104,7 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
     head_dv.assign(head_dk.size(), 0.0);
   }
   const PackedBlocks krows(k, grid.kv, Bk, Dp, false, 1.0f, config.threads);  // K as rows, for dQ
-  std::vector<float> dq_acc(static_cast<std::size_t>(B * Hq * sq_padded * Dp), 0.0f);
+  AlignedVector<float> dq_acc(static_cast<std::size_t>(B * Hq * sq_padded * Dp), 0.0f);
   // dK is summed from Q' = q_factor * Q (the packed scores operand) instead of a second, unscaled copy of Q:
   // dK = scale * sum dS Q = (scale / q_factor) * sum dS Q'.
   const double dk_scale = scale / static_cast<double>(q_factor);

@@ -9,6 +9,7 @@
 #include <mutex>
 
 #include "../core/parallel_for.hpp"
+#include "aligned_vector.hpp"
 #include "flash_amx.hpp"
 #include "flash_common.hpp"
 
@@ -64,10 +65,10 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   struct Panel {
     BlockMeta rows;          // the panel's rows [begin, begin + length)
     std::int64_t block = 0;  // its q block, relative to the group
-    std::vector<float> qt, acc, m, l;
+    AlignedVector<float> qt, acc, m, l;
   };
   struct Workspace {
-    std::vector<float> st, alpha;
+    AlignedVector<float> st, alpha;
     std::vector<Panel> panels;
   };
   std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
