@@ -120,7 +120,9 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
       const float* kblock = kt.at(b, hk, kvi);
       const float* vblock = vp.at(b, hk, kvi);
       // The next kv block's K and V are fetched into L2 while this one is in use, a share per panel: the
-      // group's first panel would otherwise wait on L3 for every line of them.
+      // group's first panel would otherwise wait on L3 for every line of them. A panel's share goes out a few
+      // lines before each of its register tiles: issued in one burst, the requests filled the line-fill
+      // buffers and the burst itself held up the loop (5-8 % of the forward's samples in perf).
       const bool prefetch = kv_index + 1 < grid.kv[b].size();
       const float* next_k = prefetch ? kt.at(b, hk, kvi + 1) : nullptr;
       const float* next_v = prefetch ? vp.at(b, hk, kvi + 1) : nullptr;
@@ -130,21 +132,27 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
           (block_lines + static_cast<std::int64_t>(used) - 1) / static_cast<std::int64_t>(used);
       for (std::size_t pi = 0; pi < used; ++pi) {
         Panel& pn = w.panels[pi];
-        if (prefetch) {
-          const std::int64_t l0 = static_cast<std::int64_t>(pi) * lines_per_panel;
-          for (std::int64_t l = l0; l < std::min(block_lines, l0 + lines_per_panel); ++l) {
-            __builtin_prefetch(next_k + l * kLineFloats, 0, 2);
-            __builtin_prefetch(next_v + l * kLineFloats, 0, 2);
+        std::int64_t pf_next = prefetch ? static_cast<std::int64_t>(pi) * lines_per_panel : 0;
+        const std::int64_t pf_end = prefetch ? std::min(block_lines, pf_next + lines_per_panel) : 0;
+        const std::int64_t pf_chunk = (lines_per_panel + 15) / 16;  // ~17 tiles per panel at D = 128
+        auto issue = [&](std::int64_t count) {
+          for (const std::int64_t e = std::min(pf_end, pf_next + count); pf_next < e; ++pf_next) {
+            __builtin_prefetch(next_k + pf_next * kLineFloats, 0, 2);
+            __builtin_prefetch(next_v + pf_next * kLineFloats, 0, 2);
           }
-        }
+        };
         const TileKind kind = kinds[pn.block];
-        if (kind == TileKind::empty) continue;
+        if (kind == TileKind::empty) {
+          issue(pf_end);
+          continue;
+        }
         // st: [Bk][panel] = K Q'^T; a full tile's row maxima are taken as it is stored, a partial tile's
         // after its mask, from st. Either way the maximum is exact, whatever the order.
         VF colmax[kPanelVectors];
         for (int c = 0; c < kPanelVectors; ++c) colmax[c] = hn::LoadU(df, pn.m.data() + c * n);
         VF* fused_max = kind == TileKind::full ? colmax : nullptr;
         for_row_tiles<kRowTile>(Bk, [&](auto R, std::int64_t r) {
+          issue(pf_chunk);
           dot_tile<decltype(R)::value, kPanelVectors>(kblock + r, kAdjacent(), Bk, pn.qt.data(), panel, D,
                                                       w.st.data() + r * panel, panel, fused_max);
         });
@@ -178,6 +186,7 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
         }
         // acc: [Dp][panel] = acc * alpha + V^T P^T
         for_row_tiles<kRowTile>(Dp, [&](auto R, std::int64_t r) {
+          issue(pf_chunk);
           if (guard) {
             scale_axpy_tile_adjacent<decltype(R)::value, kPanelVectors, true>(
                 w.alpha.data(), vblock + r, Dp, w.st.data(), panel, Bk, pn.acc.data() + r * panel, panel);
@@ -186,6 +195,7 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
                 w.alpha.data(), vblock + r, Dp, w.st.data(), panel, Bk, pn.acc.data() + r * panel, panel);
           }
         });
+        issue(pf_end);
       }
     }
     for (std::size_t pi = 0; pi < used; ++pi) {
