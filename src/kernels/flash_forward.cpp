@@ -168,21 +168,29 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
             colmax[c] = hn::Max(hn::Max(m4[0], m4[1]), hn::Max(m4[2], m4[3]));
           }
         }
-        for (std::int64_t c = 0; c < panel; c += n) {
-          const VF m_old = hn::LoadU(df, pn.m.data() + c);
-          const VF m_new = colmax[c / n];
+        // P = exp2(S - m) in place, both vectors of a key's row per step (two independent exp2 chains); each
+        // lane's sum still runs over the keys in order.
+        VF m_use[kPanelVectors], sum[kPanelVectors];
+        for (int c = 0; c < kPanelVectors; ++c) {
+          const VF m_old = hn::LoadU(df, pn.m.data() + c * n);
           // A row that has seen nothing yet subtracts 0: its P is exp2(-inf) = 0 and its alpha 0 (acc is 0).
-          const VF m_use = hn::IfThenZeroElse(hn::Eq(m_new, hn::Set(df, neg_inf)), m_new);
-          const VF alpha = exp2_approx(hn::Sub(m_old, m_use));
-          VF sum = hn::Zero(df);
-          for (std::int64_t j = 0; j < Bk; ++j) {
-            const VF p = exp2_approx(hn::Sub(hn::LoadU(df, w.st.data() + j * panel + c), m_use));
-            hn::StoreU(p, df, w.st.data() + j * panel + c);
-            sum = hn::Add(sum, p);
+          m_use[c] = hn::IfThenZeroElse(hn::Eq(colmax[c], hn::Set(df, neg_inf)), colmax[c]);
+          hn::StoreU(exp2_approx(hn::Sub(m_old, m_use[c])), df, w.alpha.data() + c * n);
+          hn::StoreU(colmax[c], df, pn.m.data() + c * n);
+          sum[c] = hn::Zero(df);
+        }
+        float* const st = w.st.data();
+        for (std::int64_t j = 0; j < Bk; ++j) {
+          for (int c = 0; c < kPanelVectors; ++c) {
+            float* const at = st + j * panel + c * n;
+            const VF p = exp2_approx(hn::Sub(hn::LoadU(df, at), m_use[c]));
+            hn::StoreU(p, df, at);
+            sum[c] = hn::Add(sum[c], p);
           }
-          hn::StoreU(hn::MulAdd(hn::LoadU(df, pn.l.data() + c), alpha, sum), df, pn.l.data() + c);
-          hn::StoreU(m_new, df, pn.m.data() + c);
-          hn::StoreU(alpha, df, w.alpha.data() + c);
+        }
+        for (int c = 0; c < kPanelVectors; ++c) {
+          const VF alpha = hn::LoadU(df, w.alpha.data() + c * n);
+          hn::StoreU(hn::MulAdd(hn::LoadU(df, pn.l.data() + c * n), alpha, sum[c]), df, pn.l.data() + c * n);
         }
         // acc: [Dp][panel] = acc * alpha + V^T P^T
         for_row_tiles<kRowTile>(Dp, [&](auto R, std::int64_t r) {
@@ -199,11 +207,21 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
       }
     }
     for (std::size_t pi = 0; pi < used; ++pi) {
-      const Panel& pn = w.panels[pi];
+      Panel& pn = w.panels[pi];
+      // O^T / l in place, a vector of rows at a time (IEEE division: the same quotient as one row at a time);
+      // a row that saw no key gets 0.
+      for (int c = 0; c < kPanelVectors; ++c) {
+        const VF l = hn::LoadU(df, pn.l.data() + c * n);
+        const auto none = hn::Eq(l, hn::Zero(df));
+        for (std::int64_t d = 0; d < D; ++d) {
+          float* const at = pn.acc.data() + d * panel + c * n;
+          hn::StoreU(hn::IfThenZeroElse(none, hn::Div(hn::LoadU(df, at), l)), df, at);
+        }
+      }
       for (std::int64_t r = 0; r < pn.rows.length; ++r) {
         const std::int64_t i = pn.rows.begin + r;
         const float l = pn.l[r];
-        for (std::int64_t d = 0; d < D; ++d) row[d] = l != 0.0f ? pn.acc[d * panel + r] / l : 0.0f;
+        for (std::int64_t d = 0; d < D; ++d) row[d] = pn.acc[d * panel + r];
         store_row(o, b, i, h, row.data(), 1.0f);
         if (lse != nullptr) {
           lse[(b * Hq + h) * Sq + i] =
