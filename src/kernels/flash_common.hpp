@@ -61,6 +61,36 @@ inline void store_row(const TensorRef& t, std::int64_t b, std::int64_t s, std::i
   }
 }
 
+// Software prefetch into L2 (prefetcht1) of up to four byte ranges, a few cache lines at a time: the kernels
+// fetch the operands of their next block this way between register tiles. Issued in one burst, a block's
+// requests fill the line-fill buffers and the burst itself stalls the loop (5-8 % of the forward's samples).
+class PrefetchQueue {
+ public:
+  void clear() { count_ = at_ = 0, line_ = 0; }
+  void add(const void* p, std::int64_t bytes) {
+    if (bytes > 0 && count_ < kRanges)
+      ranges_[count_++] = {static_cast<const char*>(p), (bytes + kCacheLine - 1) / kCacheLine};
+  }
+  // The next `lines` lines, in the order the ranges were added.
+  void issue(std::int64_t lines) {
+    for (; lines > 0 && at_ < count_; --lines) {
+      __builtin_prefetch(ranges_[at_].p + line_ * kCacheLine, 0, 2);
+      if (++line_ == ranges_[at_].lines) ++at_, line_ = 0;
+    }
+  }
+  void drain() { issue(std::numeric_limits<std::int64_t>::max()); }
+
+ private:
+  static constexpr int kRanges = 4;
+  struct Range {
+    const char* p = nullptr;
+    std::int64_t lines = 0;
+  };
+  Range ranges_[kRanges];
+  int count_ = 0, at_ = 0;
+  std::int64_t line_ = 0;
+};
+
 // Block rows as [rows_padded][width] (row-major), zeros past `length` rows.
 inline void pack_rows(const ConstTensorRef& t, std::int64_t b, std::int64_t h, const BlockMeta& blk,
                       std::int64_t rows_padded, std::int64_t width, float factor, float* out) {

@@ -70,6 +70,7 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   struct Workspace {
     AlignedVector<float> st, alpha;
     std::vector<Panel> panels;
+    PrefetchQueue prefetch;
   };
   std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
 
@@ -119,31 +120,28 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
       const std::int64_t kvi = static_cast<std::int64_t>(kv_index);
       const float* kblock = kt.at(b, hk, kvi);
       const float* vblock = vp.at(b, hk, kvi);
-      // The next kv block's K and V are fetched into L2 while this one is in use, a share per panel: the
-      // group's first panel would otherwise wait on L3 for every line of them. A panel's share goes out a few
-      // lines before each of its register tiles: issued in one burst, the requests filled the line-fill
-      // buffers and the burst itself held up the loop (5-8 % of the forward's samples in perf).
+      // The next kv block's K and V are fetched into L2 while this one is in use, a share per panel (the
+      // group's first panel would otherwise wait on L3 for every line of them), a few lines before each
+      // register tile (PrefetchQueue).
       const bool prefetch = kv_index + 1 < grid.kv[b].size();
-      const float* next_k = prefetch ? kt.at(b, hk, kvi + 1) : nullptr;
-      const float* next_v = prefetch ? vp.at(b, hk, kvi + 1) : nullptr;
-      constexpr auto kLineFloats = kCacheLine / static_cast<std::int64_t>(sizeof(float));
-      const std::int64_t block_lines = Dp * Bk / kLineFloats;
-      const std::int64_t lines_per_panel =
-          (block_lines + static_cast<std::int64_t>(used) - 1) / static_cast<std::int64_t>(used);
+      const std::int64_t block_bytes = Dp * Bk * static_cast<std::int64_t>(sizeof(float));
+      const std::int64_t share = round_up(
+          (block_bytes + static_cast<std::int64_t>(used) - 1) / static_cast<std::int64_t>(used), kCacheLine);
+      // ~17 register tiles per panel at D = 128: the share of both blocks in 16 of them
+      const std::int64_t pf_chunk = (2 * share / kCacheLine + 15) / 16;
       for (std::size_t pi = 0; pi < used; ++pi) {
         Panel& pn = w.panels[pi];
-        std::int64_t pf_next = prefetch ? static_cast<std::int64_t>(pi) * lines_per_panel : 0;
-        const std::int64_t pf_end = prefetch ? std::min(block_lines, pf_next + lines_per_panel) : 0;
-        const std::int64_t pf_chunk = (lines_per_panel + 15) / 16;  // ~17 tiles per panel at D = 128
-        auto issue = [&](std::int64_t count) {
-          for (const std::int64_t e = std::min(pf_end, pf_next + count); pf_next < e; ++pf_next) {
-            __builtin_prefetch(next_k + pf_next * kLineFloats, 0, 2);
-            __builtin_prefetch(next_v + pf_next * kLineFloats, 0, 2);
-          }
-        };
+        PrefetchQueue& pf = w.prefetch;
+        pf.clear();
+        if (prefetch) {
+          const std::int64_t from = static_cast<std::int64_t>(pi) * share;
+          const std::int64_t bytes = std::min(share, block_bytes - from);
+          pf.add(reinterpret_cast<const char*>(kt.at(b, hk, kvi + 1)) + from, bytes);
+          pf.add(reinterpret_cast<const char*>(vp.at(b, hk, kvi + 1)) + from, bytes);
+        }
         const TileKind kind = kinds[pn.block];
         if (kind == TileKind::empty) {
-          issue(pf_end);
+          pf.drain();
           continue;
         }
         // st: [Bk][panel] = K Q'^T; a full tile's row maxima are taken as it is stored, a partial tile's
@@ -152,7 +150,7 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
         for (int c = 0; c < kPanelVectors; ++c) colmax[c] = hn::LoadU(df, pn.m.data() + c * n);
         VF* fused_max = kind == TileKind::full ? colmax : nullptr;
         for_row_tiles<kRowTile>(Bk, [&](auto R, std::int64_t r) {
-          issue(pf_chunk);
+          pf.issue(pf_chunk);
           dot_tile<decltype(R)::value, kPanelVectors>(kblock + r, kAdjacent(), Bk, pn.qt.data(), panel, D,
                                                       w.st.data() + r * panel, panel, fused_max);
         });
@@ -194,7 +192,7 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
         }
         // acc: [Dp][panel] = acc * alpha + V^T P^T
         for_row_tiles<kRowTile>(Dp, [&](auto R, std::int64_t r) {
-          issue(pf_chunk);
+          pf.issue(pf_chunk);
           if (guard) {
             scale_axpy_tile_adjacent<decltype(R)::value, kPanelVectors, true>(
                 w.alpha.data(), vblock + r, Dp, w.st.data(), panel, Bk, pn.acc.data() + r * panel, panel);
@@ -203,7 +201,7 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
                 w.alpha.data(), vblock + r, Dp, w.st.data(), panel, Bk, pn.acc.data() + r * panel, panel);
           }
         });
-        issue(pf_end);
+        pf.drain();
       }
     }
     for (std::size_t pi = 0; pi < used; ++pi) {

@@ -214,12 +214,15 @@ HWY_INLINE void for_row_tiles(std::int64_t rows, Tile&& tile) {
   if (rows - r >= 2) tile(std::integral_constant<int, 2>(), r);
 }
 
-// Rows [0, rows) of a (a multiple of 2) against `cols` columns of bt (a multiple of 4 vectors).
+// Rows [0, rows) of a (a multiple of 2) against `cols` columns of bt (a multiple of 4 vectors). pf
+// (optional): pf_lines of its lines are prefetched before each register tile.
 inline void dot_rows(const float* a, std::int64_t as, const float* bt, std::int64_t bs, std::int64_t depth,
-                     std::int64_t rows, std::int64_t cols, float* out, std::int64_t os) {
+                     std::int64_t rows, std::int64_t cols, float* out, std::int64_t os,
+                     PrefetchQueue* pf = nullptr, std::int64_t pf_lines = 0) {
   const std::int64_t step = 4 * lanes();
   for (std::int64_t j = 0; j < cols; j += step) {
     for_row_tiles<6>(rows, [&](auto R, std::int64_t r) {
+      if (pf != nullptr) pf->issue(pf_lines);
       dot_tile<decltype(R)::value, 4>(a + r * as, as, 1, bt + j, bs, depth, out + r * os + j, os);
     });
   }
@@ -230,9 +233,10 @@ inline void dot_rows(const float* a, std::int64_t as, const float* bt, std::int6
 template <bool kGuard, class Out>
 inline void axpy_rows_impl(const float* coef, std::int64_t ct, std::int64_t cr, const float* x,
                            std::int64_t xs, std::int64_t count, std::int64_t rows, std::int64_t width,
-                           Out* out, std::int64_t os) {
+                           Out* out, std::int64_t os, PrefetchQueue* pf, std::int64_t pf_lines) {
   const std::int64_t n = lanes();
   for_row_tiles<6>(rows, [&](auto R, std::int64_t r) {
+    if (pf != nullptr) pf->issue(pf_lines);
     constexpr int kR = decltype(R)::value;
     const float* cf = coef + r * cr;
     Out* o = out + r * os;
@@ -254,15 +258,15 @@ inline void axpy_rows_impl(const float* coef, std::int64_t ct, std::int64_t cr, 
   });
 }
 
-// guard: see axpy_tile's kGuard; Out: see axpy_tile (float or double).
+// guard: see axpy_tile's kGuard; Out: see axpy_tile (float or double); pf, pf_lines: see dot_rows.
 template <class Out>
 inline void axpy_rows(const float* coef, std::int64_t ct, std::int64_t cr, const float* x, std::int64_t xs,
                       std::int64_t count, std::int64_t rows, std::int64_t width, Out* out, std::int64_t os,
-                      bool guard = false) {
+                      bool guard = false, PrefetchQueue* pf = nullptr, std::int64_t pf_lines = 0) {
   if (guard) {
-    axpy_rows_impl<true>(coef, ct, cr, x, xs, count, rows, width, out, os);
+    axpy_rows_impl<true>(coef, ct, cr, x, xs, count, rows, width, out, os, pf, pf_lines);
   } else {
-    axpy_rows_impl<false>(coef, ct, cr, x, xs, count, rows, width, out, os);
+    axpy_rows_impl<false>(coef, ct, cr, x, xs, count, rows, width, out, os, pf, pf_lines);
   }
 }
 
