@@ -3,6 +3,7 @@
 // Per query row the operations are the same whatever its lane or block: the score is a sequential FMA chain
 // over d, the max and the sum run over the keys in kv order, the rescale and P V accumulate over kv blocks in
 // order.
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -71,19 +72,54 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
     AlignedVector<float> st, alpha;
     std::vector<Panel> panels;
     PrefetchQueue prefetch;
+    std::vector<std::int64_t> todo;                         // the kv blocks the group computes, in order
+    std::vector<std::array<TileKind, kGroupBlocks>> kinds;  // each q block's tile against them
   };
   std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
 
+  // A head's groups are taken last first: under a causal mask the later q blocks see the most keys, and the
+  // largest tasks first leave the smallest for the end, when threads run out of work unevenly.
   parallel_for(B * Hq * groups, config.threads, [&](std::int64_t task, int worker) {
     const std::int64_t b = task / (Hq * groups);
     const std::int64_t h = (task / groups) % Hq;
     const std::int64_t hk = h / G;
-    const std::int64_t qi0 = (task % groups) * kGroupBlocks, qi1 = std::min(q_blocks, qi0 + kGroupBlocks);
+    const std::int64_t qi0 = (groups - 1 - task % groups) * kGroupBlocks;
+    const std::int64_t qi1 = std::min(q_blocks, qi0 + kGroupBlocks);
     Workspace& w = spaces[worker];
     w.st.resize(Bk * panel);
     w.alpha.resize(panel);
     std::vector<float> row(static_cast<std::size_t>(std::max(D, Dp)));
     const DF df;
+    std::int64_t computed[kGroupBlocks] = {}, computed_full[kGroupBlocks] = {};
+    w.todo.clear();
+    w.kinds.clear();
+    for (std::size_t kv_index = 0; kv_index < grid.kv[b].size(); ++kv_index) {
+      const BlockMeta& kb = grid.kv[b][kv_index];
+      std::array<TileKind, kGroupBlocks> kinds{};
+      bool any = false;
+      for (std::int64_t qi = qi0; qi < qi1; ++qi) {
+        // Tiles are classified on the whole (Bq, Bk) block, whatever its panels.
+        const TileKind kind = classify_tile(grid.q[b][qi], kb, mask.causal, segments, Bk);
+        kinds[qi - qi0] = kind;
+        if (kind == TileKind::empty) continue;
+        any = true;
+        ++computed[qi - qi0];
+        computed_full[qi - qi0] += kind == TileKind::full;
+      }
+      if (!any) continue;
+      w.todo.push_back(static_cast<std::int64_t>(kv_index));
+      w.kinds.push_back(kinds);
+    }
+    const std::int64_t block_bytes = Dp * Bk * static_cast<std::int64_t>(sizeof(float));
+    // The first kv block's K and V are fetched while the panels' Q'^T are built (a few lines per row).
+    PrefetchQueue& pf = w.prefetch;
+    pf.clear();
+    if (!w.todo.empty()) {
+      pf.add(kt.at(b, hk, w.todo[0]), block_bytes);
+      pf.add(vp.at(b, hk, w.todo[0]), block_bytes);
+    }
+    const std::int64_t setup_lines =
+        (2 * block_bytes / kCacheLine + kGroupBlocks * Bq - 1) / (kGroupBlocks * Bq);
     std::size_t used = 0;
     for (std::int64_t qi = qi0; qi < qi1; ++qi) {
       const BlockMeta& qb = grid.q[b][qi];
@@ -97,47 +133,35 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
         pn.m.assign(panel, neg_inf);
         pn.l.assign(panel, 0.0f);
         for (std::int64_t r = 0; r < pn.rows.length; ++r) {  // Q'^T: [D][panel]
+          pf.issue(setup_lines);
           load_row(q, b, pn.rows.begin + r, h, q_factor, D, row.data());
           for (std::int64_t d = 0; d < D; ++d) pn.qt[d * panel + r] = row[d];
         }
       }
     }
-    std::int64_t computed[kGroupBlocks] = {}, computed_full[kGroupBlocks] = {};
-    TileKind kinds[kGroupBlocks];
-    for (std::size_t kv_index = 0; kv_index < grid.kv[b].size(); ++kv_index) {
-      const BlockMeta& kb = grid.kv[b][kv_index];
-      bool any = false;
-      for (std::int64_t qi = qi0; qi < qi1; ++qi) {
-        // Tiles are classified on the whole (Bq, Bk) block, whatever its panels.
-        const TileKind kind = classify_tile(grid.q[b][qi], kb, mask.causal, segments, Bk);
-        kinds[qi - qi0] = kind;
-        if (kind == TileKind::empty) continue;
-        any = true;
-        ++computed[qi - qi0];
-        computed_full[qi - qi0] += kind == TileKind::full;
-      }
-      if (!any) continue;
-      const std::int64_t kvi = static_cast<std::int64_t>(kv_index);
+    pf.drain();
+    for (std::size_t step = 0; step < w.todo.size(); ++step) {
+      const std::int64_t kvi = w.todo[step];
+      const BlockMeta& kb = grid.kv[b][kvi];
+      const std::array<TileKind, kGroupBlocks>& kinds = w.kinds[step];
       const float* kblock = kt.at(b, hk, kvi);
       const float* vblock = vp.at(b, hk, kvi);
       // The next kv block's K and V are fetched into L2 while this one is in use, a share per panel (the
       // group's first panel would otherwise wait on L3 for every line of them), a few lines before each
       // register tile (PrefetchQueue).
-      const bool prefetch = kv_index + 1 < grid.kv[b].size();
-      const std::int64_t block_bytes = Dp * Bk * static_cast<std::int64_t>(sizeof(float));
+      const bool prefetch = step + 1 < w.todo.size();
       const std::int64_t share = round_up(
           (block_bytes + static_cast<std::int64_t>(used) - 1) / static_cast<std::int64_t>(used), kCacheLine);
       // ~17 register tiles per panel at D = 128: the share of both blocks in 16 of them
       const std::int64_t pf_chunk = (2 * share / kCacheLine + 15) / 16;
       for (std::size_t pi = 0; pi < used; ++pi) {
         Panel& pn = w.panels[pi];
-        PrefetchQueue& pf = w.prefetch;
         pf.clear();
         if (prefetch) {
           const std::int64_t from = static_cast<std::int64_t>(pi) * share;
           const std::int64_t bytes = std::min(share, block_bytes - from);
-          pf.add(reinterpret_cast<const char*>(kt.at(b, hk, kvi + 1)) + from, bytes);
-          pf.add(reinterpret_cast<const char*>(vp.at(b, hk, kvi + 1)) + from, bytes);
+          pf.add(reinterpret_cast<const char*>(kt.at(b, hk, w.todo[step + 1])) + from, bytes);
+          pf.add(reinterpret_cast<const char*>(vp.at(b, hk, w.todo[step + 1])) + from, bytes);
         }
         const TileKind kind = kinds[pn.block];
         if (kind == TileKind::empty) {
