@@ -63,14 +63,12 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
   struct Workspace {
     AlignedVector<float> s, dp, row_a, row_b;
     AlignedVector<double> sum_a, sum_b;  // dK, dV running sums over tiles, per kv block of the group
-    PrefetchQueue prefetch;              // the next q block's operands
+    PrefetchQueue prefetch;     // the next q block's operands (and near a group's end the next group's)
+    std::int64_t pf_lines = 0;  // of them before each register tile
   };
   constexpr std::int64_t kKvGroup = 4;  // kv blocks per walk over the q blocks
-  // Lines prefetched before each register tile: a q block's three operand blocks over its group's tiles
-  // (~88 register tiles per kv block at D = 128, Bk = 64; what is left goes out when the q block ends).
+  constexpr std::int64_t kKvTail = 4;   // a group's last q blocks, which fetch the next group's kv blocks
   const std::int64_t block_q_floats = Bq * Dp;
-  const std::int64_t pf_lines = std::max<std::int64_t>(
-      1, 3 * block_q_floats * static_cast<std::int64_t>(sizeof(float)) / kCacheLine / (kKvGroup * 64));
   std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
   // S, P and dS for one tile from packed rows of Q' and dO ([rows][Dp]) and K^T, V^T ([Dp][Bk]); rows
   // padded to the tile height.
@@ -79,8 +77,8 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
                      std::int64_t rows) {
     w.s.resize(Bq * Bk);
     w.dp.resize(Bq * Bk);
-    dot_rows(qs, Dp, kt, Bk, D, rows, Bk, w.s.data(), Bk, &w.prefetch, pf_lines);
-    dot_rows(dop, Dp, vt, Bk, D, rows, Bk, w.dp.data(), Bk, &w.prefetch, pf_lines);
+    dot_rows(qs, Dp, kt, Bk, D, rows, Bk, w.s.data(), Bk, &w.prefetch, w.pf_lines);
+    dot_rows(dop, Dp, vt, Bk, D, rows, Bk, w.dp.data(), Bk, &w.prefetch, w.pf_lines);
     const std::int64_t row0 = (b * Hq + h) * sq_padded + qb.begin;
     probabilities_and_ds(w.s.data(), w.dp.data(), rows, Bk, lse2.data() + row0, delta.data() + row0);
     // The mask is applied to P and dS (not to S): a masked pair's P and dS are then exactly 0 even for a
@@ -139,16 +137,34 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
           const BlockMeta& qb = grid.q[b][qi];
           // The next q block's Q', dO and dQ rows (the next group starts again at q block 0) are fetched into
           // L2 a few lines before each register tile of this one's products (the head's 6 MB of them at
-          // S = 4096, D = 128 stream from L3 once per group).
+          // S = 4096, D = 128 stream from L3 once per group); the group's last kKvTail q blocks fetch a share
+          // each of the next group's K^T, V^T and K blocks. Lines per register tile: what was queued over
+          // ~64 register tiles per kv block of the group (~88 at D = 128, Bk = 64); any rest goes out when
+          // the q block ends.
           PrefetchQueue& pf = w.prefetch;
           pf.clear();
+          std::int64_t queued = 0;
           const std::int64_t next = qi + 1 < q_blocks ? qi + 1 : (g1 < s1 ? 0 : -1);
           if (next >= 0) {
-            const std::int64_t block_bytes = block_q_floats * static_cast<std::int64_t>(sizeof(float));
-            pf.add(qs.at(b, h, next), block_bytes);
-            pf.add(dop.at(b, h, next), block_bytes);
-            pf.add(dq_head + grid.q[b][next].begin * Dp, block_bytes);
+            const std::int64_t bytes = block_q_floats * static_cast<std::int64_t>(sizeof(float));
+            pf.add(qs.at(b, h, next), bytes);
+            pf.add(dop.at(b, h, next), bytes);
+            pf.add(dq_head + grid.q[b][next].begin * Dp, bytes);
+            queued += 3 * bytes;
           }
+          const std::int64_t tail = std::min(kKvTail, q_blocks);
+          if (g1 < s1 && qi >= q_blocks - tail) {
+            const std::int64_t bytes = (std::min(s1, g1 + kKvGroup) - g1) *
+                                       static_cast<std::int64_t>(block_floats) *
+                                       static_cast<std::int64_t>(sizeof(float));
+            const std::int64_t part = round_up((bytes + tail - 1) / tail, kCacheLine);
+            const std::int64_t from = (qi - (q_blocks - tail)) * part;
+            const std::int64_t size = std::min(part, bytes - from);
+            for (const PackedBlocks* op : {&kt, &vt, &krows})
+              pf.add(reinterpret_cast<const char*>(op->at(b, hk, g1)) + from, size);
+            queued += 3 * std::max<std::int64_t>(0, size);
+          }
+          w.pf_lines = std::max<std::int64_t>(1, queued / kCacheLine / ((g1 - g0) * 64));
           for (std::int64_t kvi = g0; kvi < g1; ++kvi) {
             const BlockMeta& kb = grid.kv[b][kvi];
             const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
@@ -162,12 +178,12 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
             tile_ds(w, qs_block, dop_block, kt.at(b, hk, kvi), vt.at(b, hk, kvi), b, h, qb, kb, kind, rows);
             // dV[j] += sum_i P[i][j] dO[i]; dK[j] += sum_i dS[i][j] Q'[i]  (keys as output rows)
             axpy_rows(w.s.data(), Bk, 1, dop_block, Dp, rows, Bk, Dp, w.sum_b.data() + slot, Dp, guard, &pf,
-                      pf_lines);
+                      w.pf_lines);
             axpy_rows(w.dp.data(), Bk, 1, qs_block, Dp, rows, Bk, Dp, w.sum_a.data() + slot, Dp, guard, &pf,
-                      pf_lines);
+                      w.pf_lines);
             // dQ[i] += sum_j dS[i][j] K[j], continuing the row's sum over the kv blocks in order
             axpy_rows(w.dp.data(), 1, Bk, krows.at(b, hk, kvi), Dp, Bk, rows, Dp, dq_head + qb.begin * Dp, Dp,
-                      guard, &pf, pf_lines);
+                      guard, &pf, w.pf_lines);
           }
           pf.drain();
         }

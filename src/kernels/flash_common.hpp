@@ -61,7 +61,7 @@ inline void store_row(const TensorRef& t, std::int64_t b, std::int64_t s, std::i
   }
 }
 
-// Software prefetch into L2 (prefetcht1) of up to four byte ranges, a few cache lines at a time: the kernels
+// Software prefetch into L2 (prefetcht1) of up to eight byte ranges, a few cache lines at a time: the kernels
 // fetch the operands of their next block this way between register tiles. Issued in one burst, a block's
 // requests fill the line-fill buffers and the burst itself stalls the loop (5-8 % of the forward's samples).
 class PrefetchQueue {
@@ -81,7 +81,7 @@ class PrefetchQueue {
   void drain() { issue(std::numeric_limits<std::int64_t>::max()); }
 
  private:
-  static constexpr int kRanges = 4;
+  static constexpr int kRanges = 8;
   struct Range {
     const char* p = nullptr;
     std::int64_t lines = 0;
