@@ -67,9 +67,10 @@ inline void store_row(const TensorRef& t, std::int64_t b, std::int64_t s, std::i
 class PrefetchQueue {
  public:
   void clear() { count_ = at_ = 0, line_ = 0; }
-  void add(const void* p, std::int64_t bytes) {
-    if (bytes > 0 && count_ < kRanges)
-      ranges_[count_++] = {static_cast<const char*>(p), (bytes + kCacheLine - 1) / kCacheLine};
+  void add(const void* p, std::int64_t bytes) {  // an empty or negative range adds nothing
+    if (bytes <= 0) return;
+    CPATTN_ASSERT(count_ < kRanges);
+    ranges_[count_++] = {static_cast<const char*>(p), (bytes + kCacheLine - 1) / kCacheLine};
   }
   // The next `lines` lines, in the order the ranges were added.
   void issue(std::int64_t lines) {
