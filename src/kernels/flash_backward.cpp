@@ -138,9 +138,9 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
           // The next q block's Q', dO and dQ rows (the next group starts again at q block 0) are fetched into
           // L2 a few lines before each register tile of this one's products (the head's 6 MB of them at
           // S = 4096, D = 128 stream from L3 once per group); the group's last kKvTail q blocks fetch a share
-          // each of the next group's K^T, V^T and K blocks. Lines per register tile: what was queued over
-          // ~64 register tiles per kv block of the group (~88 at D = 128, Bk = 64); any rest goes out when
-          // the q block ends.
+          // each of the next group's K^T, V^T and K blocks. Lines per issue point: what was queued over 64
+          // points per kv block of the group (there are 55 at D = 128, Bk = 64: 11 row tiles in each of the
+          // five products), so a rest goes out when the q block ends.
           PrefetchQueue& pf = w.prefetch;
           pf.clear();
           std::int64_t queued = 0;
