@@ -90,10 +90,10 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
   };
 
   // Q' and dO as rows [Bq][Dp], K^T and V^T as [Dp][Bk].
-  const PackedBlocks qs(q, grid.q, Bq, Dp, false, q_factor, config.threads);
-  const PackedBlocks dop(d_out, grid.q, Bq, Dp, false, 1.0f, config.threads);
-  const PackedBlocks kt(k, grid.kv, Bk, Dp, true, 1.0f, config.threads);
-  const PackedBlocks vt(v, grid.kv, Bk, Dp, true, 1.0f, config.threads);
+  const PackedBlocks qs(q, grid.q, Bq, Dp, PackLayout::rows, q_factor, config.threads);
+  const PackedBlocks dop(d_out, grid.q, Bq, Dp, PackLayout::rows, 1.0f, config.threads);
+  const PackedBlocks kt(k, grid.kv, Bk, Dp, PackLayout::transposed, 1.0f, config.threads);
+  const PackedBlocks vt(v, grid.kv, Bk, Dp, PackLayout::transposed, 1.0f, config.threads);
 
   // The kv blocks are walked in stripes. Within a stripe one task per (batch row, q head) computes its
   // tiles; a kv head serving several q heads (G > 1) gets one fp64 partial per q head,
@@ -107,7 +107,7 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
     head_dk.assign(static_cast<std::size_t>(B * Hq * stripe * Bk * Dp), 0.0);
     head_dv.assign(head_dk.size(), 0.0);
   }
-  const PackedBlocks krows(k, grid.kv, Bk, Dp, false, 1.0f, config.threads);  // K as rows, for dQ
+  const PackedBlocks krows(k, grid.kv, Bk, Dp, PackLayout::rows, 1.0f, config.threads);  // K as rows, for dQ
   AlignedVector<float> dq_acc(static_cast<std::size_t>(B * Hq * sq_padded * Dp), 0.0f);
   // dK is summed from Q' = q_factor * Q (the packed scores operand) instead of a second, unscaled copy of Q:
   // dK = scale * sum dS Q = (scale / q_factor) * sum dS Q'.

@@ -214,13 +214,43 @@ BlockGrid make_block_grid(const AttentionMask& mask, std::int64_t batch, std::in
 // memory, and with 4 KiB pages every call took a page fault per 4 KiB of them.
 float* huge_floats(std::size_t n);
 
-// Every block of t ([B, S, H, D]) on a grid, packed once per call and shared by all the tiles that read it:
-// transposed as [width][block] (rows past D zero; keys along the vector axis) or as rows
-// [block][width] (for P V, dS K, and the q-side blocks), zero-padded, times `factor`.
+// The register tiles of `rows` rows (a multiple of 2), as for_row_tiles<rmax> (flash_simd.hpp) walks them and
+// the forward's packed operands are laid out: rmax rows while they fit, then 8, 4 and 2 for the rest; but
+// where rmax > 8 would leave 4 rows (64 = 5 x 12 + 4), the last rmax + 4 rows go as 8 + 8 (64 = 4 x 12 +
+// 2 x 8): a 4-row tile keeps only 8 accumulators busy and ran its FLOPs ~1.2x slower than the 12-row tiles.
+// The size of the tile that starts at row r:
+inline std::int64_t row_tile_size(std::int64_t rows, std::int64_t r, std::int64_t rmax) {
+  const std::int64_t left = rows - r;
+  if (rmax > 8 && left == rmax + 4) return 8;
+  if (left >= rmax) return rmax;
+  if (rmax > 8 && left >= 8) return 8;
+  if (rmax > 4 && left >= 4) return 4;
+  return 2;
+}
+
+// How PackedBlocks lays out a block of `block` rows of t (each `width` wide: D values, zeros past them).
+enum class PackLayout {
+  rows,        // [block][width], row-major
+  transposed,  // [width][block]
+  // The block's rows in register tiles (row_tile_size(block, r, kForwardRowTile)), each tile of R rows
+  // starting at row r stored at r * width as [width][R]: a tile's R values of one column are adjacent and its
+  // columns follow one another, so a register tile reads its operand as one sequential run (the forward's
+  // K^T).
+  row_tiles,
+  // The width's columns in register tiles (row_tile_size(width, c, kForwardRowTile)), each tile of R columns
+  // starting at column c stored at c * block as [block][R] (the forward's V, whose O^T tiles run over d).
+  column_tiles,
+};
+
+// Rows of the forward's register tiles (12 x 2 vectors: 24 accumulators), and so of PackLayout's tiles.
+inline constexpr std::int64_t kForwardRowTile = 12;
+
+// Every block of t ([B, S, H, D]) on a grid, packed once per call and shared by all the tiles that read it,
+// zero-padded, times `factor`, laid out as `layout` says.
 class PackedBlocks {
  public:
   PackedBlocks(const ConstTensorRef& t, const std::vector<std::vector<BlockMeta>>& blocks, std::int64_t block,
-               std::int64_t width, bool transposed, float factor, int threads);
+               std::int64_t width, PackLayout layout, float factor, int threads);
   const float* at(std::int64_t b, std::int64_t h, std::int64_t index) const {
     return data_.get() + ((b * heads_ + h) * per_row_ + index) * block_floats_;
   }

@@ -38,10 +38,14 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   const bool segments = mask.has_segments();
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  // K transposed [Dp][Bk] and V as rows [Bk][Dp], packed once and shared by every q block and q head of the
-  // group: the register tiles broadcast K^T[d][j..j+R) and V[j][d..d+R), R adjacent values.
-  const PackedBlocks kt(k, grid.kv, Bk, Dp, true, 1.0f, config.threads);
-  const PackedBlocks vp(v, grid.kv, Bk, Dp, false, 1.0f, config.threads);
+  // K and V packed once and shared by every q block and q head of the group, in register-tile order: the
+  // score tile of R keys from key r broadcasts K^T[d][r..r+R) for d in order, stored as [Dp][R] at r * Dp
+  // (PackLayout::row_tiles); the O^T tile of R head-dim rows from d = r broadcasts V[j][r..r+R) for j in
+  // order, stored as [Bk][R] at r * Bk (PackLayout::column_tiles). Each register tile then reads its operand
+  // as one sequential run (48 bytes a step at R = 12) that the hardware prefetchers follow from L2; read from
+  // the plain [Dp][Bk] and [Bk][Dp] blocks, a step's values sat 256 or 512 bytes after the last step's.
+  const PackedBlocks kt(k, grid.kv, Bk, Dp, PackLayout::row_tiles, 1.0f, config.threads);
+  const PackedBlocks vp(v, grid.kv, Bk, Dp, PackLayout::column_tiles, 1.0f, config.threads);
   const std::int64_t n = lanes();
   // A non-finite V reaches only the rows that may see its key (its P is 0 for the others).
   const bool guard = any_nonfinite(v);
@@ -54,6 +58,7 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   // and ran at half the speed (docs/performance.md). Each row's arithmetic is the same in any panel.
   constexpr int kPanelVectors = 2;
   constexpr int kRowTile = 12;  // 12 x 2 register tiles: 24 accumulators
+  static_assert(kRowTile == kForwardRowTile, "the packed K and V tiles are the register tiles");
   const std::int64_t panel = kPanelVectors * n;
   // Cache blocking: a task takes a group of up to kGroupBlocks q blocks (256 rows at Bq = 64) and walks the
   // kv blocks once for all of their panels, so each packed K and V block (32 + 32 KB at D = 128) is read from
@@ -175,7 +180,7 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
         VF* fused_max = kind == TileKind::full ? colmax : nullptr;
         for_row_tiles<kRowTile>(Bk, [&](auto R, std::int64_t r) {
           pf.issue(pf_chunk);
-          dot_tile<decltype(R)::value, kPanelVectors>(kblock + r, kAdjacent(), Bk, pn.qt.data(), panel, D,
+          dot_tile<decltype(R)::value, kPanelVectors>(kblock + r * Dp, kAdjacent(), R, pn.qt.data(), panel, D,
                                                       w.st.data() + r * panel, panel, fused_max);
         });
         if (kind == TileKind::partial) {
@@ -219,10 +224,10 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
           pf.issue(pf_chunk);
           if (guard) {
             scale_axpy_tile_adjacent<decltype(R)::value, kPanelVectors, true>(
-                w.alpha.data(), vblock + r, Dp, w.st.data(), panel, Bk, pn.acc.data() + r * panel, panel);
+                w.alpha.data(), vblock + r * Bk, R, w.st.data(), panel, Bk, pn.acc.data() + r * panel, panel);
           } else {
             scale_axpy_tile_adjacent<decltype(R)::value, kPanelVectors>(
-                w.alpha.data(), vblock + r, Dp, w.st.data(), panel, Bk, pn.acc.data() + r * panel, panel);
+                w.alpha.data(), vblock + r * Bk, R, w.st.data(), panel, Bk, pn.acc.data() + r * panel, panel);
           }
         });
         pf.drain();

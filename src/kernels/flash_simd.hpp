@@ -192,26 +192,24 @@ HWY_INLINE void scale_axpy_tile_adjacent(const float* HWY_RESTRICT scale, const 
   }
 }
 
-// Calls tile(R, r) over rows [0, rows) (a multiple of 2) with R = RMax while it fits, then 8, 4 and 2 for
-// the rest. RMax x C vectors is the register tile: 6 x 4 or 12 x 2 leave room for their operands (24
-// accumulators + C loads + 1 broadcast of 32 zmm registers).
+// Calls tile(R, r) for the register tiles of rows [0, rows) (a multiple of 2) in order: R = RMax while it
+// fits, then 8, 4 and 2 for the rest, as row_tile_size says (flash_common.hpp; the forward's packed operands
+// follow the same partition). RMax x C vectors is the register tile: 6 x 4 or 12 x 2 leave room for their
+// operands (24 accumulators + C loads + 1 broadcast of 32 zmm registers).
 template <int RMax, class Tile>
 HWY_INLINE void for_row_tiles(std::int64_t rows, Tile&& tile) {
-  std::int64_t r = 0;
-  for (; r + RMax <= rows; r += RMax) tile(std::integral_constant<int, RMax>(), r);
-  if constexpr (RMax > 8) {
-    if (rows - r >= 8) {
-      tile(std::integral_constant<int, 8>(), r);
-      r += 8;
+  for (std::int64_t r = 0, size = 0; r < rows; r += size) {
+    size = row_tile_size(rows, r, RMax);
+    if (size == RMax) {
+      tile(std::integral_constant<int, RMax>(), r);
+    } else if (RMax > 8 && size == 8) {
+      tile(std::integral_constant<int, std::min(RMax, 8)>(), r);
+    } else if (RMax > 4 && size == 4) {
+      tile(std::integral_constant<int, std::min(RMax, 4)>(), r);
+    } else {
+      tile(std::integral_constant<int, 2>(), r);
     }
   }
-  if constexpr (RMax > 4) {
-    if (rows - r >= 4) {
-      tile(std::integral_constant<int, 4>(), r);
-      r += 4;
-    }
-  }
-  if (rows - r >= 2) tile(std::integral_constant<int, 2>(), r);
 }
 
 // Rows [0, rows) of a (a multiple of 2) against `cols` columns of bt (a multiple of 4 vectors). pf
