@@ -67,6 +67,7 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   // panel streamed it from L3. Each row's operations and their order are the same as with one panel at a
   // time.
   constexpr std::int64_t kGroupBlocks = 4;
+  constexpr std::int64_t kRowsAhead = 4;  // Q and O rows are prefetched this many rows before their use
   const std::int64_t groups = (q_blocks + kGroupBlocks - 1) / kGroupBlocks;
   struct Panel {
     BlockMeta rows;          // the panel's rows [begin, begin + length)
@@ -139,6 +140,7 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
         pn.l.assign(panel, 0.0f);
         for (std::int64_t r = 0; r < pn.rows.length; ++r) {  // Q'^T: [D][panel]
           pf.issue(setup_lines);
+          prefetch_row(q, b, pn.rows.begin + r + kRowsAhead, h);
           load_row(q, b, pn.rows.begin + r, h, q_factor, D, row.data());
           for (std::int64_t d = 0; d < D; ++d) pn.qt[d * panel + r] = row[d];
         }
@@ -206,12 +208,14 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
           hn::StoreU(colmax[c], df, pn.m.data() + c * n);
           sum[c] = hn::Zero(df);
         }
-        float* const st = w.st.data();
-        for (std::int64_t j = 0; j < Bk; ++j) {
+        // Locals, not the lambda's captures: GCC reloads a captured value after each vector store (a
+        // may_alias store could change it), and so read Bk, panel and n from memory at every step.
+        const std::int64_t keys = Bk, row_floats = panel, vec = n;
+        float* at = w.st.data();
+        for (std::int64_t j = 0; j < keys; ++j, at += row_floats) {
           for (int c = 0; c < kPanelVectors; ++c) {
-            float* const at = st + j * panel + c * n;
-            const VF p = exp2_approx(hn::Sub(hn::LoadU(df, at), m_use[c]));
-            hn::StoreU(p, df, at);
+            const VF p = exp2_approx(hn::Sub(hn::LoadU(df, at + c * vec), m_use[c]));
+            hn::StoreU(p, df, at + c * vec);
             sum[c] = hn::Add(sum[c], p);
           }
         }
@@ -247,6 +251,7 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
       }
       for (std::int64_t r = 0; r < pn.rows.length; ++r) {
         const std::int64_t i = pn.rows.begin + r;
+        prefetch_row<true>(o, b, i + kRowsAhead, h);
         const float l = pn.l[r];
         for (std::int64_t d = 0; d < D; ++d) row[d] = pn.acc[d * panel + r];
         store_row(o, b, i, h, row.data(), 1.0f);
