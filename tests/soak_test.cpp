@@ -1,9 +1,10 @@
 // Soak: many forward+backward steps at cp = 4 on the in-process group, each with a random valid shape,
 // strategy, mask, packing and dtype, each checked against the single-device kernel; the heap in use (glibc's
-// mallinfo2: every arena's allocated bytes plus mmapped chunks) must not grow once the first steps have run.
-// Resident memory is reported too but not asserted: glibc keeps freed memory in per-thread arenas, and each
-// step starts new rank threads, so RSS rises towards a plateau without anything being live. Soak.ShortRun is
-// in the default suite (CI); Soak.LongRun has the slow label (scripts/test --slow).
+// mallinfo2: every arena's allocated bytes plus mmapped chunks, less the kernels' kept scratch, itself
+// bounded) must not grow once the first steps have run. Resident memory is reported too but not asserted:
+// glibc keeps freed memory in per-thread arenas, and each step starts new rank threads, so RSS rises towards
+// a plateau without anything being live. Soak.ShortRun is in the default suite (CI); Soak.LongRun has the
+// slow label (scripts/test --slow).
 #include <gtest/gtest.h>
 #include <malloc.h>
 #include <unistd.h>
@@ -78,6 +79,7 @@ void soak(int steps, std::uint32_t seed) {
       if (::testing::Test::HasFailure()) return;
       ++checked;
     }
+    ASSERT_LE(flash_kept_scratch_bytes(), std::size_t{128} << 20);
     const double rss = resident_mib(), heap = heap_in_use_mib();
     if (step + 1 == warm_up) {
       rss_after_warm_up = rss;

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -101,6 +102,12 @@ std::string flash_vector_target();
 // comparisons. Process-wide; not to be called while a kernel runs. Throws Error(invalid_input) naming the
 // valid targets for any other name.
 void flash_force_vector_target(const std::string& name);
+
+// The kernels pack their operands into scratch blocks; a freed block of 2 MiB or more is kept (up to 128 MiB
+// in all) for the next call that needs one of its size, so that calls of one shape do not take fresh pages
+// each time. flash_kept_scratch_bytes(): what is kept now; flash_release_scratch(): frees it.
+std::size_t flash_kept_scratch_bytes();
+void flash_release_scratch();
 
 // FA2 backward: P recomputed from LSE, D_i = rowsum(dO * O). dq: q's shape; dk, dv: k's shape, in the inputs'
 // dtype or fp32 (a bf16 backward can hand fp32 partials to a reduce-scatter). One pass, parallel over (batch,

@@ -222,10 +222,28 @@ struct BlockGrid {
 BlockGrid make_block_grid(const AttentionMask& mask, std::int64_t batch, std::int64_t sq, std::int64_t skv,
                           const FlashConfig& config);
 
-// n floats, uninitialized, freed with std::free. From 2 MiB on, aligned to 2 MiB and advised as transparent
-// huge pages (madvise; the kernel's THP mode here is "madvise"): each call's packed operands are fresh
-// memory, and with 4 KiB pages every call took a page fault per 4 KiB of them.
-float* huge_floats(std::size_t n);
+// Scratch of n floats, uninitialized, for a call's packed operands. From 2 MiB on it is its own mapping
+// (mmap, apart from malloc's heap), aligned to 2 MiB and advised as transparent huge pages (madvise; the
+// kernel's THP mode here is "madvise": with 4 KiB pages every call took a page fault per 4 KiB), and when
+// freed it is kept for the next call that needs a block of its size (kKeptScratchBytes in all, the most
+// recently freed kept first): fresh pages cost every call their faults and zeroing (clear_page and the faults
+// took ~2 % of a forward at S = 4096 on this VM), while calls of one shape ask for the same sizes each time.
+class ScratchFloats {
+ public:
+  static constexpr std::size_t kKeptScratchBytes = std::size_t{128} << 20;
+  explicit ScratchFloats(std::size_t n);
+  ~ScratchFloats();
+  ScratchFloats(const ScratchFloats&) = delete;
+  ScratchFloats& operator=(const ScratchFloats&) = delete;
+  float* get() const { return data_; }
+  // Frees every kept block (tests; a caller that wants the memory back).
+  static void release_kept();
+  static std::size_t kept_bytes();
+
+ private:
+  float* data_ = nullptr;
+  std::size_t bytes_ = 0;  // what was allocated (0: malloc'd, not kept)
+};
 
 // The register tiles of `rows` rows (a multiple of 2), as for_row_tiles<rmax> (flash_simd.hpp) walks them and
 // the forward's packed operands are laid out: rmax rows while they fit, then 8, 4 and 2 for the rest; but
@@ -265,17 +283,14 @@ class PackedBlocks {
   PackedBlocks(const ConstTensorRef& t, const std::vector<std::vector<BlockMeta>>& blocks, std::int64_t block,
                std::int64_t width, PackLayout layout, float factor, int threads);
   const float* at(std::int64_t b, std::int64_t h, std::int64_t index) const {
-    return data_.get() + ((b * heads_ + h) * per_row_ + index) * block_floats_;
+    return data_->get() + ((b * heads_ + h) * per_row_ + index) * block_floats_;
   }
 
  private:
   std::int64_t heads_ = 0, per_row_ = 0, block_floats_ = 0;
   // Not value-initialized: every block is written whole by its packing task (a zeroing pass first was a
-  // second write of every byte). Large buffers are backed by transparent huge pages (huge_floats).
-  struct Free {
-    void operator()(float* p) const;
-  };
-  std::unique_ptr<float[], Free> data_;
+  // second write of every byte).
+  std::unique_ptr<ScratchFloats> data_;
 };
 
 }  // namespace cpattn::kernels
