@@ -65,6 +65,7 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
     AlignedVector<double> sum_a, sum_b;  // dK, dV running sums over tiles, per kv block of the group
     PrefetchQueue prefetch;     // the next q block's operands (and near a group's end the next group's)
     std::int64_t pf_lines = 0;  // of them before each register tile
+    std::vector<std::int64_t> q_todo;  // the q blocks that see any kv block of the group, in order
   };
   constexpr std::int64_t kKvGroup = 4;  // kv blocks per walk over the q blocks
   constexpr std::int64_t kKvTail = 4;   // a group's last q blocks, which fetch the next group's kv blocks
@@ -126,16 +127,38 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
       // for all of the group's tiles while they are in cache (per tile they are 96 KB at D = 128, the head's
       // 6 MB at S = 4096 streaming from L3 otherwise). Each kv block's dK/dV still sum over the q blocks in
       // order, and each dQ row over the kv blocks in order, as with one kv block at a time.
+      // Whether q block qi sees any kv block of [a0, a1).
+      auto sees_any = [&](std::int64_t qi, std::int64_t a0, std::int64_t a1) {
+        for (std::int64_t kvi = a0; kvi < a1; ++kvi) {
+          if (classify_tile(grid.q[b][qi], grid.kv[b][kvi], mask.causal, segments, Bk) != TileKind::empty)
+            return true;
+        }
+        return false;
+      };
       for (std::int64_t g0 = s0; g0 < s1; g0 += kKvGroup) {
         const std::int64_t g1 = std::min(s1, g0 + kKvGroup);
+        // Only the q blocks that see the group are walked and prefetched: under a causal mask the first
+        // ones see none of it, and their prefetches (96 KB a q block, drained in a burst when nothing was
+        // computed) took 4 % of a causal backward's samples.
+        w.q_todo.clear();
+        for (std::int64_t qi = 0; qi < q_blocks; ++qi) {
+          if (sees_any(qi, g0, g1)) w.q_todo.push_back(qi);
+        }
+        const std::int64_t g2 = std::min(s1, g1 + kKvGroup);  // the next group: [g1, g2)
+        std::int64_t next_group_first = -1;
+        for (std::int64_t qi = 0; qi < q_blocks && next_group_first < 0 && g1 < s1; ++qi) {
+          if (sees_any(qi, g1, g2)) next_group_first = qi;
+        }
+        const std::int64_t todo = static_cast<std::int64_t>(w.q_todo.size());
         // dK and dV of a kv block sum over the q blocks: each tile's rows in fp32 registers, the running sum
         // over tiles in fp64 (axpy_rows into double), so the error does not grow with the sequence and the
         // group size (strategies that split the sum differently then agree to ~1e-7 of max |grad|).
         std::fill(w.sum_a.begin(), w.sum_a.end(), 0.0);
         std::fill(w.sum_b.begin(), w.sum_b.end(), 0.0);
-        for (std::int64_t qi = 0; qi < q_blocks; ++qi) {
+        for (std::int64_t at = 0; at < todo; ++at) {
+          const std::int64_t qi = w.q_todo[at];
           const BlockMeta& qb = grid.q[b][qi];
-          // The next q block's Q', dO and dQ rows (the next group starts again at q block 0) are fetched into
+          // The next q block's Q', dO and dQ rows (after the last, the next group's first) are fetched into
           // L2 a few lines before each register tile of this one's products (the head's 6 MB of them at
           // S = 4096, D = 128 stream from L3 once per group); the group's last kKvTail q blocks fetch a share
           // each of the next group's K^T, V^T and K blocks. Lines per issue point: what was queued over 64
@@ -144,7 +167,7 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
           PrefetchQueue& pf = w.prefetch;
           pf.clear();
           std::int64_t queued = 0;
-          const std::int64_t next = qi + 1 < q_blocks ? qi + 1 : (g1 < s1 ? 0 : -1);
+          const std::int64_t next = at + 1 < todo ? w.q_todo[at + 1] : next_group_first;
           if (next >= 0) {
             const std::int64_t bytes = block_q_floats * static_cast<std::int64_t>(sizeof(float));
             pf.add(qs.at(b, h, next), bytes);
@@ -152,13 +175,12 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
             pf.add(dq_head + grid.q[b][next].begin * Dp, bytes);
             queued += 3 * bytes;
           }
-          const std::int64_t tail = std::min(kKvTail, q_blocks);
-          if (g1 < s1 && qi >= q_blocks - tail) {
-            const std::int64_t bytes = (std::min(s1, g1 + kKvGroup) - g1) *
-                                       static_cast<std::int64_t>(block_floats) *
+          const std::int64_t tail = std::min(kKvTail, todo);
+          if (g1 < s1 && at >= todo - tail) {
+            const std::int64_t bytes = (g2 - g1) * static_cast<std::int64_t>(block_floats) *
                                        static_cast<std::int64_t>(sizeof(float));
             const std::int64_t part = round_up((bytes + tail - 1) / tail, kCacheLine);
-            const std::int64_t from = (qi - (q_blocks - tail)) * part;
+            const std::int64_t from = (at - (todo - tail)) * part;
             const std::int64_t size = std::min(part, bytes - from);
             for (const PackedBlocks* op : {&kt, &vt, &krows})
               pf.add(reinterpret_cast<const char*>(op->at(b, hk, g1)) + from, size);
