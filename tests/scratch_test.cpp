@@ -21,23 +21,21 @@ std::vector<std::int64_t> tiles(std::int64_t rows, std::int64_t rmax) {
   return sizes;
 }
 
-TEST(RowTiles, TwelveRowTilesLeaveNoFourRowTile) {
+TEST(RowTiles, WholeTilesThenEightFourAndTwo) {
   using V = std::vector<std::int64_t>;
-  EXPECT_EQ(tiles(64, 12), (V{12, 12, 12, 12, 8, 8}));                        // Bk = 64
-  EXPECT_EQ(tiles(128, 12), (V{12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 8}));  // D = 128
-  EXPECT_EQ(tiles(16, 12), (V{8, 8}));
-  EXPECT_EQ(tiles(80, 12), (V{12, 12, 12, 12, 12, 12, 8}));
-  EXPECT_EQ(tiles(6, 12), (V{4, 2}));
-  EXPECT_EQ(tiles(4, 12), (V{4}));
-  EXPECT_EQ(tiles(2, 12), (V{2}));
+  EXPECT_EQ(tiles(64, 8), (V{8, 8, 8, 8, 8, 8, 8, 8}));  // the forward's Bk = 64
+  EXPECT_EQ(tiles(80, 8), (V{8, 8, 8, 8, 8, 8, 8, 8, 8, 8}));
+  EXPECT_EQ(tiles(14, 8), (V{8, 4, 2}));
+  EXPECT_EQ(tiles(6, 8), (V{4, 2}));
+  EXPECT_EQ(tiles(2, 8), (V{2}));
+  EXPECT_EQ(tiles(64, 12), (V{12, 12, 12, 12, 12, 4}));
   EXPECT_EQ(tiles(22, 12), (V{12, 8, 2}));
-  // Tiles of at most 6 rows (the backward's) keep their remainder as it is.
-  EXPECT_EQ(tiles(64, 6), (V{6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 4}));
+  EXPECT_EQ(tiles(64, 6), (V{6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 4}));  // the backward's
   EXPECT_EQ(tiles(10, 6), (V{6, 4}));
 }
 
 TEST(RowTiles, CoverEveryRowOnceForEveryEvenCount) {
-  for (const std::int64_t rmax : {6, 12}) {
+  for (const std::int64_t rmax : {6, 8, 12}) {
     for (std::int64_t rows = 2; rows <= 512; rows += 2) {
       std::int64_t sum = 0;
       for (const std::int64_t s : tiles(rows, rmax)) {

@@ -246,13 +246,10 @@ class ScratchFloats {
 };
 
 // The register tiles of `rows` rows (a multiple of 2), as for_row_tiles<rmax> (flash_simd.hpp) walks them and
-// the forward's packed operands are laid out: rmax rows while they fit, then 8, 4 and 2 for the rest; but
-// where rmax > 8 would leave 4 rows (64 = 5 x 12 + 4), the last rmax + 4 rows go as 8 + 8 (64 = 4 x 12 +
-// 2 x 8): a 4-row tile keeps only 8 accumulators busy and ran its FLOPs ~1.2x slower than the 12-row tiles.
-// The size of the tile that starts at row r:
+// the forward's packed operands are laid out: rmax rows while they fit, then 8, 4 and 2 (those below rmax)
+// for the rest. The size of the tile that starts at row r:
 inline std::int64_t row_tile_size(std::int64_t rows, std::int64_t r, std::int64_t rmax) {
   const std::int64_t left = rows - r;
-  if (rmax > 8 && left == rmax + 4) return 8;
   if (left >= rmax) return rmax;
   if (rmax > 8 && left >= 8) return 8;
   if (rmax > 4 && left >= 4) return 4;
@@ -273,8 +270,8 @@ enum class PackLayout {
   column_tiles,
 };
 
-// Rows of the forward's register tiles (12 x 2 vectors: 24 accumulators), and so of PackLayout's tiles.
-inline constexpr std::int64_t kForwardRowTile = 12;
+// Rows of the forward's register tiles (8 x 3 vectors: 24 accumulators), and so of PackLayout's tiles.
+inline constexpr std::int64_t kForwardRowTile = 8;
 
 // Every block of t ([B, S, H, D]) on a grid, packed once per call and shared by all the tiles that read it,
 // zero-padded, times `factor`, laid out as `layout` says.

@@ -42,7 +42,7 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   // score tile of R keys from key r broadcasts K^T[d][r..r+R) for d in order, stored as [Dp][R] at r * Dp
   // (PackLayout::row_tiles); the O^T tile of R head-dim rows from d = r broadcasts V[j][r..r+R) for j in
   // order, stored as [Bk][R] at r * Bk (PackLayout::column_tiles). Each register tile then reads its operand
-  // as one sequential run (48 bytes a step at R = 12) that the hardware prefetchers follow from L2; read from
+  // as one sequential run (32 bytes a step at R = 8) that the hardware prefetchers follow from L2; read from
   // the plain [Dp][Bk] and [Bk][Dp] blocks, a step's values sat 256 or 512 bytes after the last step's.
   const PackedBlocks kt(k, grid.kv, Bk, Dp, PackLayout::row_tiles, 1.0f, config.threads);
   const PackedBlocks vp(v, grid.kv, Bk, Dp, PackLayout::column_tiles, 1.0f, config.threads);
@@ -52,26 +52,31 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
 
   // The tile is computed transposed, S^T = K Q'^T, with the q rows along the vector axis: the online softmax
   // then runs lane-wise (one lane per query row, max and sum over the keys in order, no horizontal
-  // reductions), and O^T += V^T P^T reuses the same register tiles. A q block is computed in panels of
-  // kPanelVectors vectors of query rows (32 rows with 16 lanes): a panel's Q'^T, O^T and S^T (16 + 16 + 8 KB
-  // at D = 128) stay in the 48 KB L1 while K and V stream past; a 64-row panel (32 + 32 + 16 KB) did not,
-  // and ran at half the speed (docs/performance.md). Each row's arithmetic is the same in any panel.
-  constexpr int kPanelVectors = 2;
-  constexpr int kRowTile = 12;  // 12 x 2 register tiles: 24 accumulators
+  // reductions), and O^T += V^T P^T reuses the same register tiles. The rows are computed in panels of
+  // kPanelVectors vectors of query rows (48 rows with 16 lanes) with 8 x 3 register tiles: the score phase
+  // keeps a panel's Q'^T and S^T (24 + 12 KB at D = 128) in the 48 KB L1 while K streams past, the P V phase
+  // its S^T and O^T (12 + 24 KB) while V does. 8 x 3 tiles load 11 values per 24 FMAs (12 x 2: 14), and a
+  // panel of 48 rows reads each K and V block for 48 rows (12 x 2 tiles: 32): against 12 x 2 tiles in
+  // 32-row panels, best-of medians 106.6 vs 105.2 GFLOP/s non-causal (9 of 12 pairs ahead), 101.1 vs 96.0
+  // causal (docs/performance.md, session 7). A 64-row panel (Q'^T, O^T and S^T: 32 + 32 + 16 KB) ran at
+  // half the speed. A panel may span two q blocks; each row's arithmetic is the same in any panel.
+  constexpr int kPanelVectors = 3;
+  constexpr int kRowTile = 8;  // 8 x 3 register tiles: 24 accumulators
   static_assert(kRowTile == kForwardRowTile, "the packed K and V tiles are the register tiles");
+  const std::int64_t tile_count = (Bk + kRowTile - 1) / kRowTile + (Dp + kRowTile - 1) / kRowTile;
   const std::int64_t panel = kPanelVectors * n;
-  // Cache blocking: a task takes a group of up to kGroupBlocks q blocks (256 rows at Bq = 64) and walks the
-  // kv blocks once for all of their panels, so each packed K and V block (32 + 32 KB at D = 128) is read from
-  // L2 once per group instead of once per panel; the panels' Q'^T and O^T (16 + 16 KB each, 256 KB for the
-  // group) stay in L2. A K/V head at S = 4096 (4 MB) does not fit the 2 MB L2, so without the group every
-  // panel streamed it from L3. Each row's operations and their order are the same as with one panel at a
-  // time.
-  constexpr std::int64_t kGroupBlocks = 4;
+  // Cache blocking: a task takes a group of up to kGroupBlocks q blocks (384 rows at Bq = 64: 8 panels) and
+  // walks the kv blocks once for all of their panels, so each packed K and V block (32 + 32 KB at D = 128) is
+  // read from L2 once per group instead of once per panel; the panels' Q'^T and O^T (24 + 24 KB each, 384 KB
+  // for the group) stay in L2. A K/V head at S = 4096 (4 MB) does not fit the 2 MB L2, so without the group
+  // every panel streamed it from L3. Each row's operations and their order are the same as with one panel at
+  // a time.
+  constexpr std::int64_t kGroupBlocks = 6;
   constexpr std::int64_t kRowsAhead = 4;  // Q and O rows are prefetched this many rows before their use
   const std::int64_t groups = (q_blocks + kGroupBlocks - 1) / kGroupBlocks;
   struct Panel {
-    BlockMeta rows;          // the panel's rows [begin, begin + length)
-    std::int64_t block = 0;  // its q block, relative to the group
+    BlockMeta rows;                    // the panel's rows [begin, begin + length)
+    std::int64_t first = 0, last = 0;  // the q blocks it spans, relative to the group
     AlignedVector<float> qt, acc, m, l;
   };
   struct Workspace {
@@ -127,13 +132,16 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
     const std::int64_t setup_lines =
         (2 * block_bytes / kCacheLine + kGroupBlocks * Bq - 1) / (kGroupBlocks * Bq);
     std::size_t used = 0;
-    for (std::int64_t qi = qi0; qi < qi1; ++qi) {
-      const BlockMeta& qb = grid.q[b][qi];
-      for (std::int64_t p0 = 0; p0 < qb.length; p0 += panel) {
+    // The group's rows (its q blocks are contiguous: block i holds rows [i * Bq, (i + 1) * Bq)).
+    const std::int64_t row0 = grid.q[b][qi0].begin;
+    const std::int64_t row1 = grid.q[b][qi1 - 1].begin + grid.q[b][qi1 - 1].length;
+    for (std::int64_t p0 = row0; p0 < row1; p0 += panel) {
+      {
         if (w.panels.size() <= used) w.panels.emplace_back();
         Panel& pn = w.panels[used++];
-        pn.rows = BlockMeta{qb.begin + p0, std::min(panel, qb.length - p0), 0, 0, 0, 0};
-        pn.block = qi - qi0;
+        pn.rows = BlockMeta{p0, std::min(panel, row1 - p0), 0, 0, 0, 0};
+        pn.first = p0 / Bq - qi0;
+        pn.last = (p0 + pn.rows.length - 1) / Bq - qi0;
         pn.qt.assign(D * panel, 0.0f);
         pn.acc.assign(Dp * panel, 0.0f);
         pn.m.assign(panel, neg_inf);
@@ -159,8 +167,9 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
       const bool prefetch = step + 1 < w.todo.size();
       const std::int64_t share = round_up(
           (block_bytes + static_cast<std::int64_t>(used) - 1) / static_cast<std::int64_t>(used), kCacheLine);
-      // ~17 register tiles per panel at D = 128: the share of both blocks in 16 of them
-      const std::int64_t pf_chunk = (2 * share / kCacheLine + 15) / 16;
+      // The share of both blocks over all but the last of a panel's register tiles (24 at D = 128).
+      const std::int64_t spread = std::max<std::int64_t>(1, tile_count - 1);
+      const std::int64_t pf_chunk = (2 * share / kCacheLine + spread - 1) / spread;
       for (std::size_t pi = 0; pi < used; ++pi) {
         Panel& pn = w.panels[pi];
         pf.clear();
@@ -170,7 +179,13 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
           pf.add(reinterpret_cast<const char*>(kt.at(b, hk, w.todo[step + 1])) + from, bytes);
           pf.add(reinterpret_cast<const char*>(vp.at(b, hk, w.todo[step + 1])) + from, bytes);
         }
-        const TileKind kind = kinds[pn.block];
+        // A panel's tile: its q blocks' kind when they agree, else partial (the mask then gives the rows of a
+        // q block that sees none of the kv block -inf scores: P = 0, alpha = 1 and m, l and O^T unchanged,
+        // exactly as if the block were skipped for them).
+        TileKind kind = kinds[pn.first];
+        for (std::int64_t blk = pn.first + 1; blk <= pn.last; ++blk) {
+          if (kinds[blk] != kind) kind = TileKind::partial;
+        }
         if (kind == TileKind::empty) {
           pf.drain();
           continue;
