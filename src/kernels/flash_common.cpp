@@ -248,8 +248,10 @@ PackedBlocks::PackedBlocks(const ConstTensorRef& t, const std::vector<std::vecto
         std::vector<float> rows(static_cast<std::size_t>(std::max(kChunk, kForwardRowTile) * D));
         auto chunk = [&](std::int64_t j0, std::int64_t cols, float* dst0, std::int64_t stride) {
           const std::int64_t filled = std::clamp<std::int64_t>(blk.length - j0, 0, cols);
-          for (std::int64_t jj = 0; jj < filled; ++jj)
+          for (std::int64_t jj = 0; jj < filled; ++jj) {
+            prefetch_row(t, b, blk.begin + j0 + jj + kPackRowsAhead, h);
             load_row(t, b, blk.begin + j0 + jj, h, factor, D, rows.data() + jj * D);
+          }
           for (std::int64_t i = 0; i < D; ++i) {
             float* dst = dst0 + i * stride;
             for (std::int64_t jj = 0; jj < filled; ++jj) dst[jj] = rows[jj * D + i];
@@ -273,6 +275,7 @@ PackedBlocks::PackedBlocks(const ConstTensorRef& t, const std::vector<std::vecto
         std::vector<float> row(static_cast<std::size_t>(width));
         for (std::int64_t j = 0; j < block; ++j) {
           if (j < blk.length) {
+            prefetch_row(t, b, blk.begin + j + kPackRowsAhead, h);
             load_row(t, b, blk.begin + j, h, factor, width, row.data());
           } else {
             std::fill(row.begin(), row.end(), 0.0f);
