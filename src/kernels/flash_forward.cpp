@@ -1,8 +1,8 @@
-// Flash attention forward. One task per (batch row, q head, q block); each walks the kv blocks of the fixed
-// global grid in order with an online softmax in base 2 (scale * log2(e) folded into Q when it is packed).
-// Per query row the operations are the same whatever its lane or block: the score is a sequential FMA chain
-// over d, the max and the sum run over the keys in kv order, the rescale and P V accumulate over kv blocks in
-// order.
+// Flash attention forward. One task per (batch row, q head, group of q blocks); each walks the kv blocks of
+// the fixed global grid in order with an online softmax in base 2 (scale * log2(e) folded into Q when it is
+// packed). Per query row the operations are the same whatever its lane or block: the score is a sequential
+// FMA chain over d, the max and the sum run over the keys in kv order, the rescale and P V accumulate over kv
+// blocks in order.
 #include <array>
 #include <atomic>
 #include <cmath>
