@@ -58,8 +58,9 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   // its S^T and O^T (12 + 24 KB) while V does. 8 x 3 tiles load 11 values per 24 FMAs (12 x 2: 14), and a
   // panel of 48 rows reads each K and V block for 48 rows (12 x 2 tiles: 32): against 12 x 2 tiles in
   // 32-row panels, best-of medians 106.6 vs 105.2 GFLOP/s non-causal (9 of 12 pairs ahead), 101.1 vs 96.0
-  // causal (docs/performance.md, session 7). A 64-row panel (Q'^T, O^T and S^T: 32 + 32 + 16 KB) ran at
-  // half the speed. A panel may span two q blocks; each row's arithmetic is the same in any panel.
+  // causal (docs/performance.md, session 7). 64-row panels with 6 x 4 tiles (Q'^T, O^T and S^T: 32 + 32 + 16
+  // KB) ran slower (best 108.4 vs 112.6). A panel may span two q blocks; each row's arithmetic is the same in
+  // any panel.
   constexpr int kPanelVectors = 3;
   constexpr int kRowTile = 8;  // 8 x 3 register tiles: 24 accumulators
   static_assert(kRowTile == kForwardRowTile, "the packed K and V tiles are the register tiles");
@@ -133,25 +134,24 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
         (2 * block_bytes / kCacheLine + kGroupBlocks * Bq - 1) / (kGroupBlocks * Bq);
     std::size_t used = 0;
     // The group's rows (its q blocks are contiguous: block i holds rows [i * Bq, (i + 1) * Bq)).
+    CPATTN_ASSERT(grid.q[b][qi0].begin == qi0 * Bq);
     const std::int64_t row0 = grid.q[b][qi0].begin;
     const std::int64_t row1 = grid.q[b][qi1 - 1].begin + grid.q[b][qi1 - 1].length;
     for (std::int64_t p0 = row0; p0 < row1; p0 += panel) {
-      {
-        if (w.panels.size() <= used) w.panels.emplace_back();
-        Panel& pn = w.panels[used++];
-        pn.rows = BlockMeta{p0, std::min(panel, row1 - p0), 0, 0, 0, 0};
-        pn.first = p0 / Bq - qi0;
-        pn.last = (p0 + pn.rows.length - 1) / Bq - qi0;
-        pn.qt.assign(D * panel, 0.0f);
-        pn.acc.assign(Dp * panel, 0.0f);
-        pn.m.assign(panel, neg_inf);
-        pn.l.assign(panel, 0.0f);
-        for (std::int64_t r = 0; r < pn.rows.length; ++r) {  // Q'^T: [D][panel]
-          pf.issue(setup_lines);
-          prefetch_row(q, b, pn.rows.begin + r + kRowsAhead, h);
-          load_row(q, b, pn.rows.begin + r, h, q_factor, D, row.data());
-          for (std::int64_t d = 0; d < D; ++d) pn.qt[d * panel + r] = row[d];
-        }
+      if (w.panels.size() <= used) w.panels.emplace_back();
+      Panel& pn = w.panels[used++];
+      pn.rows = BlockMeta{p0, std::min(panel, row1 - p0), 0, 0, 0, 0};
+      pn.first = p0 / Bq - qi0;
+      pn.last = (p0 + pn.rows.length - 1) / Bq - qi0;
+      pn.qt.assign(D * panel, 0.0f);
+      pn.acc.assign(Dp * panel, 0.0f);
+      pn.m.assign(panel, neg_inf);
+      pn.l.assign(panel, 0.0f);
+      for (std::int64_t r = 0; r < pn.rows.length; ++r) {  // Q'^T: [D][panel]
+        pf.issue(setup_lines);
+        prefetch_row(q, b, pn.rows.begin + r + kRowsAhead, h);
+        load_row(q, b, pn.rows.begin + r, h, q_factor, D, row.data());
+        for (std::int64_t d = 0; d < D; ++d) pn.qt[d * panel + r] = row[d];
       }
     }
     pf.drain();
