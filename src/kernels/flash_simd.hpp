@@ -194,8 +194,8 @@ HWY_INLINE void scale_axpy_tile_adjacent(const float* HWY_RESTRICT scale, const 
 
 // Calls tile(R, r) for the register tiles of rows [0, rows) (a multiple of 2) in order: R = RMax while it
 // fits, then 8, 4 and 2 for the rest, as row_tile_size says (flash_common.hpp; the forward's packed operands
-// follow the same partition). RMax x C vectors is the register tile: 6 x 4 or 12 x 2 leave room for their
-// operands (24 accumulators + C loads + 1 broadcast of 32 zmm registers).
+// follow the same partition). RMax x C vectors is the register tile: 6 x 4, 8 x 3 or 12 x 2 leave room for
+// their operands (24 accumulators + C loads + 1 broadcast of 32 zmm registers).
 template <int RMax, class Tile>
 HWY_INLINE void for_row_tiles(std::int64_t rows, Tile&& tile) {
   for (std::int64_t r = 0, size = 0; r < rows; r += size) {
