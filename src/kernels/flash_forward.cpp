@@ -65,7 +65,9 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   constexpr int kRowTile = 8;  // 8 x 3 register tiles: 24 accumulators
   static_assert(kRowTile == kForwardRowTile, "the packed K and V tiles are the register tiles");
   const std::int64_t tile_count = (Bk + kRowTile - 1) / kRowTile + (Dp + kRowTile - 1) / kRowTile;
-  const std::int64_t panel = kPanelVectors * n;
+  const auto panel_stride =
+      vectors_stride<kPanelVectors>();  // the tiles' row stride, a constant if it can be
+  const std::int64_t panel = panel_stride;
   // Cache blocking: a task takes a group of up to kGroupBlocks q blocks (384 rows at Bq = 64: 8 panels) and
   // walks the kv blocks once for all of their panels, so each packed K and V block (32 + 32 KB at D = 128) is
   // read from L2 once per group instead of once per panel; the panels' Q'^T and O^T (24 + 24 KB each, 384 KB
@@ -197,8 +199,9 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
         VF* fused_max = kind == TileKind::full ? colmax : nullptr;
         for_row_tiles<kRowTile>(Bk, [&](auto R, std::int64_t r) {
           pf.issue(pf_chunk);
-          dot_tile<decltype(R)::value, kPanelVectors>(kblock + r * Dp, kAdjacent(), R, pn.qt.data(), panel, D,
-                                                      w.st.data() + r * panel, panel, fused_max);
+          dot_tile<decltype(R)::value, kPanelVectors>(kblock + r * Dp, kAdjacent(), R, pn.qt.data(),
+                                                      panel_stride, D, w.st.data() + r * panel, panel_stride,
+                                                      fused_max);
         });
         if (kind == TileKind::partial) {
           apply_mask(w.st.data(), panel, Bk, 1, panel, pn.rows, kb, b, mask, Sq, Skv, neg_inf);
@@ -243,10 +246,12 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
           pf.issue(pf_chunk);
           if (guard) {
             scale_axpy_tile_adjacent<decltype(R)::value, kPanelVectors, true>(
-                w.alpha.data(), vblock + r * Bk, R, w.st.data(), panel, Bk, pn.acc.data() + r * panel, panel);
+                w.alpha.data(), vblock + r * Bk, R, w.st.data(), panel_stride, Bk, pn.acc.data() + r * panel,
+                panel_stride);
           } else {
             scale_axpy_tile_adjacent<decltype(R)::value, kPanelVectors>(
-                w.alpha.data(), vblock + r * Bk, R, w.st.data(), panel, Bk, pn.acc.data() + r * panel, panel);
+                w.alpha.data(), vblock + r * Bk, R, w.st.data(), panel_stride, Bk, pn.acc.data() + r * panel,
+                panel_stride);
           }
         });
         pf.drain();

@@ -40,6 +40,17 @@ inline std::int64_t padded_head_dim(std::int64_t d) {
   return round_up(d, std::max<std::int64_t>(2, lanes()));
 }
 
+// V vectors of floats as a stride: a compile-time constant on every target whose vector length is one (all
+// but SVE and RVV), so that tile addresses fold into displacements (dot_tile).
+template <int V>
+inline auto vectors_stride() {
+#if HWY_HAVE_SCALABLE
+  return static_cast<std::int64_t>(V) * lanes();
+#else
+  return std::integral_constant<std::int64_t, V* static_cast<std::int64_t>(hn::MaxLanes(DF()))>();
+#endif
+}
+
 // 2^x for x <= ~0 (the softmax's s - m). Inputs below -126, -inf among them, give exactly 0; x = 0 gives
 // exactly 1, so a rescale by exp2(m - m) is an exact no-op; NaN (Inf - Inf: a score of +Inf) stays NaN.
 // 2^x = 2^round(x) * 2^f with f in [-0.5, 0.5] and 2^f the polynomial kExp2Poly. On AVX-512 the power of two
@@ -75,11 +86,14 @@ HWY_INLINE VF exp2_approx(VF x) {
 // inside the loop.
 // colmax (optional, C vectors): each column's running maximum, folded with the tile's R rows as they are
 // stored (the forward's row maxima without a pass over the stored tile).
+// bs and os may be compile-time constants too (vectors_stride): each of the tile's 24 output addresses is
+// then a displacement from one pointer, where runtime strides left GCC 24 pointers to keep, spilled to the
+// stack.
 using kAdjacent = std::integral_constant<std::int64_t, 1>;
-template <int R, int C, class RowStride>
+template <int R, int C, class RowStride, class BStride = std::int64_t, class OStride = std::int64_t>
 HWY_INLINE void dot_tile(const float* HWY_RESTRICT a, RowStride ar, std::int64_t ad,
-                         const float* HWY_RESTRICT bt, std::int64_t bs, std::int64_t depth,
-                         float* HWY_RESTRICT out, std::int64_t os, VF* colmax = nullptr) {
+                         const float* HWY_RESTRICT bt, BStride bs, std::int64_t depth,
+                         float* HWY_RESTRICT out, OStride os, VF* colmax = nullptr) {
   const DF df;
   const std::int64_t n = lanes();
   VF acc[R][C];
@@ -160,10 +174,11 @@ HWY_INLINE void axpy_tile(const float* HWY_RESTRICT coef, std::int64_t ct, std::
 // out[r][:] = out[r][:] * scale[:] + sum_{t < count} coef[t*ct + r] * x[t*xs + :]: the forward's O^T tile,
 // its rescale by alpha fused in (the same two roundings as a separate pass: a product, then the FMA chain).
 // kGuard: a zero x (a masked P) adds nothing even where the coefficient (V) is Inf or NaN.
-template <int R, int C, bool kGuard = false>
+// xs and os: runtime or compile-time strides (see dot_tile).
+template <int R, int C, bool kGuard = false, class XStride = std::int64_t, class OStride = std::int64_t>
 HWY_INLINE void scale_axpy_tile_adjacent(const float* HWY_RESTRICT scale, const float* HWY_RESTRICT coef,
-                                         std::int64_t ct, const float* HWY_RESTRICT x, std::int64_t xs,
-                                         std::int64_t count, float* HWY_RESTRICT out, std::int64_t os) {
+                                         std::int64_t ct, const float* HWY_RESTRICT x, XStride xs,
+                                         std::int64_t count, float* HWY_RESTRICT out, OStride os) {
   const DF df;
   const std::int64_t n = lanes();
   VF acc[R][C];
