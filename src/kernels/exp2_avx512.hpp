@@ -1,5 +1,5 @@
 // The kernels' exp2 (flash_simd.hpp exp2_approx) in AVX-512 intrinsics, for the AMX kernels and Highway's
-// AVX-512 targets: one compare, the clamp, the rounding, the polynomial and one masked vscalefps.
+// AVX-512 targets: one compare, the rounding, the polynomial and one masked vscalefps.
 #pragma once
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -10,19 +10,19 @@
 namespace cpattn::kernels {
 
 // 2^x for x <= ~0: exactly 0 below -126 (-inf among them), exactly 1 at 0, NaN for NaN.
+// round(x) is (x + 1.5 * 2^23) - 1.5 * 2^23: exact round-to-nearest-even for |x| < 2^22, two adds that run on
+// either vector port where vrndscaleps takes two uops of one, and no clamp: a lane below -126 (-inf, whose f
+// is NaN) is zeroed by the final mask whatever its polynomial. The same bits as a clamp to -126 and
+// vrndscaleps (one vector uop fewer of 12); the tiles' softmax pass is bound by these uops.
 __attribute__((target("avx512f"))) inline __m512 exp2_avx512(__m512 x) {
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_LT_OQ);
-  // The merge-masked forms with every lane set: the plain ones pass _mm512_undefined_ps, which GCC 12 reports
-  // as maybe-uninitialized once inlined into a Highway target.
-  const __mmask16 all = 0xFFFF;
-  const __m512 low = _mm512_set1_ps(-126.0f);
-  x = _mm512_mask_max_ps(x, all, low, x);  // max returns its second operand for NaN: NaN stays NaN
-  const __m512 xi = _mm512_mask_roundscale_ps(x, all, x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);  // x >= -126 or NaN
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 xi = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);
   const __m512 f = _mm512_sub_ps(x, xi);
   __m512 p = _mm512_set1_ps(kExp2Poly[0]);
 #pragma GCC unroll 7
   for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
-  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), p, xi);
+  return _mm512_maskz_scalef_ps(keep, p, xi);
 }
 
 }  // namespace cpattn::kernels
