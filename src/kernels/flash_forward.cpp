@@ -80,6 +80,7 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   struct Panel {
     BlockMeta rows;                    // the panel's rows [begin, begin + length)
     std::int64_t first = 0, last = 0;  // the q blocks it spans, relative to the group
+    bool started = false;              // whether acc holds a sum (its first kv block starts it from zero)
     AlignedVector<float> qt, acc, m, l;
   };
   struct Workspace {
@@ -145,8 +146,9 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
       pn.rows = BlockMeta{p0, std::min(panel, row1 - p0), 0, 0, 0, 0};
       pn.first = p0 / Bq - qi0;
       pn.last = (p0 + pn.rows.length - 1) / Bq - qi0;
-      pn.qt.assign(D * panel, 0.0f);
-      pn.acc.assign(Dp * panel, 0.0f);
+      pn.started = false;
+      pn.qt.resize(D * panel);  // every value is written below, acc's by the first kv block's tiles
+      pn.acc.resize(Dp * panel);
       pn.m.assign(panel, neg_inf);
       pn.l.assign(panel, 0.0f);
       for (std::int64_t r = 0; r < pn.rows.length; ++r) {  // Q'^T: [D][panel]
@@ -154,6 +156,9 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
         prefetch_row(q, b, pn.rows.begin + r + kRowsAhead, h);
         load_row(q, b, pn.rows.begin + r, h, q_factor, D, row.data());
         for (std::int64_t d = 0; d < D; ++d) pn.qt[d * panel + r] = row[d];
+      }
+      for (std::int64_t d = 0; d < D && pn.rows.length < panel; ++d) {  // the lanes of no row: zero scores
+        std::fill(pn.qt.begin() + d * panel + pn.rows.length, pn.qt.begin() + (d + 1) * panel, 0.0f);
       }
     }
     pf.drain();
@@ -241,24 +246,30 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
           const VF alpha = hn::LoadU(df, w.alpha.data() + c * n);
           hn::StoreU(hn::MulAdd(hn::LoadU(df, pn.l.data() + c * n), alpha, sum[c]), df, pn.l.data() + c * n);
         }
-        // acc: [Dp][panel] = acc * alpha + V^T P^T
-        for_row_tiles<kRowTile>(Dp, [&](auto R, std::int64_t r) {
-          pf.issue(pf_chunk);
-          if (guard) {
-            scale_axpy_tile_adjacent<decltype(R)::value, kPanelVectors, true>(
+        // acc: [Dp][panel] = acc * alpha + V^T P^T; the panel's first kv block starts it from zero (its alpha
+        // is 0: m was -inf).
+        const auto pv = [&](auto kGuard, auto kFromZero) {
+          for_row_tiles<kRowTile>(Dp, [&](auto R, std::int64_t r) {
+            pf.issue(pf_chunk);
+            scale_axpy_tile_adjacent<decltype(R)::value, kPanelVectors, kGuard(), kFromZero()>(
                 w.alpha.data(), vblock + r * Bk, R, w.st.data(), panel_stride, Bk, pn.acc.data() + r * panel,
                 panel_stride);
-          } else {
-            scale_axpy_tile_adjacent<decltype(R)::value, kPanelVectors>(
-                w.alpha.data(), vblock + r * Bk, R, w.st.data(), panel_stride, Bk, pn.acc.data() + r * panel,
-                panel_stride);
-          }
-        });
+          });
+        };
+        using Yes = std::true_type;
+        using No = std::false_type;
+        if (guard) {
+          pn.started ? pv(Yes(), No()) : pv(Yes(), Yes());
+        } else {
+          pn.started ? pv(No(), No()) : pv(No(), Yes());
+        }
+        pn.started = true;
         pf.drain();
       }
     }
     for (std::size_t pi = 0; pi < used; ++pi) {
       Panel& pn = w.panels[pi];
+      if (!pn.started) std::fill(pn.acc.begin(), pn.acc.end(), 0.0f);  // it saw no key: O = 0
       // O^T / l in place, a vector of rows at a time (IEEE division: the same quotient as one row at a time);
       // a row that saw no key gets 0.
       for (int c = 0; c < kPanelVectors; ++c) {

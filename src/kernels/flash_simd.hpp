@@ -174,8 +174,11 @@ HWY_INLINE void axpy_tile(const float* HWY_RESTRICT coef, std::int64_t ct, std::
 // out[r][:] = out[r][:] * scale[:] + sum_{t < count} coef[t*ct + r] * x[t*xs + :]: the forward's O^T tile,
 // its rescale by alpha fused in (the same two roundings as a separate pass: a product, then the FMA chain).
 // kGuard: a zero x (a masked P) adds nothing even where the coefficient (V) is Inf or NaN.
-// xs and os: runtime or compile-time strides (see dot_tile).
-template <int R, int C, bool kGuard = false, class XStride = std::int64_t, class OStride = std::int64_t>
+// xs and os: runtime or compile-time strides (see dot_tile). kFromZero: out is not read and the sum starts
+// from +0, what out * scale gives for a zero out and a finite scale (the forward's first kv block: its O^T
+// needs no zeroing).
+template <int R, int C, bool kGuard = false, bool kFromZero = false, class XStride = std::int64_t,
+          class OStride = std::int64_t>
 HWY_INLINE void scale_axpy_tile_adjacent(const float* HWY_RESTRICT scale, const float* HWY_RESTRICT coef,
                                          std::int64_t ct, const float* HWY_RESTRICT x, XStride xs,
                                          std::int64_t count, float* HWY_RESTRICT out, OStride os) {
@@ -183,8 +186,13 @@ HWY_INLINE void scale_axpy_tile_adjacent(const float* HWY_RESTRICT scale, const 
   const std::int64_t n = lanes();
   VF acc[R][C];
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c)
-      acc[r][c] = hn::Mul(hn::LoadU(df, out + r * os + c * n), hn::LoadU(df, scale + c * n));
+    for (int c = 0; c < C; ++c) {
+      if constexpr (kFromZero) {
+        acc[r][c] = hn::Zero(df);
+      } else {
+        acc[r][c] = hn::Mul(hn::LoadU(df, out + r * os + c * n), hn::LoadU(df, scale + c * n));
+      }
+    }
   }
   for (std::int64_t t = 0; t < count; ++t) {
     VF xv[C];
