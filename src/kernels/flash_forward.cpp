@@ -68,13 +68,14 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   const auto panel_stride =
       vectors_stride<kPanelVectors>();  // the tiles' row stride, a constant if it can be
   const std::int64_t panel = panel_stride;
-  // Cache blocking: a task takes a group of up to kGroupBlocks q blocks (384 rows at Bq = 64: 8 panels) and
+  // Cache blocking: a task takes a group of up to kGroupBlocks q blocks (768 rows at Bq = 64: 16 panels) and
   // walks the kv blocks once for all of their panels, so each packed K and V block (32 + 32 KB at D = 128) is
-  // read from L2 once per group instead of once per panel; the panels' Q'^T and O^T (24 + 24 KB each, 384 KB
-  // for the group) stay in L2. A K/V head at S = 4096 (4 MB) does not fit the 2 MB L2, so without the group
-  // every panel streamed it from L3. Each row's operations and their order are the same as with one panel at
-  // a time.
-  constexpr std::int64_t kGroupBlocks = 6;
+  // read from L3 once per group and from L2 by its other panels; the panels' Q'^T and O^T (24 + 24 KB each,
+  // 768 KB for the group) stay in the 2 MB L2. A K/V head at S = 4096 (4 MB) does not fit L2, so without the
+  // group every panel streamed it from L3. Groups of 12 against 6: best-of medians 119.6 vs 118.5 GFLOP/s
+  // non-causal (7 of 8 pairs ahead), causal and 2 threads equal (docs/performance.md, session 8). Each row's
+  // operations and their order are the same as with one panel at a time.
+  constexpr std::int64_t kGroupBlocks = 12;
   constexpr std::int64_t kRowsAhead = 4;  // Q and O rows are prefetched this many rows before their use
   const std::int64_t groups = (q_blocks + kGroupBlocks - 1) / kGroupBlocks;
   struct Panel {
