@@ -161,13 +161,25 @@ HWY_INLINE void axpy_tile(const float* HWY_RESTRICT coef, std::int64_t ct, std::
       for (int c = 0; c < C; ++c) hn::StoreU(acc[r][c], df, out + r * os + c * n);
     }
   } else {
-    HWY_ALIGN float tile[R * C * hn::MaxLanes(DF())];
+#if HWY_TARGET == HWY_SCALAR
     for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < C; ++c) hn::Store(acc[r][c], df, tile + (r * C + c) * n);
+      for (int c = 0; c < C; ++c) out[r * os + c] += static_cast<double>(hn::GetLane(acc[r][c]));
     }
+#else
+    // Each vector widened in two halves (exact) and added to out in fp64 at full vector width: left to
+    // the compiler, a store of the tile and a 4-wide loop took a quarter of the backward's dK/dV tiles.
+    const hn::Repartition<double, DF> dd;
+    const hn::Half<DF> dh;
+    const std::int64_t half = static_cast<std::int64_t>(hn::Lanes(dd));
     for (int r = 0; r < R; ++r) {
-      for (std::int64_t i = 0; i < C * n; ++i) out[r * os + i] += static_cast<double>(tile[r * C * n + i]);
+      for (int c = 0; c < C; ++c) {
+        double* const o = out + r * os + c * n;
+        hn::StoreU(hn::Add(hn::LoadU(dd, o), hn::PromoteTo(dd, hn::LowerHalf(dh, acc[r][c]))), dd, o);
+        hn::StoreU(hn::Add(hn::LoadU(dd, o + half), hn::PromoteTo(dd, hn::UpperHalf(dh, acc[r][c]))), dd,
+                   o + half);
+      }
     }
+#endif
   }
 }
 
