@@ -65,16 +65,18 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   constexpr int kRowTile = 8;  // 8 x 3 register tiles: 24 accumulators
   static_assert(kRowTile == kForwardRowTile, "the packed K and V tiles are the register tiles");
   const std::int64_t tile_count = (Bk + kRowTile - 1) / kRowTile + (Dp + kRowTile - 1) / kRowTile;
-  const auto panel_stride =
-      vectors_stride<kPanelVectors>();  // the tiles' row stride, a constant if it can be
+  // The tiles' row stride: a compile-time constant where the vector length is one (vectors_stride).
+  const auto panel_stride = vectors_stride<kPanelVectors>();
   const std::int64_t panel = panel_stride;
   // Cache blocking: a task takes a group of up to kGroupBlocks q blocks (768 rows at Bq = 64: 16 panels) and
   // walks the kv blocks once for all of their panels, so each packed K and V block (32 + 32 KB at D = 128) is
   // read from L3 once per group and from L2 by its other panels; the panels' Q'^T and O^T (24 + 24 KB each,
   // 768 KB for the group) stay in the 2 MB L2. A K/V head at S = 4096 (4 MB) does not fit L2, so without the
   // group every panel streamed it from L3. Groups of 12 against 6: best-of medians 119.6 vs 118.5 GFLOP/s
-  // non-causal (7 of 8 pairs ahead), causal and 2 threads equal (docs/performance.md, session 8). Each row's
-  // operations and their order are the same as with one panel at a time.
+  // non-causal (7 of 8 pairs ahead), causal and 2 threads equal (docs/performance.md, session 8). A group's
+  // rows are best a whole number of panels: equal groups of 11 blocks at S = 4096 (704 rows, 14 2/3 panels)
+  // ran 1.6 % slower (median 116.9 vs 118.8, 2 of 8 pairs ahead). Each row's operations and their order are
+  // the same as with one panel at a time.
   constexpr std::int64_t kGroupBlocks = 12;
   constexpr std::int64_t kRowsAhead = 4;  // Q and O rows are prefetched this many rows before their use
   const std::int64_t groups = (q_blocks + kGroupBlocks - 1) / kGroupBlocks;
