@@ -10,6 +10,13 @@ namespace cpattn {
 // sum of their rates), in GFLOP/s (an FMA counts 2 FLOPs per lane).
 double measure_fma_peak_gflops(int threads = 1);
 
+// The flash forward's own inner loop on data that stays in L1 (its 8 x 3 score register tile: 24 FMAs per
+// step on 3 loaded vectors and 8 broadcast values), on `threads` threads, in GFLOP/s: what any kernel built
+// from that tile could reach at best. On the shared development VM it reads ~0.98 of the FMA peak most of the
+// time, but never above ~137 GFLOP/s while the register-only loop has bursts to ~155 (docs/performance.md,
+// session 8).
+double measure_tile_peak_gflops(int threads = 1);
+
 // Peak of the bf16 dot product (AVX512_BF16 vdpbf16ps: 32 bf16 pairs multiplied and added into 16 fp32 lanes,
 // 64 FLOPs per instruction), on `threads` threads; 0 when the CPU does not have it.
 double measure_bf16_dot_peak_gflops(int threads = 1);

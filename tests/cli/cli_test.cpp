@@ -267,8 +267,10 @@ TEST(CliBench, KernelJsonNamesItsPathAndTarget) {
   const Result r = run("bench kernel --json --seq 64 --q-heads 2 --kv-heads 1 --head-dim 32 --min-seconds 0");
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   const auto j = nlohmann::json::parse(r.out);
-  for (const char* k : {"fma_peak_gflops", "forward_gflops", "backward_gflops", "forward_fraction_of_peak",
-                        "backward_fraction_of_peak", "reference_seconds"}) {
+  for (const char* k :
+       {"fma_peak_gflops", "tile_peak_gflops", "forward_gflops", "backward_gflops",
+        "forward_fraction_of_peak", "backward_fraction_of_peak", "forward_fraction_of_tile_peak",
+        "backward_fraction_of_tile_peak", "reference_seconds"}) {
     EXPECT_GT(j[k].get<double>(), 0.0) << k;
   }
   EXPECT_EQ(j["forward_path"], "vector");
