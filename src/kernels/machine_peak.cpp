@@ -69,8 +69,8 @@ double fma_loop_seconds(std::int64_t iters, double& flops) {
 }
 
 // Seconds for `iters` rounds of the flash forward's score tiles (dot_tile 8 x 3, as forward_vector calls it)
-// over four groups of 8 keys against a 48-row panel, depth 64: operands of 8 + 12 KB and 6 KB of scores, all
-// in L1. FLOPs done through `flops`.
+// over four groups of 8 keys against one panel of 3 vectors of rows, depth 64 (with 16 lanes: 8 KB of keys,
+// 12 KB of Q'^T, 6 KB of scores, all in L1). FLOPs done through `flops`.
 double tile_loop_seconds(std::int64_t iters, double& flops) {
   namespace k = cpattn::kernels::HWY_NAMESPACE;
   constexpr int kRows = 8, kVectors = 3, kKeys = 32, kDepth = 64;
