@@ -10,15 +10,16 @@
 namespace cpattn::kernels {
 
 // 2^x for x <= ~0: exactly 0 below -126 (-inf among them), exactly 1 at 0, NaN for NaN.
-// round(x) is (x + 1.5 * 2^23) - 1.5 * 2^23: exact round-to-nearest-even for |x| < 2^22, two adds that run on
-// either vector port where vrndscaleps takes two uops of one, and no clamp: a lane below -126 (-inf, whose f
-// is NaN) is zeroed by the final mask whatever its polynomial. The same bits as a clamp to -126 and
-// vrndscaleps (one vector uop fewer of 12); the tiles' softmax pass is bound by these uops.
-__attribute__((target("avx512f"))) inline __m512 exp2_avx512(__m512 x) {
+// f = x - round(x) in one vreduceps (AVX512DQ; exact) and round(x) = x - f (exact: the difference is an
+// integer, representable): two vector uops where the round-to-nearest-even through + and - 1.5 * 2^23 and the
+// subtraction took three, and no clamp: a lane below -126 (-inf, whose f is NaN) is zeroed by the final mask
+// whatever its polynomial. The same bits as a clamp to -126 and vrndscaleps (tests/exp2_test.cpp); the
+// tiles' softmax pass is bound by these uops.
+__attribute__((target("avx512f,avx512dq"))) inline __m512 exp2_avx512(__m512 x) {
   const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);  // x >= -126 or NaN
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  const __m512 xi = _mm512_sub_ps(_mm512_add_ps(x, magic), magic);
-  const __m512 f = _mm512_sub_ps(x, xi);
+  // imm8 0: round to nearest even, no fraction bits kept; exceptions suppressed (the -inf and NaN lanes)
+  const __m512 f = _mm512_reduce_round_ps(x, 0, _MM_FROUND_NO_EXC);
+  const __m512 xi = _mm512_sub_ps(x, f);
   __m512 p = _mm512_set1_ps(kExp2Poly[0]);
 #pragma GCC unroll 7
   for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));

@@ -31,7 +31,8 @@ namespace cpattn::kernels {
 
 namespace {
 
-#define CPATTN_AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+#define CPATTN_AMX_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 
 constexpr int kAmxRows = 16;    // rows of every tile
 constexpr int kTileDepth = 32;  // bf16 values along the reduction axis of one tdpbf16ps
