@@ -65,6 +65,8 @@ TEST(Exp2, EveryTargetKeepsItsPromisesAndThoseWithFmaGiveTheSameValues) {
   std::vector<float> in;
   for (int i = 0; i <= 262144; ++i) in.push_back(-130.0f + 130.5f * static_cast<float>(i) / 262144.0f);
   for (int k = 0; k <= 126; ++k) in.push_back(-static_cast<float>(k));  // exact powers of two
+  // Halfway between two integers: every target rounds them to even (f = +-0.5 by the same tie rule).
+  for (int k = 0; k <= 125; ++k) in.push_back(-0.5f - static_cast<float>(k));
   const std::vector<float> special = {-inf,
                                       -1000.0f,
                                       -127.0f,
