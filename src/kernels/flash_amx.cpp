@@ -225,7 +225,12 @@ bool amx_bf16_usable() {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
     const bool tile = (d >> 24) & 1u, bf16 = (d >> 22) & 1u;
-    if (!tile || !bf16 || !__builtin_cpu_supports("avx512bf16")) return false;
+    // Every instruction set of CPATTN_AMX_TARGET (the softmax's exp2 needs AVX512DQ's vreduceps).
+    if (!tile || !bf16 || !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq") ||
+        !__builtin_cpu_supports("avx512bf16")) {
+      return false;
+    }
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
