@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -275,6 +276,17 @@ TEST(CliBench, KernelJsonNamesItsPathAndTarget) {
   }
   EXPECT_EQ(j["forward_path"], "vector");
   EXPECT_FALSE(j["vector_target"].get<std::string>().empty());
+  // The drift of each baseline is its readings' change over their mean, and "steady" says both stayed within
+  // 5 %.
+  bool steady = true;
+  for (const char* name : {"fma_peak", "tile_peak"}) {
+    const auto& readings = j[std::string(name) + "_before_after_gflops"];
+    const double before = readings[0].get<double>(), after = readings[1].get<double>();
+    const double drift = j[std::string(name) + "_drift"].get<double>();
+    EXPECT_NEAR(drift, (after - before) / ((before + after) / 2), 1e-12) << name;
+    steady = steady && std::abs(drift) <= 0.05;
+  }
+  EXPECT_EQ(j["steady"].get<bool>(), steady);
   const Result bad = run("bench kernel --seq 64 --q-heads 2 --kv-heads 1 --head-dim 32 --simd-target AVX9");
   EXPECT_EQ(bad.exit_code, 2) << bad.err;
   EXPECT_NE(bad.err.find("SIMD target 'AVX9' is not compiled in"), std::string::npos) << bad.err;

@@ -48,6 +48,17 @@ double best_seconds(double min_seconds, Fn&& fn) {
   return best;
 }
 
+// How far a baseline moved while the kernels ran: (after - before) over their mean.
+double drift(double before, double after) {
+  const double mean = (before + after) / 2;
+  return mean > 0 ? (after - before) / mean : 0.0;
+}
+
+// A run's fractions are read against the mean of two baseline readings; when either baseline moved more than
+// this between them, the machine changed pace during the run (other tenants, clock) and the fractions say
+// more about that than about the kernels.
+constexpr double kSteadyDrift = 0.05;
+
 double peak_rss_bytes() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
@@ -149,6 +160,11 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
   out["tile_peak_gflops"] = tile_peak;
   out["tile_peak_before_after_gflops"] = {tile_before, tile_after};
   out["bf16_peak_gflops"] = bf16_peak;
+  const double fma_drift = drift(peak_before, peak_after), tile_drift = drift(tile_before, tile_after);
+  const bool steady = std::abs(fma_drift) <= kSteadyDrift && std::abs(tile_drift) <= kSteadyDrift;
+  out["fma_peak_drift"] = fma_drift;
+  out["tile_peak_drift"] = tile_drift;
+  out["steady"] = steady;
   out["forward_seconds"] = forward_s;
   out["backward_seconds"] = backward_s;
   out["forward_gflops"] = forward_gflops;
@@ -192,6 +208,15 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
             << " of the tile ceiling\n"
             << "peak RSS        " << rss / 1048576.0 << " MiB = " << rss / tensor_bytes
             << "x the inputs, outputs and gradients (" << tensor_bytes / 1048576.0 << " MiB)\n";
+  if (!steady) {
+    std::cout << "unsteady        the FMA peak moved " << std::setprecision(2) << 100 * fma_drift
+              << " % and the tile ceiling " << 100 * tile_drift
+              << " % between their readings before and after the kernels (steady: within "
+              << 100 * kSteadyDrift
+              << " %): the machine changed pace, so the fractions above are unreliable; run "
+              << "again\n"
+              << std::setprecision(4);
+  }
   if (out["reference_seconds"].is_null()) {
     std::cout << "reference       skipped (S > " << opt.reference_max_seq << ")\n";
   } else {
