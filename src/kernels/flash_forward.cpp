@@ -224,9 +224,9 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
           }
         }
         // P = exp2(S - m) in place, both vectors of a key's row per step (two independent exp2 chains); each
-        // lane's sum still runs over the keys in order. A separate pass: computed in the score tiles' epilogue
-        // instead, with FlashAttention-4's lazily kept reference (alpha = 1 for most blocks, no O^T rescale),
-        // the forward ran no faster (docs/performance.md, session 10).
+        // lane's sum still runs over the keys in order. A separate pass: computed in the score tiles'
+        // epilogue instead, with FlashAttention-4's lazily kept reference (alpha = 1 for most blocks, no O^T
+        // rescale), the forward ran no faster (docs/performance.md, session 10).
         VF m_use[kPanelVectors], sum[kPanelVectors];
         for (int c = 0; c < kPanelVectors; ++c) {
           const VF m_old = hn::LoadU(df, pn.m.data() + c * n);
