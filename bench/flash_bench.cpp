@@ -24,12 +24,11 @@ cpattn::Tensor random_tensor(cpattn::Shape4 shape, std::uint32_t seed) {
   return cpattn::Tensor::from_floats(cpattn::DType::f32, shape, v);
 }
 
-void run(benchmark::State& state, bool backward) {
-  const std::int64_t S = state.range(0), H = state.range(1), D = state.range(2);
-  const bool causal = state.range(3) != 0;
-  const int threads = static_cast<int>(state.range(4));
-  const cpattn::Tensor q = random_tensor({1, S, H, D}, 1), k = random_tensor({1, S, H, D}, 2),
-                       v = random_tensor({1, S, H, D}, 3), d_out = random_tensor({1, S, H, D}, 4);
+// Hkv: the kv heads (Hq = H for BM_Forward and BM_Backward, fewer for the GQA benchmarks).
+void run(benchmark::State& state, bool backward, std::int64_t S, std::int64_t H, std::int64_t Hkv,
+         std::int64_t D, bool causal, int threads) {
+  const cpattn::Tensor q = random_tensor({1, S, H, D}, 1), k = random_tensor({1, S, Hkv, D}, 2),
+                       v = random_tensor({1, S, Hkv, D}, 3), d_out = random_tensor({1, S, H, D}, 4);
   std::vector<std::int32_t> pos(static_cast<std::size_t>(S));
   for (std::int64_t i = 0; i < S; ++i) pos[i] = static_cast<std::int32_t>(i);
   const cpattn::AttentionMask mask{pos, pos, {}, {}, causal};
@@ -66,14 +65,30 @@ void run(benchmark::State& state, bool backward) {
                                                    benchmark::Counter::kIsIterationInvariantRate);
 }
 
-void BM_Forward(benchmark::State& state) {
-  run(state, false);
+// Args: S, heads (Hq = Hkv), D, causal, threads.
+void run_mha(benchmark::State& state, bool backward) {
+  run(state, backward, state.range(0), state.range(1), state.range(1), state.range(2), state.range(3) != 0,
+      static_cast<int>(state.range(4)));
 }
-void BM_Backward(benchmark::State& state) {
-  run(state, true);
+// Args: S, Hq, Hkv, D, causal, threads.
+void run_gqa(benchmark::State& state, bool backward) {
+  run(state, backward, state.range(0), state.range(1), state.range(2), state.range(3), state.range(4) != 0,
+      static_cast<int>(state.range(5)));
 }
 
-// Args: S, heads (Hq = Hkv), D, causal, threads.
+void BM_Forward(benchmark::State& state) {
+  run_mha(state, false);
+}
+void BM_Backward(benchmark::State& state) {
+  run_mha(state, true);
+}
+void BM_ForwardGqa(benchmark::State& state) {
+  run_gqa(state, false);
+}
+void BM_BackwardGqa(benchmark::State& state) {
+  run_gqa(state, true);
+}
+
 BENCHMARK(BM_Forward)
     ->Args({4096, 8, 128, 0, 1})
     ->Args({4096, 8, 64, 0, 1})
@@ -86,6 +101,14 @@ BENCHMARK(BM_Backward)
     ->Args({4096, 8, 128, 1, 1})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+// The users' GQA shape (32 query heads on 2 kv heads), at S = 2048: the FLOPs of the S = 4096, 8-head rows.
+// Args: S, Hq, Hkv, D, causal, threads.
+BENCHMARK(BM_ForwardGqa)
+    ->Args({2048, 32, 2, 128, 0, 1})
+    ->Args({2048, 32, 2, 128, 1, 1})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_BackwardGqa)->Args({2048, 32, 2, 128, 0, 1})->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 
