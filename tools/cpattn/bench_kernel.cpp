@@ -213,8 +213,7 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
               << " % and the tile ceiling " << 100 * tile_drift
               << " % between their readings before and after the kernels (steady: within "
               << 100 * kSteadyDrift
-              << " %): the machine changed pace, so the fractions above are unreliable; run "
-              << "again\n"
+              << " %): the machine changed pace, so the fractions above are unreliable; run again\n"
               << std::setprecision(4);
   }
   if (out["reference_seconds"].is_null()) {
