@@ -7,7 +7,7 @@
 #include <random>
 
 #include "cpattn/flash.hpp"
-#include "cpattn/machine_peak.hpp"
+#include "kernels/machine_peak.hpp"
 
 namespace {
 
@@ -36,7 +36,7 @@ void run(benchmark::State& state, bool backward, std::int64_t S, std::int64_t H,
   cfg.threads = threads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   // The kernels write into outputs allocated once, as the strategies and `cpattn bench kernel` call them: the
-  // convenience calls' fresh, zeroed outputs took page faults and a memset every iteration.
+  // convenience calls' fresh, zeroed outputs would add page faults and a memset to every iteration.
   auto fwd = cpattn::flash_attention_forward(q, k, v, mask, scale, cfg);
   cpattn::FlashBackwardResult grads;
   if (backward) {
@@ -55,10 +55,8 @@ void run(benchmark::State& state, bool backward, std::int64_t S, std::int64_t H,
       benchmark::DoNotOptimize(fwd.o.raw());
     }
   }
-  double flops =
-      4.0 * static_cast<double>(S) * static_cast<double>(S) * static_cast<double>(H) * static_cast<double>(D);
-  if (causal) flops /= 2;
-  if (backward) flops *= 2.5;
+  double flops = cpattn::attention_forward_flops(1, S, H, D, causal);
+  if (backward) flops *= cpattn::kBackwardFlopsPerForward;
   state.counters["GFLOPs"] = benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["peak_GFLOPs"] = fma_peak() * threads;
   state.counters["frac_peak"] = benchmark::Counter(flops * 1e-9 / (fma_peak() * threads),

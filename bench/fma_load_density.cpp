@@ -4,16 +4,14 @@
 // each) with K of every 16 FMAs taking their multiplier as a broadcast from L1 (vfmadd...{1to16}) and the
 // others from a register, for K in {0, 1, 2, 4, 6, 8, 16}. Printed per K: the loads per FMA and the rate's
 // maximum, 99th and 90th percentiles and median over the rounds, and how many of its windows ran faster than
-// the K = 16 loop's fastest (a burst). On the 2-core KVM guest of docs/performance.md (session 9) the
-// register-only loop and K = 1 burst to ~158 GFLOP/s in 3-5 % of the windows, K = 4 to ~148, and K >= 8 never
-// passes ~139: a register tile of R rows x C vectors loads (R + C) / (R * C) values per FMA, at least ~0.39
-// with 32 zmm registers (8 x 3: 0.46), so no fp32 GEMM-like loop reaches the register-only loop's bursts
-// there.
+// the K = 16 loop's fastest (a burst). The question it answers: a register tile of R rows x C vectors loads
+// (R + C) / (R * C) values per FMA, at least ~0.39 with 32 zmm registers (8 x 3: 0.46), so can any fp32
+// GEMM-like loop reach the register-only loop's bursts? (Results: docs/performance.md.)
 // The same rounds also run register tiles as the kernels' loops are built (dot_tile: R broadcasts and C
 // vector loads from L1 per step of R x C FMAs into R x C zmm accumulators, depth 64, stored after): 8 x 3
 // (the forward's), 6 x 4, 5 x 5 (the fewest loads per FMA with 32 registers) and 4 x 4, printed the same way
 // with their median against the register-only loop's median, which shows how far the machine's phase
-// separates loops that read L1 from loops that do not (session 10: 0.83-0.84 in a slow phase).
+// separates loops that read L1 from loops that do not.
 //   cpattn_fma_load_density [ROUNDS]   (default 300)
 #include <algorithm>
 #include <chrono>

@@ -9,9 +9,9 @@
 #include "cpattn/context_parallel.hpp"
 #include "cpattn/inproc.hpp"
 #include "cpattn/reference.hpp"
-#include "cpattn/runner.hpp"
 #include "cpattn/sequence_layout.hpp"
 #include "cpattn/shard.hpp"
+#include "harness/whole_problem.hpp"
 #include "test_support.hpp"
 
 namespace cpattn::testing {
@@ -54,16 +54,10 @@ struct CpCase {
   }
 };
 
-using WholeInputs = WholeProblem;
+using WholeInputs = harness::WholeProblem;
 
 inline WholeInputs make_whole_inputs(const CpCase& c, std::uint32_t seed) {
-  WholeInputs in;
-  in.q = random_tensor(c.dtype, {c.batch, c.seq, c.hq, c.dim}, seed);
-  in.k = random_tensor(c.dtype, {c.batch, c.seq, c.hkv, c.dim}, seed + 1);
-  in.v = random_tensor(c.dtype, {c.batch, c.seq, c.hkv, c.dim}, seed + 2);
-  in.d_out = random_tensor(c.dtype, {c.batch, c.seq, c.hq, c.dim}, seed + 3);
-  if (!c.segments.empty()) in.segment_ids = segments_from_lengths(c.batch, c.segments);
-  return in;
+  return harness::random_problem(c.attention(), seed, c.segments);
 }
 
 inline Tensor take_rows(const Tensor& t, const std::vector<std::int64_t>& positions) {
@@ -78,13 +72,13 @@ struct CpRun {
 };
 
 inline CpRun run_context_parallel(const CpCase& c, const WholeInputs& in, int threads_per_rank = 1) {
-  ContextParallelOptions opt;
-  opt.remat = c.remat;
-  opt.threads = threads_per_rank;
-  opt.negative_control = c.control;
-  const WholeResult w = run_in_process(c.attention(), c.parallel(), opt, in, false);
+  harness::RunSettings settings;
+  settings.options.remat = c.remat;
+  settings.options.threads = threads_per_rank;
+  settings.negative_control = c.control;
+  const harness::WholeResult w = harness::run_in_process(c.attention(), c.parallel(), settings, in);
   CpRun r{w.o.to_floats(), w.lse, w.dq.to_floats(), w.dk.to_floats(), w.dv.to_floats(), {}, {}};
-  for (const RankReport& rank : w.ranks) {
+  for (const harness::RankReport& rank : w.ranks) {
     r.records.push_back(rank.collectives);
     r.tiles_per_rank.push_back(rank.tiles);
   }

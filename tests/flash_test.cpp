@@ -22,7 +22,7 @@ namespace {
 
 using testing::natural_positions;
 using testing::random_tensor;
-using testing::segments_from_lengths;
+using testing::segment_ids_from_lengths;
 
 struct Case {
   std::int64_t batch = 1, seq = 64, hq = 4, hkv = 4, dim = 32;
@@ -51,7 +51,7 @@ Inputs make_inputs(const Case& c, std::uint32_t seed) {
   in.v = random_tensor(c.dtype, {c.batch, c.seq, c.hkv, c.dim}, seed + 2);
   in.d_out = random_tensor(c.dtype, {c.batch, c.seq, c.hq, c.dim}, seed + 3);
   in.pos = natural_positions(c.batch, c.seq);
-  if (!c.segments.empty()) in.seg = segments_from_lengths(c.batch, c.segments);
+  if (!c.segments.empty()) in.seg = segment_ids_from_lengths(c.batch, c.segments);
   return in;
 }
 

@@ -152,7 +152,7 @@ TEST(Reference, ChosenRowsMatchTheWholeReference) {
                v = testing::random_tensor(DType::f32, {2, 40, 2, 8}, 3),
                d_out = testing::random_tensor(DType::f32, qs, 4);
   const auto pos = testing::natural_positions(2, 40);
-  const auto seg = testing::segments_from_lengths(2, {15, 25});
+  const auto seg = testing::segment_ids_from_lengths(2, {15, 25});
   const AttentionMask mask{pos, pos, seg, seg, true};
   const auto whole = reference_attention(q, k, v, &d_out, mask, 0.3);
   const std::vector<ReferenceRow> rows = {{0, 0, 0}, {1, 3, 39}, {0, 2, 15}, {1, 1, 7}};

@@ -1,65 +1,16 @@
 // How ranks talk: the Communicator interface the strategies use (and nothing else), with every collective
-// counted in DESIGN.md's accounting so that the planner's predictions can be checked against what ran.
+// counted in the accounting of collectives.hpp so that the planner's predictions can be checked against what
+// ran.
 #pragma once
 
-#include <chrono>
 #include <cstdint>
-#include <mutex>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "cpattn/collectives.hpp"
+
 namespace cpattn {
-
-enum class CollectiveKind { all_to_all, all_gather, reduce_scatter, collective_permute };
-const char* to_string(CollectiveKind kind);
-
-enum class CommDType { f32, bf16, i32 };
-std::size_t comm_dtype_size(CommDType t);
-const char* to_string(CommDType t);
-
-// One line of the accounting: calls of one kind in one phase.
-//   bytes: the per-device size in the seed's (HLO) convention: all_gather its output, reduce_scatter its
-//   input,
-//          all_to_all and collective_permute the operand (summed over the calls);
-//   bytes_sent_per_rank: what one rank sent to other ranks (its own block excluded; for a permute, the
-//   largest
-//          over ranks), summed over the calls.
-struct CollectiveRecord {
-  CollectiveKind kind = CollectiveKind::all_to_all;
-  std::string phase;
-  std::int64_t count = 0;
-  std::int64_t bytes = 0;
-  std::int64_t bytes_sent_per_rank = 0;
-  bool operator==(const CollectiveRecord&) const = default;
-};
-
-// Thread-safe per-communicator counters; records stay in first-seen order of (kind, phase).
-class CollectiveCounters {
- public:
-  void record(CollectiveKind kind, std::int64_t bytes, std::int64_t bytes_sent);
-  std::vector<CollectiveRecord> records() const;
-  void reset();
-  void set_phase(std::string phase);
-  std::string phase() const;
-
-  // Sets the phase for a scope and restores the previous one after.
-  class PhaseScope {
-   public:
-    PhaseScope(CollectiveCounters& counters, std::string phase);
-    ~PhaseScope();
-    PhaseScope(const PhaseScope&) = delete;
-    PhaseScope& operator=(const PhaseScope&) = delete;
-
-   private:
-    CollectiveCounters& counters_;
-    std::string previous_;
-  };
-
- private:
-  mutable std::mutex mutex_;
-  std::string phase_ = "unspecified";
-  std::vector<CollectiveRecord> records_;
-};
 
 enum class ReduceOp { sum, max, min };
 
@@ -88,7 +39,10 @@ void copy_block(const void* src, const BlockStrides& from, void* dst, const Bloc
 // and dtypes; a mismatch, a failed peer or a timeout is an Error(communication) on every rank, never a hang.
 class Communicator {
  public:
-  virtual ~Communicator() = default;
+  Communicator();
+  virtual ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual const char* backend() const = 0;
@@ -122,20 +76,9 @@ class Communicator {
 
  private:
   CollectiveCounters counters_;
-  // The packing fallback's buffers, kept between calls (a fresh 2 x 64 MiB per call costs more in page faults
-  // than the copies).
-  std::vector<unsigned char> pack_send_, pack_recv_;
+  struct PackBuffers;  // all_to_all_strided's fallback buffers, kept between calls
+  std::unique_ptr<PackBuffers> pack_;
 };
-
-// DESIGN.md's accounting of one call that moves `count` elements per block (all_to_all, reduce_scatter: per
-// destination block; all_gather: the input; permute: the operand) over `ranks` ranks. The communicators and
-// the planner both use it. dest: a permute's destinations (sent is 0 when nothing changes rank).
-struct CollectiveCost {
-  std::int64_t bytes = 0;
-  std::int64_t bytes_sent_per_rank = 0;
-};
-CollectiveCost collective_cost(CollectiveKind kind, std::int64_t count, std::size_t element_size, int ranks,
-                               const std::vector<int>* dest = nullptr);
 
 // Checks a permutation's shape before any rank waits on it; throws Error(invalid_input).
 void check_permutation(const std::vector<int>& dest, int size);

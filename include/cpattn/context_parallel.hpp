@@ -3,8 +3,9 @@
 //               reduce-scattered back (optional dual-chunk-swap load balance: the caller's shards are already
 //               in that layout).
 //   ulysses:    all-to-all from sequence shards to head shards; local attention over the whole sequence;
-//   all-to-all
-//               back. KV heads repeated in grouped order when Hkv < cp, their gradients summed back.
+//               all-to-all back. KV heads repeated in grouped order when Hkv < cp, their gradients summed
+//               back.
+// The math of each is in docs/design.md.
 // Each rank passes its own shard in the layout ParallelSpec names and gets results in that same token order.
 #pragma once
 
@@ -20,19 +21,10 @@
 
 namespace cpattn {
 
-// Wrong variants that exist only so that tests can show they are caught (DESIGN.md negative controls).
-enum class NegativeControl {
-  none,
-  tiled_kv_order,         // ulysses: [kv0, kv1, kv0, kv1] instead of grouped
-  scaled_kv_grad_sum,     // ulysses: replica gradients summed and scaled by 1/rep
-  first_kv_replica_only,  // ulysses: one replica's gradient taken instead of the sum
-};
-
 struct ContextParallelOptions {
   bool remat = false;  // all_gather: re-gather K/V in backward; ulysses: redo the Q/K/V all-to-alls
   int threads = 0;     // kernel threads per rank; 0: max(1, hardware threads / cp)
   FlashConfig kernel;  // block sizes (threads is taken from `threads`)
-  NegativeControl negative_control = NegativeControl::none;
 };
 
 struct AttentionOutput {
@@ -72,6 +64,7 @@ class ContextParallelAttention {
   class Impl;
 
  private:
+  friend class ContextParallelInternals;
   std::unique_ptr<Impl> impl_;
 };
 
@@ -79,9 +72,5 @@ class ContextParallelAttention {
 // of an activation [B, S/cp, H, W] between layouts with collective permutes (one per local chunk slot).
 Tensor reorder_sequence(Communicator& comm, const Tensor& x, std::int64_t seq_len, ShardLayout from,
                         ShardLayout to);
-
-// The destinations of the two collective permutes reorder_sequence issues (empty when from == to); the
-// planner uses them to count the chunks that change rank.
-std::vector<std::vector<int>> reorder_destinations(std::int64_t cp, ShardLayout from, ShardLayout to);
 
 }  // namespace cpattn

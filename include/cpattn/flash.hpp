@@ -2,8 +2,8 @@
 // GQA without materializing repeated K/V, causal and packed-segment masks from token metadata (mask.hpp),
 // fp32 and bf16 inputs with fp32 accumulation. The kernels know nothing of ranks.
 //
-// Determinism (DESIGN.md "Invariants"): the forward O and LSE of a query row, and its dQ, depend only on that
-// row, the keys it may see and their positions, never on which rows share its block, the thread count or
+// Determinism (docs/design.md "Invariants"): the forward O and LSE of a query row, and its dQ, depend only on
+// that row, the keys it may see and their positions, never on which rows share its block, the thread count or
 // where it sits in a shard. The kv grid starts at kv index 0 with a fixed block size; tail rows and keys are
 // padded with zeros and run the same vector code; masks are applied by selection; fully masked tiles are
 // exact no-ops.
@@ -118,6 +118,17 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
                     const ConstTensorRef& o, const float* lse, const ConstTensorRef& d_out,
                     const AttentionMask& mask, double scale, const FlashConfig& config, const TensorRef& dq,
                     const TensorRef& dk, const TensorRef& dv, TileCounts* tiles = nullptr);
+
+// The FLOPs of attention over S queries and S keys, counting 2 per multiply-add: Q K^T and P V make
+// 4 B S^2 Hq D, halved when causal. The backward's five products count kBackwardFlopsPerForward times that.
+inline double attention_forward_flops(std::int64_t batch, std::int64_t seq_len, std::int64_t q_heads,
+                                      std::int64_t head_dim, bool causal) {
+  const double flops = 4.0 * static_cast<double>(batch) * static_cast<double>(seq_len) *
+                       static_cast<double>(seq_len) * static_cast<double>(q_heads) *
+                       static_cast<double>(head_dim);
+  return causal ? flops / 2 : flops;
+}
+inline constexpr double kBackwardFlopsPerForward = 2.5;
 
 // Owning conveniences over the two calls above.
 struct FlashForwardResult {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "cpattn/comm.hpp"
+#include "cpattn/collectives.hpp"
 #include "cpattn/config.hpp"
 
 namespace cpattn {

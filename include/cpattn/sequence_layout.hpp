@@ -1,4 +1,6 @@
-// Sequence layouts: which global token positions each rank holds, in the order it holds them.
+// Sequence layouts: which global token positions each rank holds, in the order it holds them, the token
+// metadata the kernels' masks read (positions, segment ids), and the reorder between layouts. One source of
+// truth for the strategies, the planner and the tests (docs/design.md, "Sequence layouts").
 #pragma once
 
 #include <cstdint>
@@ -29,5 +31,42 @@ struct PositionRange {
 // The runs rank `rank` holds, in local order: one for contiguous, two for dual chunk swap.
 std::vector<PositionRange> local_ranges(ShardLayout layout, std::int64_t seq_len, std::int64_t cp,
                                         std::int64_t rank);
+
+// The dual-chunk-swap rule as chunks: both layouts cut S into 2*cp chunks of S/(2cp) tokens and give each
+// rank two of them, its local slots 0 and 1. Contiguous: rank r holds chunks 2r, 2r+1; dual chunk swap: r,
+// 2cp-1-r.
+struct ChunkPlace {
+  std::int64_t rank = 0, slot = 0;
+  bool operator==(const ChunkPlace&) const = default;
+};
+std::int64_t chunk_at(ShardLayout layout, std::int64_t cp, std::int64_t rank, std::int64_t slot);
+ChunkPlace place_of_chunk(ShardLayout layout, std::int64_t cp, std::int64_t chunk);
+
+// One of the two collective permutes that convert a shard between layouts: the local slot each rank p sends
+// (sent_slot[p]), where that chunk lands (goes_to[p]) and the permute's destinations (dest[p] =
+// goes_to[p].rank). Each call is a permutation: contiguous -> dual chunk swap groups the chunks by source
+// slot (even chunks land on distinct ranks, so do odd ones); the way back groups them by destination slot.
+struct ReorderCall {
+  std::vector<std::int64_t> sent_slot;
+  std::vector<ChunkPlace> goes_to;
+  std::vector<int> dest;
+};
+ReorderCall reorder_call(std::int64_t cp, ShardLayout from, ShardLayout to, std::int64_t call);
+// The destinations of the two permutes (empty when from == to).
+std::vector<std::vector<int>> reorder_destinations(std::int64_t cp, ShardLayout from, ShardLayout to);
+
+// Token metadata for the masks, [B, S] row-major, the same for every batch row.
+// 0..S-1 for each of B rows.
+std::vector<std::int32_t> natural_positions(std::int64_t batch, std::int64_t seq_len);
+// Segment ids of documents with these lengths (summing to S): document d's tokens get id d.
+std::vector<std::int32_t> segment_ids_from_lengths(std::int64_t batch,
+                                                   const std::vector<std::int64_t>& lengths);
+// positions (one row) -> int32, repeated for each of B rows: [B, n].
+std::vector<std::int32_t> positions_as_int32(const std::vector<std::int64_t>& positions,
+                                             std::int64_t batch = 1);
+
+// positions[p][t]: the global position of rank p's local token t (the same for every batch row).
+using RankPositions = std::vector<std::vector<std::int32_t>>;
+RankPositions rank_positions(ShardLayout layout, std::int64_t seq_len, std::int64_t cp);
 
 }  // namespace cpattn

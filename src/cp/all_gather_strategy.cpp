@@ -2,20 +2,9 @@
 // positions, attend the whole sequence. Backward: dQ local; dK/dV partials (fp32) for the whole sequence,
 // reduce-scattered (summed) back to the shards.
 #include "context_parallel_impl.hpp"
+#include "cpattn/sequence_layout.hpp"
 
 namespace cpattn {
-
-namespace {
-
-// positions [S/cp] -> [B, S/cp]
-std::vector<std::int32_t> per_batch(const std::vector<std::int32_t>& row, std::int64_t batch) {
-  std::vector<std::int32_t> out;
-  out.reserve(row.size() * static_cast<std::size_t>(batch));
-  for (std::int64_t b = 0; b < batch; ++b) out.insert(out.end(), row.begin(), row.end());
-  return out;
-}
-
-}  // namespace
 
 AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor& q, const Tensor& k,
                                                                    const Tensor& v, bool forward_only) {
@@ -26,8 +15,9 @@ AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor&
   std::vector<std::int32_t> seg_full;
   if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, B, positions);
 
-  const auto q_pos = per_batch(positions[rank], B);
-  const auto kv_pos = cp::natural_positions(attention.seq_len, B);
+  const auto q_pos =
+      positions_as_int32(cpattn::local_positions(parallel.effective_layout(), attention.seq_len, cp, rank), B);
+  const auto kv_pos = natural_positions(B, attention.seq_len);
   AttentionOutput out;
   out.o = Tensor(attention.dtype, q.shape());
   out.lse.assign(static_cast<std::size_t>(B * hq * local_seq), 0.0f);
@@ -60,8 +50,9 @@ AttentionGradients ContextParallelAttention::Impl::all_gather_backward(const Ten
     s.k_full = cp::all_gather_sequence(comm, s.k, positions);
     s.v_full = cp::all_gather_sequence(comm, s.v, positions);
   }
-  const auto q_pos = per_batch(positions[rank], B);
-  const auto kv_pos = cp::natural_positions(attention.seq_len, B);
+  const auto q_pos =
+      positions_as_int32(cpattn::local_positions(parallel.effective_layout(), attention.seq_len, cp, rank), B);
+  const auto kv_pos = natural_positions(B, attention.seq_len);
   AttentionGradients g;
   g.dq = Tensor(attention.dtype, s.q.shape());
   Tensor dk_partial(DType::f32, s.k_full.shape()), dv_partial(DType::f32, s.v_full.shape());

@@ -22,13 +22,7 @@ ContextParallelAttention::Impl::Impl(const AttentionSpec& a, const ParallelSpec&
   local_seq = attention.seq_len / cp;
   hq = attention.num_q_heads / parallel.tp;
   hkv = attention.num_kv_heads / parallel.tp;
-  for (std::int64_t r = 0; r < cp; ++r) {
-    std::vector<std::int32_t> pos;
-    for (std::int64_t x : cpattn::local_positions(parallel.effective_layout(), attention.seq_len, cp, r)) {
-      pos.push_back(static_cast<std::int32_t>(x));
-    }
-    positions.push_back(std::move(pos));
-  }
+  positions = rank_positions(parallel.effective_layout(), attention.seq_len, cp);
 }
 
 FlashConfig ContextParallelAttention::Impl::kernel_config() const {
@@ -147,6 +141,11 @@ AttentionGradients ContextParallelAttention::backward(const Tensor& d_out) {
 
 const TileCounts& ContextParallelAttention::forward_tiles() const {
   return impl_->tiles;
+}
+
+void ContextParallelInternals::set_negative_control(ContextParallelAttention& attention,
+                                                    NegativeControl control) {
+  attention.impl_->negative_control = control;
 }
 
 const std::vector<std::int32_t>& ContextParallelAttention::local_positions() const {

@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "cpattn/context_parallel.hpp"
+#include "negative_control.hpp"
 #include "sequence_collectives.hpp"
 
 namespace cpattn {
@@ -35,8 +36,9 @@ class ContextParallelAttention::Impl {
   ParallelSpec parallel;
   Communicator& comm;
   ContextParallelOptions options;
+  NegativeControl negative_control = NegativeControl::none;
   std::int64_t cp = 1, rank = 0, local_seq = 0, hq = 0, hkv = 0;  // local heads (per tp rank)
-  cp::RankPositions positions;                                    // every rank's local positions
+  RankPositions positions;                                        // every rank's local positions
   std::vector<std::int32_t> natural;                              // 0..S-1, per batch row
   TileCounts tiles;
 

@@ -23,18 +23,6 @@ const unsigned char* row_ptr(const Tensor& t, std::int64_t b, std::int64_t s, st
 
 }  // namespace
 
-std::vector<std::int32_t> natural_positions(std::int64_t seq, std::int64_t batch) {
-  std::vector<std::int32_t> p(static_cast<std::size_t>(seq * batch));
-  for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t i = 0; i < seq; ++i) p[b * seq + i] = static_cast<std::int32_t>(i);
-  }
-  return p;
-}
-
-CommDType comm_dtype(DType dtype) {
-  return dtype == DType::f32 ? CommDType::f32 : CommDType::bf16;
-}
-
 Tensor all_to_all_sequence_to_heads(Communicator& comm, const Tensor& x) {
   const int cp = comm.size();
   const Shape4 s = x.shape();  // [B, S/cp, H, D]

@@ -6,11 +6,10 @@
 #include <vector>
 
 #include "cpattn/comm.hpp"
+#include "cpattn/sequence_layout.hpp"
 #include "cpattn/tensor.hpp"
 
 namespace cpattn::cp {
-
-CommDType comm_dtype(DType dtype);
 
 // x: [B, S/cp, H, D] contiguous shard -> [B, S, H/cp, D]: this rank's heads for the whole sequence.
 Tensor all_to_all_sequence_to_heads(Communicator& comm, const Tensor& x);
@@ -20,12 +19,6 @@ Tensor all_to_all_heads_to_sequence(Communicator& comm, const Tensor& y);
 std::vector<float> all_to_all_lse_heads_to_sequence(Communicator& comm, const std::vector<float>& lse,
                                                     std::int64_t batch, std::int64_t local_heads,
                                                     std::int64_t seq);
-
-// 0..S-1 for each of B rows: [B, S].
-std::vector<std::int32_t> natural_positions(std::int64_t seq, std::int64_t batch);
-
-// positions[p][t]: the global position of rank p's local token t (the same for every batch row).
-using RankPositions = std::vector<std::vector<std::int32_t>>;
 
 // x: [B, S/cp, H, D] -> [B, S, H, D] in natural (global position) order.
 Tensor all_gather_sequence(Communicator& comm, const Tensor& x, const RankPositions& positions);

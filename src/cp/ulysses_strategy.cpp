@@ -8,6 +8,7 @@
 
 #include "context_parallel_impl.hpp"
 #include "cpattn/placement.hpp"
+#include "cpattn/sequence_layout.hpp"
 
 namespace cpattn {
 
@@ -79,14 +80,13 @@ AttentionOutput ContextParallelAttention::Impl::ulysses_forward(const Tensor& q,
                                                                 const Tensor& v, bool forward_only) {
   const std::int64_t B = attention.batch, S = attention.seq_len;
   const std::int64_t rep = kv_replication_factor(hkv, cp);
-  const auto order = options.negative_control == NegativeControl::tiled_kv_order
-                         ? tiled_repeat_heads(hkv, rep)
-                         : grouped_repeat_heads(hkv, rep);
+  const auto order = negative_control == NegativeControl::tiled_kv_order ? tiled_repeat_heads(hkv, rep)
+                                                                         : grouped_repeat_heads(hkv, rep);
   HeadSharded h = to_heads(comm, q, k, v, order);
   std::vector<std::int32_t> seg_full;
   if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, B, positions);
 
-  const auto pos = cp::natural_positions(S, B);
+  const auto pos = natural_positions(B, S);
   const std::int64_t local_heads = hq / cp;
   Tensor o_heads(attention.dtype, h.q.shape());
   std::vector<float> lse_heads(static_cast<std::size_t>(B * local_heads * S));
@@ -119,9 +119,8 @@ AttentionGradients ContextParallelAttention::Impl::ulysses_backward(const Tensor
   Saved& s = *saved;
   const std::int64_t B = attention.batch, S = attention.seq_len;
   const std::int64_t rep = kv_replication_factor(hkv, cp);
-  const auto order = options.negative_control == NegativeControl::tiled_kv_order
-                         ? tiled_repeat_heads(hkv, rep)
-                         : grouped_repeat_heads(hkv, rep);
+  const auto order = negative_control == NegativeControl::tiled_kv_order ? tiled_repeat_heads(hkv, rep)
+                                                                         : grouped_repeat_heads(hkv, rep);
   Tensor do_heads = cp::all_to_all_sequence_to_heads(comm, d_out);
   HeadSharded h;
   if (options.remat) {
@@ -132,7 +131,7 @@ AttentionGradients ContextParallelAttention::Impl::ulysses_backward(const Tensor
   const Tensor& k = options.remat ? h.k : s.k;
   const Tensor& v = options.remat ? h.v : s.v;
 
-  const auto pos = cp::natural_positions(S, B);
+  const auto pos = natural_positions(B, S);
   Tensor dq_heads(attention.dtype, q.shape());
   Tensor dk_heads(DType::f32, k.shape()), dv_heads(DType::f32, v.shape());
   flash_backward(cref(q), cref(k), cref(v), cref(s.o), s.lse.data(), cref(do_heads),
@@ -145,7 +144,7 @@ AttentionGradients ContextParallelAttention::Impl::ulysses_backward(const Tensor
   const Tensor dk_rep = cp::all_to_all_heads_to_sequence(comm, dk_heads);
   const Tensor dv_rep = cp::all_to_all_heads_to_sequence(comm, dv_heads);
   const bool replicated = static_cast<std::int64_t>(order.size()) != hkv;
-  const NegativeControl control = options.negative_control;
+  const NegativeControl control = negative_control;
   g.dk = (replicated ? sum_replicas(dk_rep, order, hkv, rep, control) : dk_rep).to(attention.dtype);
   g.dv = (replicated ? sum_replicas(dv_rep, order, hkv, rep, control) : dv_rep).to(attention.dtype);
   return g;

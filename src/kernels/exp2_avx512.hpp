@@ -12,7 +12,7 @@ namespace cpattn::kernels {
 // 2^x for x <= ~0: exactly 0 below -126 (-inf among them), exactly 1 at 0, NaN for NaN.
 // f = x - round(x) in one vreduceps (AVX512DQ; exact) and round(x) = x - f (exact: the difference is an
 // integer, representable): two vector uops where the round-to-nearest-even through + and - 1.5 * 2^23 and the
-// subtraction took three, and no clamp: a lane below -126 (-inf, whose f is NaN) is zeroed by the final mask
+// subtraction take three, and no clamp: a lane below -126 (-inf, whose f is NaN) is zeroed by the final mask
 // whatever its polynomial. The same bits as a clamp to -126 and vrndscaleps (tests/exp2_test.cpp); the
 // tiles' softmax pass is bound by these uops.
 __attribute__((target("avx512f,avx512dq"))) inline __m512 exp2_avx512(__m512 x) {

@@ -3,8 +3,8 @@
 // of kv blocks in order and, for each group, the q blocks in order (each q block's tiles with the group's kv
 // blocks in order). dQ of a row then sums over kv blocks in their order (its own [Sq][Dp] accumulator per
 // task), dK/dV of a kv block over the q blocks in theirs; the q heads of a group each leave an fp64 partial
-// that is summed in head order at the end. An earlier two-pass form (dK/dV by kv block, dQ by q block)
-// needed no partials but computed S and dP twice: 7 products per tile instead of 5.
+// that is summed in head order at the end. One pass, not two (dK/dV by kv block, dQ by q block): two need
+// no partials but compute S and dP twice, 7 products per tile instead of 5.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -138,8 +138,8 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
       for (std::int64_t g0 = s0; g0 < s1; g0 += kKvGroup) {
         const std::int64_t g1 = std::min(s1, g0 + kKvGroup);
         // Only the q blocks that see the group are walked and prefetched: under a causal mask the first
-        // ones see none of it, and their prefetches (96 KB a q block, drained in a burst when nothing was
-        // computed) took 4 % of a causal backward's samples.
+        // ones see none of it, and their prefetches (96 KB a q block) would drain in a burst with nothing
+        // computed between (docs/performance.md, decisions).
         w.q_todo.clear();
         for (std::int64_t qi = 0; qi < q_blocks; ++qi) {
           if (sees_any(qi, g0, g1)) w.q_todo.push_back(qi);

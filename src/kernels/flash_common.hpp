@@ -12,7 +12,7 @@
 
 #include "cpattn/error.hpp"
 #include "cpattn/flash.hpp"
-#include "tile_map.hpp"
+#include "kernels/tile_classification.hpp"
 
 namespace cpattn::kernels {
 
@@ -63,8 +63,7 @@ inline void store_row(const TensorRef& t, std::int64_t b, std::int64_t s, std::i
 
 // Prefetches row (b, s, h) of t into L1, for reading or (kWrite) for writing: the kernels read and write rows
 // of [B, S, H, D] tensors H * D elements apart, a stride the hardware prefetchers do not follow, so a row
-// fetched only when it is loaded or stored waits on memory (a forward's Q'^T build and output took 1.7 and
-// 2 % of its samples on those loads and stores).
+// fetched only when it is loaded or stored waits on memory.
 template <bool kWrite = false, class Ptr>
 inline void prefetch_row(const BasicTensorRef<Ptr>& t, std::int64_t b, std::int64_t s, std::int64_t h) {
   if (s >= t.shape.s) return;
@@ -74,13 +73,13 @@ inline void prefetch_row(const BasicTensorRef<Ptr>& t, std::int64_t b, std::int6
   for (std::int64_t at = 0; at < bytes; at += kCacheLine) __builtin_prefetch(p + at, kWrite ? 1 : 0, 3);
 }
 
-// Packing reads a block's rows this many rows ahead of their loads (prefetch_row): the loads of K and V rows
-// waited on memory for 75 % of a forward's packing samples.
+// Packing prefetches a block's rows this many rows ahead of their loads (prefetch_row): without it the
+// strided loads of K and V rows are most of packing's time (docs/performance.md, decisions).
 inline constexpr std::int64_t kPackRowsAhead = 8;
 
 // Software prefetch into L2 (prefetcht1) of up to eight byte ranges, a few cache lines at a time: the kernels
 // fetch the operands of their next block this way between register tiles. Issued in one burst, a block's
-// requests fill the line-fill buffers and the burst itself stalls the loop (5-8 % of the forward's samples).
+// requests fill the line-fill buffers and the burst itself stalls the loop.
 class PrefetchQueue {
  public:
   void clear() { count_ = at_ = 0, line_ = 0; }
@@ -228,11 +227,11 @@ BlockGrid make_block_grid(const AttentionMask& mask, std::int64_t batch, std::in
                           const FlashConfig& config);
 
 // Scratch of n floats, uninitialized, for a call's packed operands. From 2 MiB on it is its own mapping
-// (mmap, apart from malloc's heap), aligned to 2 MiB and advised as transparent huge pages (madvise; the
-// kernel's THP mode here is "madvise": with 4 KiB pages every call took a page fault per 4 KiB), and when
-// freed it is kept for the next call that needs a block of its size (kKeptScratchBytes in all, the most
-// recently freed kept first): fresh pages cost every call their faults and zeroing (clear_page and the faults
-// took ~2 % of a forward at S = 4096 on this VM), while calls of one shape ask for the same sizes each time.
+// (mmap, apart from malloc's heap), aligned to 2 MiB and advised as transparent huge pages (madvise: under
+// THP mode "madvise" 4 KiB pages would cost a page fault per 4 KiB), and when freed it is kept for the next
+// call that needs a block of its size (kKeptScratchBytes in all, the most recently freed kept first): fresh
+// pages cost every call their faults and zeroing (docs/performance.md, decisions), while calls of one shape
+// ask for the same sizes each time.
 class ScratchFloats {
  public:
   static constexpr std::size_t kKeptScratchBytes = std::size_t{128} << 20;

@@ -42,8 +42,8 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   // score tile of R keys from key r broadcasts K^T[d][r..r+R) for d in order, stored as [Dp][R] at r * Dp
   // (PackLayout::row_tiles); the O^T tile of R head-dim rows from d = r broadcasts V[j][r..r+R) for j in
   // order, stored as [Bk][R] at r * Bk (PackLayout::column_tiles). Each register tile then reads its operand
-  // as one sequential run (32 bytes a step at R = 8) that the hardware prefetchers follow from L2; read from
-  // the plain [Dp][Bk] and [Bk][Dp] blocks, a step's values sat 256 or 512 bytes after the last step's.
+  // as one sequential run (32 bytes a step at R = 8) that the hardware prefetchers follow from L2; in the
+  // plain [Dp][Bk] and [Bk][Dp] blocks a step's values would sit 256 or 512 bytes after the last step's.
   const PackedBlocks kt(k, grid.kv, Bk, Dp, PackLayout::row_tiles, 1.0f, config.threads);
   const PackedBlocks vp(v, grid.kv, Bk, Dp, PackLayout::column_tiles, 1.0f, config.threads);
   const std::int64_t n = lanes();
@@ -55,12 +55,9 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   // reductions), and O^T += V^T P^T reuses the same register tiles. The rows are computed in panels of
   // kPanelVectors vectors of query rows (48 rows with 16 lanes) with 8 x 3 register tiles: the score phase
   // keeps a panel's Q'^T and S^T (24 + 12 KB at D = 128) in the 48 KB L1 while K streams past, the P V phase
-  // its S^T and O^T (12 + 24 KB) while V does. 8 x 3 tiles load 11 values per 24 FMAs (12 x 2: 14), and a
-  // panel of 48 rows reads each K and V block for 48 rows (12 x 2 tiles: 32): against 12 x 2 tiles in
-  // 32-row panels, best-of medians 106.6 vs 105.2 GFLOP/s non-causal (9 of 12 pairs ahead), 101.1 vs 96.0
-  // causal (docs/performance.md, session 7). 64-row panels with 6 x 4 tiles (Q'^T, O^T and S^T: 32 + 32 + 16
-  // KB) ran slower (best 108.4 vs 112.6). A panel may span two q blocks; each row's arithmetic is the same in
-  // any panel.
+  // its S^T and O^T (12 + 24 KB) while V does. 8 x 3 tiles load 11 values per 24 FMAs (12 x 2: 14) and a
+  // 48-row panel reads each K and V block once per 48 rows, not 32 (docs/performance.md, decisions). A panel
+  // may span two q blocks; each row's arithmetic is the same in any panel.
   constexpr int kPanelVectors = 3;
   constexpr int kRowTile = 8;  // 8 x 3 register tiles: 24 accumulators
   static_assert(kRowTile == kForwardRowTile, "the packed K and V tiles are the register tiles");
@@ -72,11 +69,9 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   // walks the kv blocks once for all of their panels, so each packed K and V block (32 + 32 KB at D = 128) is
   // read from L3 once per group and from L2 by its other panels; the panels' Q'^T and O^T (24 + 24 KB each,
   // 768 KB for the group) stay in the 2 MB L2. A K/V head at S = 4096 (4 MB) does not fit L2, so without the
-  // group every panel streamed it from L3. Groups of 12 against 6: best-of medians 119.6 vs 118.5 GFLOP/s
-  // non-causal (7 of 8 pairs ahead), causal and 2 threads equal (docs/performance.md, session 8). A group's
-  // rows are best a whole number of panels: equal groups of 11 blocks at S = 4096 (704 rows, 14 2/3 panels)
-  // ran 1.6 % slower (median 116.9 vs 118.8, 2 of 8 pairs ahead). Each row's operations and their order are
-  // the same as with one panel at a time.
+  // group every panel would stream it from L3. Groups of 12 q blocks: each K/V block is read from L3 half as
+  // often as with 6, and 768 rows are a whole number of panels (docs/performance.md, decisions). Each row's
+  // operations and their order are the same as with one panel at a time.
   constexpr std::int64_t kGroupBlocks = 12;
   constexpr std::int64_t kRowsAhead = 4;  // Q and O rows are prefetched this many rows before their use
   const std::int64_t groups = (q_blocks + kGroupBlocks - 1) / kGroupBlocks;
@@ -224,9 +219,8 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
           }
         }
         // P = exp2(S - m) in place, both vectors of a key's row per step (two independent exp2 chains); each
-        // lane's sum still runs over the keys in order. A separate pass: computed in the score tiles'
-        // epilogue instead, with FlashAttention-4's lazily kept reference (alpha = 1 for most blocks, no O^T
-        // rescale), the forward ran no faster (docs/performance.md, session 10).
+        // lane's sum still runs over the keys in order. A separate pass: fused into the score tiles' epilogue
+        // with FlashAttention-4's lazy rescale it did not pay (docs/performance.md, decisions).
         VF m_use[kPanelVectors], sum[kPanelVectors];
         for (int c = 0; c < kPanelVectors; ++c) {
           const VF m_old = hn::LoadU(df, pn.m.data() + c * n);

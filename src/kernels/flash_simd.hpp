@@ -166,8 +166,8 @@ HWY_INLINE void axpy_tile(const float* HWY_RESTRICT coef, std::int64_t ct, std::
       for (int c = 0; c < C; ++c) out[r * os + c] += static_cast<double>(hn::GetLane(acc[r][c]));
     }
 #else
-    // Each vector widened in two halves (exact) and added to out in fp64 at full vector width: left to
-    // the compiler, a store of the tile and a 4-wide loop took a quarter of the backward's dK/dV tiles.
+    // Each vector widened in two halves (exact) and added to out in fp64 at full vector width: the compiler's
+    // own form, a store of the tile and a 4-wide loop, is far slower (docs/performance.md, decisions).
     const hn::Repartition<double, DF> dd;
     const hn::Half<DF> dh;
     const std::int64_t half = static_cast<std::int64_t>(hn::Lanes(dd));

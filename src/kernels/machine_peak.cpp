@@ -1,4 +1,4 @@
-#include "cpattn/machine_peak.hpp"
+#include "kernels/machine_peak.hpp"
 
 #include "aligned_vector.hpp"
 #include "flash_common.hpp"

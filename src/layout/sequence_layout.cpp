@@ -12,8 +12,12 @@ std::vector<PositionRange> local_ranges(ShardLayout layout, std::int64_t seq_len
   }
   CPATTN_ASSERT(seq_len % (2 * cp) == 0);
   const std::int64_t c = seq_len / (2 * cp);
-  const std::int64_t mirror = 2 * cp - 1 - rank;
-  return {{rank * c, (rank + 1) * c}, {mirror * c, (mirror + 1) * c}};
+  std::vector<PositionRange> ranges;
+  for (std::int64_t slot = 0; slot < 2; ++slot) {
+    const std::int64_t chunk = chunk_at(layout, cp, rank, slot);
+    ranges.push_back({chunk * c, (chunk + 1) * c});
+  }
+  return ranges;
 }
 
 std::vector<std::int64_t> local_positions(ShardLayout layout, std::int64_t seq_len, std::int64_t cp,
@@ -47,6 +51,71 @@ std::vector<std::int64_t> inverse_permutation(const std::vector<std::int64_t>& p
     inverse[perm[i]] = static_cast<std::int64_t>(i);
   }
   return inverse;
+}
+
+std::int64_t chunk_at(ShardLayout layout, std::int64_t cp, std::int64_t rank, std::int64_t slot) {
+  if (layout == ShardLayout::contiguous) return 2 * rank + slot;
+  return slot == 0 ? rank : 2 * cp - 1 - rank;
+}
+
+ChunkPlace place_of_chunk(ShardLayout layout, std::int64_t cp, std::int64_t chunk) {
+  if (layout == ShardLayout::contiguous) return {chunk / 2, chunk % 2};
+  return chunk < cp ? ChunkPlace{chunk, 0} : ChunkPlace{2 * cp - 1 - chunk, 1};
+}
+
+ReorderCall reorder_call(std::int64_t cp, ShardLayout from, ShardLayout to, std::int64_t call) {
+  const bool by_source_slot = from == ShardLayout::contiguous;
+  ReorderCall c;
+  for (std::int64_t p = 0; p < cp; ++p) {
+    const std::int64_t slot =
+        by_source_slot ? call : (place_of_chunk(to, cp, chunk_at(from, cp, p, 0)).slot == call ? 0 : 1);
+    c.sent_slot.push_back(slot);
+    c.goes_to.push_back(place_of_chunk(to, cp, chunk_at(from, cp, p, slot)));
+    c.dest.push_back(static_cast<int>(c.goes_to.back().rank));
+  }
+  return c;
+}
+
+std::vector<std::vector<int>> reorder_destinations(std::int64_t cp, ShardLayout from, ShardLayout to) {
+  if (from == to) return {};
+  return {reorder_call(cp, from, to, 0).dest, reorder_call(cp, from, to, 1).dest};
+}
+
+std::vector<std::int32_t> natural_positions(std::int64_t batch, std::int64_t seq_len) {
+  std::vector<std::int32_t> p(static_cast<std::size_t>(batch * seq_len));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    for (std::int64_t i = 0; i < seq_len; ++i) p[b * seq_len + i] = static_cast<std::int32_t>(i);
+  }
+  return p;
+}
+
+std::vector<std::int32_t> segment_ids_from_lengths(std::int64_t batch,
+                                                   const std::vector<std::int64_t>& lengths) {
+  std::vector<std::int32_t> row;
+  for (std::size_t d = 0; d < lengths.size(); ++d) {
+    CPATTN_ASSERT(lengths[d] >= 0);
+    row.insert(row.end(), static_cast<std::size_t>(lengths[d]), static_cast<std::int32_t>(d));
+  }
+  std::vector<std::int32_t> all;
+  all.reserve(row.size() * static_cast<std::size_t>(batch));
+  for (std::int64_t b = 0; b < batch; ++b) all.insert(all.end(), row.begin(), row.end());
+  return all;
+}
+
+std::vector<std::int32_t> positions_as_int32(const std::vector<std::int64_t>& positions, std::int64_t batch) {
+  std::vector<std::int32_t> out;
+  out.reserve(positions.size() * static_cast<std::size_t>(batch));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    for (std::int64_t x : positions) out.push_back(static_cast<std::int32_t>(x));
+  }
+  return out;
+}
+
+RankPositions rank_positions(ShardLayout layout, std::int64_t seq_len, std::int64_t cp) {
+  RankPositions positions;
+  for (std::int64_t r = 0; r < cp; ++r)
+    positions.push_back(positions_as_int32(local_positions(layout, seq_len, cp, r)));
+  return positions;
 }
 
 }  // namespace cpattn

@@ -4,10 +4,10 @@
 #include <numeric>
 #include <sstream>
 
-#include "../kernels/tile_map.hpp"
-#include "cpattn/context_parallel.hpp"
+#include "cpattn/flash.hpp"
 #include "cpattn/placement.hpp"
 #include "cpattn/sequence_layout.hpp"
+#include "kernels/tile_classification.hpp"
 
 namespace cpattn {
 
@@ -50,20 +50,10 @@ const HardwareProfile* find_hardware(const std::string& name) {
 
 namespace {
 
-// Appends one call to the (kind, phase)-aggregated list, as CollectiveCounters does.
 void add_call(std::vector<CollectiveRecord>& list, CollectiveKind kind, const std::string& phase,
               std::int64_t count, std::size_t element_size, int ranks,
               const std::vector<int>* dest = nullptr) {
-  const CollectiveCost c = collective_cost(kind, count, element_size, ranks, dest);
-  for (auto& r : list) {
-    if (r.kind == kind && r.phase == phase) {
-      ++r.count;
-      r.bytes += c.bytes;
-      r.bytes_sent_per_rank += c.bytes_sent_per_rank;
-      return;
-    }
-  }
-  list.push_back({kind, phase, 1, c.bytes, c.bytes_sent_per_rank});
+  add_to_records(list, kind, phase, collective_cost(kind, count, element_size, ranks, dest));
 }
 
 // Tiles of one q head for the query tokens `q_positions` (local order) against the whole sequence.
@@ -168,20 +158,18 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   }
 
   // Tiles on the block grid, with the kernel's classification.
-  std::vector<std::int32_t> natural(static_cast<std::size_t>(S)), segments;
-  std::iota(natural.begin(), natural.end(), 0);
-  for (std::size_t d = 0; d < req.segments.size(); ++d) {
-    segments.insert(segments.end(), static_cast<std::size_t>(req.segments[d]), static_cast<std::int32_t>(d));
-  }
+  const std::vector<std::int32_t> natural = natural_positions(1, S);
+  const std::vector<std::int32_t> segments = segment_ids_from_lengths(1, req.segments);
   const std::int64_t local_heads = strategy == Strategy::ulysses ? hq / cp : hq;
   for (std::int64_t r = 0; r < cp; ++r) {
     std::int64_t per_head;
     if (strategy == Strategy::ulysses) {
       per_head = count_tiles(natural, segments, natural, segments, a.causal, req.block);
     } else {
-      std::vector<std::int32_t> q_pos, q_seg;
-      for (auto x : local_positions(p.effective_layout(), S, cp, r)) {
-        q_pos.push_back(static_cast<std::int32_t>(x));
+      const auto local = local_positions(p.effective_layout(), S, cp, r);
+      const std::vector<std::int32_t> q_pos = positions_as_int32(local);
+      std::vector<std::int32_t> q_seg;
+      for (auto x : local) {
         if (packed) q_seg.push_back(segments[x]);
       }
       per_head = count_tiles(q_pos, q_seg, natural, segments, a.causal, req.block);
@@ -207,10 +195,9 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
     s.kv_buffer_bytes_per_rank = kv_full;
   }
 
-  // Time: tiles x tile FLOPs (4 B^2 D forward, 2.5x that backward, the forward again under remat).
-  const double tile_flops =
-      4.0 * static_cast<double>(req.block) * static_cast<double>(req.block) * static_cast<double>(D);
-  const double passes = 1.0 + 2.5 + (req.remat ? 1.0 : 0.0);
+  // Time: tiles x a full tile's FLOPs, forward and backward (and the forward again under remat).
+  const double tile_flops = attention_forward_flops(1, req.block, 1, D, false);
+  const double passes = 1.0 + kBackwardFlopsPerForward + (req.remat ? 1.0 : 0.0);
   std::int64_t sent = 0;
   for (const auto& c : s.collectives) sent += c.bytes_sent_per_rank;
   for (const auto& c : s.reorder) sent += c.bytes_sent_per_rank;

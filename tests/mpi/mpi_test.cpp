@@ -6,7 +6,7 @@
 #include "../collective_cases.hpp"
 #include "../cp_harness.hpp"
 #include "cpattn/mpi_comm.hpp"
-#include "cpattn/runner.hpp"
+#include "harness/whole_problem.hpp"
 
 namespace cpattn {
 namespace {
@@ -39,12 +39,12 @@ void expect_strategy_matches_single_device(testing::CpCase c) {
   MpiCommunicator comm;
   c.cp = comm.size();
   const auto in = testing::make_whole_inputs(c, 55);  // the same inputs on every rank (same seed)
-  ContextParallelOptions opt;
-  opt.threads = 1;
-  opt.remat = c.remat;
-  WholeResult w = make_whole_result(c.attention(), c.parallel(), false);
-  run_rank(comm, c.attention(), c.parallel(), opt, in, false, w);
-  share_whole_result(comm, c.attention(), c.parallel(), false, w);
+  harness::RunSettings settings;
+  settings.options.threads = 1;
+  settings.options.remat = c.remat;
+  harness::WholeResult w = harness::make_whole_result(c.attention(), c.parallel(), false);
+  harness::run_rank(comm, c.attention(), c.parallel(), settings, in, w);
+  harness::share_whole_result(comm, c.attention(), c.parallel(), false, w);
   const auto single = testing::run_single_device(c, in);
   EXPECT_EQ(testing::count_bit_differences(w.o.to_floats(), single.o), 0);
   EXPECT_EQ(testing::count_bit_differences(w.lse, single.lse), 0);

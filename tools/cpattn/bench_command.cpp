@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "cpattn/inproc.hpp"
-#include "cpattn/runner.hpp"
+#include "harness/whole_problem.hpp"
 #include "problem_flags.hpp"
 
 #ifdef CPATTN_WITH_MPI
@@ -230,11 +230,7 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
     return 2;
   }
   const AttentionSpec& a = base.attention;
-  WholeProblem problem{random_normal(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, 1),
-                       random_normal(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, 2),
-                       random_normal(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, 3),
-                       random_normal(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, 4),
-                       {}};
+  const harness::WholeProblem problem = harness::random_problem(a, 1);
   struct Config {
     std::string name;
     Strategy strategy;
@@ -248,14 +244,8 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
     configs.push_back({"all_gather_load_balanced", Strategy::all_gather, true, cp});
   }
   nlohmann::ordered_json out;
-  out["problem"] = {{"batch", a.batch},
-                    {"seq", a.seq_len},
-                    {"q_heads", a.num_q_heads},
-                    {"kv_heads", a.num_kv_heads},
-                    {"head_dim", a.head_dim},
-                    {"causal", a.causal},
-                    {"dtype", to_string(a.dtype)},
-                    {"cores", std::thread::hardware_concurrency()}};
+  out["problem"] = attention_to_json(a);
+  out["problem"]["cores"] = std::thread::hardware_concurrency();
   out["results"] = nlohmann::ordered_json::array();
   double single = 0;
   for (const Config& c : configs) {
@@ -268,7 +258,7 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
       out["results"].push_back({{"name", c.name}, {"cp", c.cp}, {"skipped", rule_errors.front().message}});
       continue;
     }
-    const WholeResult r = run_in_process(a, p, {}, problem, false);
+    const harness::WholeResult r = harness::run_in_process(a, p, {}, problem);
     double fwd = 0, bwd = 0;
     std::int64_t tmin = INT64_MAX, tmax = 0;
     for (const auto& rank : r.ranks) {

@@ -13,8 +13,8 @@
 
 #include "bench_command.hpp"
 #include "cpattn/flash.hpp"
-#include "cpattn/machine_peak.hpp"
 #include "cpattn/reference.hpp"
+#include "kernels/machine_peak.hpp"
 #include "problem_flags.hpp"
 
 namespace cpattn::cli {
@@ -132,11 +132,9 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
   const double tile_peak = (tile_before + tile_after) / 2;
   const double bf16_peak = measure_bf16_dot_peak_gflops(opt.threads);
 
-  double forward_flops = 4.0 * static_cast<double>(a.batch) * static_cast<double>(a.seq_len) *
-                         static_cast<double>(a.seq_len) * static_cast<double>(a.num_q_heads) *
-                         static_cast<double>(a.head_dim);
-  if (a.causal) forward_flops /= 2;
-  const double backward_flops = 2.5 * forward_flops;
+  const double forward_flops =
+      attention_forward_flops(a.batch, a.seq_len, a.num_q_heads, a.head_dim, a.causal);
+  const double backward_flops = kBackwardFlopsPerForward * forward_flops;
   const double forward_gflops = forward_flops / forward_s * 1e-9;
   const double backward_gflops = backward_flops / backward_s * 1e-9;
   // Q, K, V, dO in; O, LSE, dQ, dK, dV out: what a caller must hold anyway.
@@ -145,14 +143,8 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
                               4.0 * static_cast<double>(fwd.lse.size());
 
   nlohmann::ordered_json out;
-  out["problem"] = {{"batch", a.batch},
-                    {"seq", a.seq_len},
-                    {"q_heads", a.num_q_heads},
-                    {"kv_heads", a.num_kv_heads},
-                    {"head_dim", a.head_dim},
-                    {"causal", a.causal},
-                    {"dtype", to_string(a.dtype)},
-                    {"threads", opt.threads}};
+  out["problem"] = attention_to_json(a);
+  out["problem"]["threads"] = opt.threads;
   out["forward_path"] = flash_uses_amx(a.dtype, cfg) ? "amx" : "vector";
   out["vector_target"] = flash_vector_target();
   out["fma_peak_gflops"] = fma_peak;

@@ -101,21 +101,16 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
 
   nlohmann::ordered_json out;
   out["valid"] = true;
-  out["problem"] = {{"model", req.model.name},
-                    {"seq", req.attention.seq_len},
-                    {"batch", req.attention.batch},
-                    {"q_heads", req.attention.num_q_heads},
-                    {"kv_heads", req.attention.num_kv_heads},
-                    {"head_dim", req.attention.head_dim},
-                    {"dtype", to_string(req.attention.dtype)},
-                    {"cp", req.parallel.cp},
-                    {"tp", req.parallel.tp},
-                    {"block", req.block},
-                    {"segments", req.segments},
-                    {"remat", req.remat},
-                    {"emb_dim", req.model.emb_dim},
-                    {"layers", req.model.num_layers},
-                    {"attention_layers", req.model.attention_layers()}};
+  out["problem"] = {{"model", req.model.name}};
+  out["problem"].update(attention_to_json(req.attention));
+  out["problem"].update(nlohmann::ordered_json{{"cp", req.parallel.cp},
+                                               {"tp", req.parallel.tp},
+                                               {"block", req.block},
+                                               {"segments", req.segments},
+                                               {"remat", req.remat},
+                                               {"emb_dim", req.model.emb_dim},
+                                               {"layers", req.model.num_layers},
+                                               {"attention_layers", req.model.attention_layers()}});
   out["hardware"] = {{"name", req.hardware.name},
                      {"flops", req.hardware.flops},
                      {"bandwidth_bytes_per_second", req.hardware.bandwidth},

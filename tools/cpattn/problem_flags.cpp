@@ -77,6 +77,12 @@ std::vector<std::int64_t> parse_document_lengths(const std::string& text, const 
   return lengths;
 }
 
+nlohmann::ordered_json attention_to_json(const AttentionSpec& a) {
+  return {{"batch", a.batch},           {"seq", a.seq_len},       {"q_heads", a.num_q_heads},
+          {"kv_heads", a.num_kv_heads}, {"head_dim", a.head_dim}, {"causal", a.causal},
+          {"dtype", to_string(a.dtype)}};
+}
+
 std::string errors_to_json(const std::vector<ErrorItem>& errors) {
   nlohmann::json list = nlohmann::json::array();
   for (const auto& e : errors) {

@@ -3,6 +3,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include <nlohmann/json.hpp>
+
 #include <string>
 #include <vector>
 
@@ -32,6 +34,10 @@ std::vector<std::int64_t> parse_document_lengths(const std::string& text, const 
 // alone exceed this machine's physical memory: Error(invalid_input) naming the sizes, with the need and what
 // there is. (A lower bound of what a run needs, so it never refuses a problem that would fit.)
 void require_memory_for(const AttentionSpec& attention, int tensor_count, const std::string& what);
+
+// The attention problem as the "problem" block of every command's JSON: batch, seq, q_heads, kv_heads,
+// head_dim, causal, dtype; commands append their own keys.
+nlohmann::ordered_json attention_to_json(const AttentionSpec& attention);
 
 // JSON for a list of errors: [{"field", "fields"?, "value", "message"}].
 std::string errors_to_json(const std::vector<ErrorItem>& errors);

@@ -12,8 +12,9 @@
 
 #include "cpattn/npy.hpp"
 #include "cpattn/placement.hpp"
-#include "cpattn/reference.hpp"
-#include "cpattn/runner.hpp"
+#include "cpattn/sequence_layout.hpp"
+#include "harness/check.hpp"
+#include "harness/whole_problem.hpp"
 #include "problem_flags.hpp"
 
 #ifdef CPATTN_WITH_MPI
@@ -22,6 +23,9 @@
 
 namespace cpattn::cli {
 namespace {
+
+using harness::WholeProblem;
+using harness::WholeResult;
 
 struct RunOptions {
   ProblemFlags problem;
@@ -98,26 +102,6 @@ WholeProblem load_problem(const std::string& dir, ConfigValues& values) {
   return p;
 }
 
-struct Diffs {
-  double max_abs = 0, max_ref = 0;
-  double rel() const { return max_ref > 0 ? max_abs / max_ref : max_abs; }
-};
-
-template <class A, class B>
-Diffs diff(const A& got, const B& want) {
-  Diffs d;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const double w = static_cast<double>(want[i]), g = static_cast<double>(got[i]);
-    if (std::isfinite(w)) d.max_ref = std::max(d.max_ref, std::abs(w));
-    if (std::isfinite(w) && std::isfinite(g)) {
-      d.max_abs = std::max(d.max_abs, std::abs(g - w));
-    } else if (!(g == w || (std::isnan(g) && std::isnan(w)))) {
-      d.max_abs = std::numeric_limits<double>::infinity();
-    }
-  }
-  return d;
-}
-
 std::string fmt(double x) {
   std::ostringstream s;
   s << std::setprecision(3) << x;
@@ -126,10 +110,9 @@ std::string fmt(double x) {
 
 // The whole run on the chosen backend. Under MPI every process runs one rank and then holds the whole result.
 WholeResult execute(const std::string& backend, const AttentionSpec& a, const ParallelSpec& p,
-                    const ContextParallelOptions& options, const WholeProblem& problem, bool forward_only,
-                    int& my_rank) {
+                    const harness::RunSettings& settings, const WholeProblem& problem, int& my_rank) {
   my_rank = 0;
-  if (backend == "inproc") return run_in_process(a, p, options, problem, forward_only);
+  if (backend == "inproc") return harness::run_in_process(a, p, settings, problem);
 #ifdef CPATTN_WITH_MPI
   int initialized = 0;
   MPI_Initialized(&initialized);
@@ -144,10 +127,10 @@ WholeResult execute(const std::string& backend, const AttentionSpec& a, const Pa
               "--cp (" + std::to_string(p.cp) + ") must equal the number of MPI processes (" +
                   std::to_string(comm.size()) + "): run under mpirun -np " + std::to_string(p.cp));
   }
-  WholeResult result = make_whole_result(a, p, forward_only);
+  WholeResult result = harness::make_whole_result(a, p, settings.forward_only);
   try {
-    run_rank(comm, a, p, options, problem, forward_only, result);
-    share_whole_result(comm, a, p, forward_only, result);
+    harness::run_rank(comm, a, p, settings, problem, result);
+    harness::share_whole_result(comm, a, p, settings.forward_only, result);
   } catch (const std::exception& e) {
     // No fault-tolerant MPI: end the whole job, naming this rank, instead of leaving peers waiting.
     std::cerr << "error: rank " << comm.rank() << ": " << e.what() << "\n";
@@ -156,9 +139,8 @@ WholeResult execute(const std::string& backend, const AttentionSpec& a, const Pa
   return result;
 #else
   (void)p;
-  (void)options;
+  (void)settings;
   (void)problem;
-  (void)forward_only;
   throw Error(ErrorKind::invalid_config, "backend", backend, "this build has no MPI backend");
 #endif
 }
@@ -189,49 +171,32 @@ int run(const CLI::App& app, RunOptions& opt) {
     bad_input("--tp", std::to_string(p.tp), "cpattn run simulates one tensor-parallel group; use --tp 1");
   // Inputs Q, K, V, dO and outputs O, dQ, dK, dV, before the ranks' own copies and the check's.
   require_memory_for(a, 8, "cpattn run");
-  if (opt.load_dir.empty()) {
-    problem.q = random_normal(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, opt.seed);
-    problem.k = random_normal(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, opt.seed + 1);
-    problem.v = random_normal(a.dtype, {a.batch, a.seq_len, a.num_kv_heads, a.head_dim}, opt.seed + 2);
-    problem.d_out = random_normal(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim}, opt.seed + 3);
-  }
+  if (opt.load_dir.empty()) problem = harness::random_problem(a, opt.seed);
   if (!opt.segments.empty()) {
     const auto lengths = parse_segments(opt.segments, a.seq_len);
-    problem.segment_ids.clear();
-    for (std::int64_t b = 0; b < a.batch; ++b) {
-      for (std::size_t s = 0; s < lengths.size(); ++s) {
-        problem.segment_ids.insert(problem.segment_ids.end(), static_cast<std::size_t>(lengths[s]),
-                                   static_cast<std::int32_t>(s));
-      }
-    }
+    problem.segment_ids = segment_ids_from_lengths(a.batch, lengths);
   }
-  ContextParallelOptions cp_options;
-  cp_options.remat = opt.remat;
-  cp_options.threads = opt.threads;
+  harness::RunSettings settings;
+  settings.options.remat = opt.remat;
+  settings.options.threads = opt.threads;
+  settings.forward_only = opt.forward_only;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int threads_per_rank = opt.threads > 0 ? opt.threads : std::max(1, cores / static_cast<int>(p.cp));
 
   int my_rank = 0;
-  const WholeResult result = execute(opt.backend, a, p, cp_options, problem, opt.forward_only, my_rank);
+  const WholeResult result = execute(opt.backend, a, p, settings, problem, my_rank);
   if (my_rank != 0) return 0;  // under mpirun rank 0 alone checks and reports
 
   nlohmann::ordered_json out;
   out["ok"] = true;
-  out["problem"] = {{"strategy", to_string(p.strategy)},
-                    {"cp", p.cp},
-                    {"batch", a.batch},
-                    {"seq", a.seq_len},
-                    {"q_heads", a.num_q_heads},
-                    {"kv_heads", a.num_kv_heads},
-                    {"head_dim", a.head_dim},
-                    {"causal", a.causal},
-                    {"dtype", to_string(a.dtype)},
-                    {"load_balance", p.load_balance},
-                    {"remat", opt.remat},
-                    {"forward_only", opt.forward_only},
-                    {"backend", opt.backend},
-                    {"threads_per_rank", threads_per_rank},
-                    {"segments", opt.segments}};
+  out["problem"] = {{"strategy", to_string(p.strategy)}, {"cp", p.cp}};
+  out["problem"].update(attention_to_json(a));
+  out["problem"].update(nlohmann::ordered_json{{"load_balance", p.load_balance},
+                                               {"remat", opt.remat},
+                                               {"forward_only", opt.forward_only},
+                                               {"backend", opt.backend},
+                                               {"threads_per_rank", threads_per_rank},
+                                               {"segments", opt.segments}});
   double fwd_s = 0, bwd_s = 0;
   std::vector<std::int64_t> tiles;
   for (const auto& r : result.ranks) {
@@ -257,86 +222,19 @@ int run(const CLI::App& app, RunOptions& opt) {
   bool pass = true;
   std::string check_text;
   if (opt.check) {
-    const std::vector<std::int32_t> pos = [&] {
-      std::vector<std::int32_t> v;
-      for (std::int64_t b = 0; b < a.batch; ++b) {
-        for (std::int64_t i = 0; i < a.seq_len; ++i) v.push_back(static_cast<std::int32_t>(i));
-      }
-      return v;
-    }();
-    const AttentionMask mask{pos, pos, problem.segment_ids, problem.segment_ids, a.causal};
-    FlashConfig all_cores;
-    all_cores.threads = cores;
-    const auto fwd = flash_attention_forward(problem.q, problem.k, problem.v, mask, a.scale(), all_cores);
+    const harness::WholeCheck c = harness::check_whole_result(a, problem, result, opt.forward_only, cores);
+    pass = c.pass;
     nlohmann::ordered_json sd_abs, sd_rel, ref_rel;
-    sd_abs["o"] = diff(result.o.to_floats(), fwd.o.to_floats()).max_abs;
-    sd_abs["lse"] = diff(result.lse, fwd.lse).max_abs;
-    const bool bf16 = a.dtype == DType::bf16;
-    pass = pass && sd_abs["o"].get<double>() == 0.0 && sd_abs["lse"].get<double>() == 0.0;
-    if (!opt.forward_only) {
-      const auto bwd = flash_attention_backward(problem.q, problem.k, problem.v, fwd.o, fwd.lse,
-                                                problem.d_out, mask, a.scale(), all_cores, a.dtype);
-      const std::pair<const char*, std::pair<const Tensor*, const Tensor*>> grads[] = {
-          {"dq", {&result.dq, &bwd.dq}}, {"dk", {&result.dk, &bwd.dk}}, {"dv", {&result.dv, &bwd.dv}}};
-      for (const auto& [name, tensors] : grads) {
-        const Diffs d = diff(tensors.first->to_floats(), tensors.second->to_floats());
-        sd_abs[name] = d.max_abs;
-        sd_rel[name] = d.rel();
-        pass = pass && d.rel() <= (bf16 ? 1e-2 : 1e-6);
-      }
-    }
-    // The float64 reference: on the whole problem when it is small, else on sampled rows (O, LSE, dQ).
-    const double work = static_cast<double>(a.batch * a.num_q_heads) * static_cast<double>(a.seq_len) *
-                        static_cast<double>(a.seq_len) * static_cast<double>(a.head_dim);
-    const double ref_tol = bf16 ? 2e-2 : 1e-5;
-    std::string ref_scope;
-    if (work <= 1.5e9) {
-      ref_scope = "whole problem";
-      const auto ref = reference_attention(problem.q, problem.k, problem.v,
-                                           opt.forward_only ? nullptr : &problem.d_out, mask, a.scale());
-      ref_rel["o"] = diff(result.o.to_floats(), ref.o).rel();
-      if (!opt.forward_only) {
-        ref_rel["dq"] = diff(result.dq.to_floats(), ref.dq).rel();
-        ref_rel["dk"] = diff(result.dk.to_floats(), ref.dk).rel();
-        ref_rel["dv"] = diff(result.dv.to_floats(), ref.dv).rel();
-      }
-    } else {
-      std::vector<ReferenceRow> rows;
-      const std::int64_t heads = std::min<std::int64_t>(a.num_q_heads, 8), per_head = 24;
-      for (std::int64_t b = 0; b < a.batch; ++b) {
-        for (std::int64_t hi = 0; hi < heads; ++hi) {
-          const std::int64_t h = hi * a.num_q_heads / heads;
-          for (std::int64_t n = 0; n < per_head; ++n)
-            rows.push_back({b, h, n * (a.seq_len - 1) / (per_head - 1)});
-        }
-      }
-      ref_scope = "sampled " + std::to_string(rows.size()) + " rows (O, dQ; dK/dV need every row)";
-      const auto ref =
-          reference_attention_rows(problem.q, problem.k, problem.v,
-                                   opt.forward_only ? nullptr : &problem.d_out, mask, a.scale(), rows);
-      std::vector<float> o_rows, dq_rows;
-      for (const auto& r : rows) {
-        for (std::int64_t d = 0; d < a.head_dim; ++d) {
-          o_rows.push_back(result.o.get(r.b, r.i, r.h, d));
-          if (!opt.forward_only) dq_rows.push_back(result.dq.get(r.b, r.i, r.h, d));
-        }
-      }
-      ref_rel["o"] = diff(o_rows, ref.o).rel();
-      if (!opt.forward_only) {
-        ref_rel["dq"] = diff(dq_rows, ref.dq).rel();
-        ref_rel["dk"] = nullptr;
-        ref_rel["dv"] = nullptr;
-      }
-    }
-    for (const auto& [name, value] : ref_rel.items()) {
-      if (!value.is_null()) pass = pass && value.get<double>() <= ref_tol;
-    }
+    for (const auto& [name, value] : c.single_device_abs) sd_abs[name] = value;
+    for (const auto& [name, value] : c.single_device_rel) sd_rel[name] = value;
+    for (const auto& [name, value] : c.reference_rel)
+      ref_rel[name] = value ? nlohmann::ordered_json(*value) : nullptr;
     out["check"] = {{"single_device", {{"max_abs_diff", sd_abs}, {"max_rel_diff", sd_rel}}},
-                    {"reference", {{"max_rel_diff", ref_rel}, {"scope", ref_scope}}},
+                    {"reference", {{"max_rel_diff", ref_rel}, {"scope", c.reference_scope}}},
                     {"tolerances",
                      {{"forward", "bit-identical"},
-                      {"grad_vs_single_device", bf16 ? 1e-2 : 1e-6},
-                      {"vs_reference", ref_tol}}},
+                      {"grad_vs_single_device", c.grad_tolerance},
+                      {"vs_reference", c.reference_tolerance}}},
                     {"pass", pass}};
     std::ostringstream t;
     t << "check vs the single-device kernel: max abs diff o " << fmt(sd_abs["o"]) << ", lse "
@@ -345,11 +243,11 @@ int run(const CLI::App& app, RunOptions& opt) {
       t << "; max rel diff dq " << fmt(sd_rel["dq"]) << ", dk " << fmt(sd_rel["dk"]) << ", dv "
         << fmt(sd_rel["dv"]);
     }
-    t << "\ncheck vs the float64 reference (" << ref_scope << "): max rel diff";
+    t << "\ncheck vs the float64 reference (" << c.reference_scope << "): max rel diff";
     for (const auto& [name, value] : ref_rel.items())
       t << " " << name << " " << (value.is_null() ? "-" : fmt(value));
     t << "\ncheck: " << (pass ? "PASS" : "FAIL") << " (forward bit-identical; gradients within "
-      << (bf16 ? "1e-2" : "1e-6") << " of the single-device kernel; within " << fmt(ref_tol)
+      << fmt(c.grad_tolerance) << " of the single-device kernel; within " << fmt(c.reference_tolerance)
       << " of the reference)\n";
     check_text = t.str();
   }

@@ -1,13 +1,26 @@
-#include "cpattn/runner.hpp"
+#include "harness/whole_problem.hpp"
 
 #include <chrono>
 
+#include "cp/sequence_collectives.hpp"
 #include "cpattn/inproc.hpp"
 #include "cpattn/sequence_layout.hpp"
 #include "cpattn/shard.hpp"
-#include "sequence_collectives.hpp"
 
-namespace cpattn {
+namespace cpattn::harness {
+
+WholeProblem random_problem(const AttentionSpec& a, std::uint32_t seed,
+                            const std::vector<std::int64_t>& document_lengths) {
+  const Shape4 q_shape{a.batch, a.seq_len, a.num_q_heads, a.head_dim};
+  const Shape4 kv_shape{a.batch, a.seq_len, a.num_kv_heads, a.head_dim};
+  WholeProblem p;
+  p.q = random_normal(a.dtype, q_shape, seed);
+  p.k = random_normal(a.dtype, kv_shape, seed + 1);
+  p.v = random_normal(a.dtype, kv_shape, seed + 2);
+  p.d_out = random_normal(a.dtype, q_shape, seed + 3);
+  if (!document_lengths.empty()) p.segment_ids = segment_ids_from_lengths(a.batch, document_lengths);
+  return p;
+}
 
 WholeResult make_whole_result(const AttentionSpec& a, const ParallelSpec& p, bool forward_only) {
   const std::int64_t hq = a.num_q_heads / p.tp, hkv = a.num_kv_heads / p.tp;
@@ -23,14 +36,15 @@ WholeResult make_whole_result(const AttentionSpec& a, const ParallelSpec& p, boo
   return r;
 }
 
-void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p,
-              const ContextParallelOptions& options, const WholeProblem& problem, bool forward_only,
-              WholeResult& result) {
+void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p, const RunSettings& settings,
+              const WholeProblem& problem, WholeResult& result) {
+  const bool forward_only = settings.forward_only;
   using clock = std::chrono::steady_clock;
   const int rank = comm.rank();
   const std::int64_t sl = a.seq_len / p.cp;
   const auto pos = local_positions(p.effective_layout(), a.seq_len, p.cp, rank);
-  ContextParallelAttention attn(a, p, comm, options);
+  ContextParallelAttention attn(a, p, comm, settings.options);
+  ContextParallelInternals::set_negative_control(attn, settings.negative_control);
   const Tensor q = take_tokens(problem.q, pos), k = take_tokens(problem.k, pos),
                v = take_tokens(problem.v, pos);
   const auto seg = take_tokens(problem.segment_ids, a.batch, pos);
@@ -69,13 +83,7 @@ void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p,
 void share_whole_result(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p, bool forward_only,
                         WholeResult& result) {
   const int rank = comm.rank();
-  cp::RankPositions positions;
-  for (std::int64_t r = 0; r < p.cp; ++r) {
-    std::vector<std::int32_t> pos;
-    for (auto x : local_positions(p.effective_layout(), a.seq_len, p.cp, r))
-      pos.push_back(static_cast<std::int32_t>(x));
-    positions.push_back(std::move(pos));
-  }
+  const RankPositions positions = rank_positions(p.effective_layout(), a.seq_len, p.cp);
   const auto mine = local_positions(p.effective_layout(), a.seq_len, p.cp, rank);
   auto share = [&](Tensor& whole) {
     whole = cp::all_gather_sequence(comm, take_tokens(whole, mine), positions);
@@ -115,14 +123,13 @@ void share_whole_result(Communicator& comm, const AttentionSpec& a, const Parall
   }
 }
 
-WholeResult run_in_process(const AttentionSpec& a, const ParallelSpec& p,
-                           const ContextParallelOptions& options, const WholeProblem& problem,
-                           bool forward_only) {
+WholeResult run_in_process(const AttentionSpec& a, const ParallelSpec& p, const RunSettings& settings,
+                           const WholeProblem& problem) {
   validate(a, p);
-  WholeResult result = make_whole_result(a, p, forward_only);
+  WholeResult result = make_whole_result(a, p, settings.forward_only);
   InProcessGroup group(static_cast<int>(p.cp));
-  group.run([&](Communicator& comm) { run_rank(comm, a, p, options, problem, forward_only, result); });
+  group.run([&](Communicator& comm) { run_rank(comm, a, p, settings, problem, result); });
   return result;
 }
 
-}  // namespace cpattn
+}  // namespace cpattn::harness

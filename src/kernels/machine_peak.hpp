@@ -12,9 +12,8 @@ double measure_fma_peak_gflops(int threads = 1);
 
 // The flash forward's own inner loop on data that stays in L1 (its 8 x 3 score register tile: 24 FMAs per
 // step on 3 loaded vectors and 8 broadcast values), on `threads` threads, in GFLOP/s: what any kernel built
-// from that tile could reach at best. On the shared development VM it reads ~0.98 of the FMA peak most of the
-// time, but never above ~137 GFLOP/s while the register-only loop has bursts to ~155 (docs/performance.md,
-// session 8).
+// from that tile could reach at best: a loop that reads L1 can stay below the register-only loop's bursts,
+// so the FMA peak alone can be out of reach (docs/performance.md).
 double measure_tile_peak_gflops(int threads = 1);
 
 // Peak of the bf16 dot product (AVX512_BF16 vdpbf16ps: 32 bf16 pairs multiplied and added into 16 fp32 lanes,

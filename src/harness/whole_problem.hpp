@@ -1,20 +1,26 @@
 // A whole problem run over a group: every rank cuts its shard out of whole-sequence inputs (in the layout the
 // ParallelSpec names), runs forward and backward, and writes its rows of the outputs back in natural order.
-// What `cpattn run` and the tests use.
+// What `cpattn run`, its benches and the tests use; not part of the library's interface.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "cp/negative_control.hpp"
 #include "cpattn/comm.hpp"
 #include "cpattn/context_parallel.hpp"
 
-namespace cpattn {
+namespace cpattn::harness {
 
 struct WholeProblem {
   Tensor q, k, v, d_out;                  // [B, S, H, D] natural order
   std::vector<std::int32_t> segment_ids;  // [B, S] or empty
 };
+
+// Q, K, V, dO from the normal distribution, seeded seed, seed + 1, seed + 2, seed + 3 (heads: the spec's
+// Hq, Hkv, Hkv, Hq); segment ids from document lengths (empty: one document).
+WholeProblem random_problem(const AttentionSpec& attention, std::uint32_t seed,
+                            const std::vector<std::int64_t>& document_lengths = {});
 
 struct RankReport {
   std::vector<CollectiveRecord> collectives;
@@ -29,14 +35,19 @@ struct WholeResult {
   std::vector<RankReport> ranks;
 };
 
+struct RunSettings {
+  ContextParallelOptions options;
+  bool forward_only = false;
+  NegativeControl negative_control = NegativeControl::none;  // tests only
+};
+
 // Sized for the problem; ranks then fill disjoint rows.
 WholeResult make_whole_result(const AttentionSpec& attention, const ParallelSpec& parallel,
                               bool forward_only);
 
 // This rank's part of the run. Timings are taken between barriers, so they are the slowest rank's.
 void run_rank(Communicator& comm, const AttentionSpec& attention, const ParallelSpec& parallel,
-              const ContextParallelOptions& options, const WholeProblem& problem, bool forward_only,
-              WholeResult& result);
+              const RunSettings& settings, const WholeProblem& problem, WholeResult& result);
 
 // After run_rank on every rank of a group whose ranks each hold their own result (separate processes): gives
 // every rank the whole outputs and every rank's tiles and timings. Its collectives are not in the reports.
@@ -45,7 +56,6 @@ void share_whole_result(Communicator& comm, const AttentionSpec& attention, cons
 
 // All ranks on an in-process group.
 WholeResult run_in_process(const AttentionSpec& attention, const ParallelSpec& parallel,
-                           const ContextParallelOptions& options, const WholeProblem& problem,
-                           bool forward_only);
+                           const RunSettings& settings, const WholeProblem& problem);
 
-}  // namespace cpattn
+}  // namespace cpattn::harness
