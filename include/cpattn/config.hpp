@@ -13,6 +13,8 @@
 namespace cpattn {
 
 enum class Strategy { all_gather, ulysses };
+// Every strategy, for the tests and the planner that cover them all.
+inline constexpr Strategy kAllStrategies[] = {Strategy::all_gather, Strategy::ulysses};
 // How the caller's sequence shards are laid out: contiguous (rank r holds [r*S/cp, (r+1)*S/cp)) or
 // dual_chunk_swap (2*cp chunks; rank r holds chunks r and 2*cp-1-r).
 enum class ShardLayout { contiguous, dual_chunk_swap };

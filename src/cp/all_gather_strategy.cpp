@@ -46,7 +46,7 @@ AttentionGradients ContextParallelAttention::Impl::all_gather_backward(const Ten
   Saved& s = *saved;
   const std::int64_t B = attention.batch;
   if (options.remat) {
-    CollectiveCounters::PhaseScope phase(comm.counters(), "remat");
+    CollectiveCounters::PhaseScope phase(group.counters(), "remat");
     s.k_full = cp::all_gather_sequence(comm, s.k, positions);
     s.v_full = cp::all_gather_sequence(comm, s.v, positions);
   }

@@ -10,7 +10,7 @@ namespace cpattn {
 
 ContextParallelAttention::Impl::Impl(const AttentionSpec& a, const ParallelSpec& p, Communicator& c,
                                      ContextParallelOptions o)
-    : attention(a), parallel(p), comm(c), options(o) {
+    : attention(a), parallel(p), group(c), comm(c), options(o) {
   validate(attention, parallel);
   if (comm.size() != parallel.cp) {
     throw Error(ErrorKind::invalid_config, "cp", std::to_string(parallel.cp),
@@ -111,15 +111,24 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
   check_inputs(q, k, v, seg);
   saved.reset();
   seg_local.assign(seg.begin(), seg.end());
-  CollectiveCounters::PhaseScope phase(comm.counters(), "forward");
-  return parallel.strategy == Strategy::ulysses ? ulysses_forward(q, k, v, forward_only)
-                                                : all_gather_forward(q, k, v, forward_only);
+  StrategySchedule schedule = strategy_schedule(attention, parallel, {options.remat, !seg.empty()});
+  CollectiveCounters::PhaseScope phase(group.counters(), "forward");
+  comm.expect(std::move(schedule.forward));
+  AttentionOutput out = parallel.strategy == Strategy::ulysses ? ulysses_forward(q, k, v, forward_only)
+                                                               : all_gather_forward(q, k, v, forward_only);
+  comm.finish();
+  backward_calls = std::move(schedule.backward);
+  return out;
 }
 
 AttentionGradients ContextParallelAttention::Impl::backward(const Tensor& d_out) {
   check_grad_input(d_out);
-  CollectiveCounters::PhaseScope phase(comm.counters(), "backward");
-  return parallel.strategy == Strategy::ulysses ? ulysses_backward(d_out) : all_gather_backward(d_out);
+  CollectiveCounters::PhaseScope phase(group.counters(), "backward");
+  comm.expect(backward_calls);
+  AttentionGradients grads =
+      parallel.strategy == Strategy::ulysses ? ulysses_backward(d_out) : all_gather_backward(d_out);
+  comm.finish();
+  return grads;
 }
 
 ContextParallelAttention::ContextParallelAttention(const AttentionSpec& attention,

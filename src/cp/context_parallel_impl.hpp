@@ -4,7 +4,9 @@
 #include <optional>
 
 #include "cpattn/context_parallel.hpp"
+#include "cpattn/schedule.hpp"
 #include "negative_control.hpp"
+#include "scheduled_comm.hpp"
 #include "sequence_collectives.hpp"
 
 namespace cpattn {
@@ -34,7 +36,9 @@ class ContextParallelAttention::Impl {
 
   AttentionSpec attention;
   ParallelSpec parallel;
-  Communicator& comm;
+  Communicator& group;             // the caller's communicator: phases are set on its counters
+  cp::ScheduledCommunicator comm;  // every collective goes through it, checked against the schedule
+  std::vector<ScheduledCollective> backward_calls;  // the schedule of the backward after this forward
   ContextParallelOptions options;
   NegativeControl negative_control = NegativeControl::none;
   std::int64_t cp = 1, rank = 0, local_seq = 0, hq = 0, hkv = 0;  // local heads (per tp rank)

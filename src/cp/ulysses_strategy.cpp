@@ -124,7 +124,7 @@ AttentionGradients ContextParallelAttention::Impl::ulysses_backward(const Tensor
   Tensor do_heads = cp::all_to_all_sequence_to_heads(comm, d_out);
   HeadSharded h;
   if (options.remat) {
-    CollectiveCounters::PhaseScope phase(comm.counters(), "remat");
+    CollectiveCounters::PhaseScope phase(group.counters(), "remat");
     h = to_heads(comm, s.q, s.k, s.v, order);
   }
   const Tensor& q = options.remat ? h.q : s.q;

@@ -6,6 +6,7 @@
 
 #include "cpattn/flash.hpp"
 #include "cpattn/placement.hpp"
+#include "cpattn/schedule.hpp"
 #include "cpattn/sequence_layout.hpp"
 #include "kernels/tile_classification.hpp"
 
@@ -77,42 +78,7 @@ std::int64_t count_tiles(const std::vector<std::int32_t>& q_positions,
 
 std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, const ParallelSpec& p, bool remat,
                                                     bool packed) {
-  const int cp = static_cast<int>(p.cp);
-  const std::int64_t B = a.batch, D = a.head_dim, sl = a.seq_len / p.cp;
-  const std::int64_t hq = a.num_q_heads / p.tp, hkv = a.num_kv_heads / p.tp;
-  const std::size_t E = dtype_size(a.dtype);
-  std::vector<CollectiveRecord> list;
-  if (p.strategy == Strategy::ulysses) {
-    const std::int64_t slots = hkv * kv_replication_factor(hkv, p.cp);
-    const std::int64_t q = B * sl * (hq / cp) * D, kv = B * sl * (slots / cp) * D;
-    add_call(list, CollectiveKind::all_to_all, "forward", q, E, cp);
-    add_call(list, CollectiveKind::all_to_all, "forward", kv, E, cp);
-    add_call(list, CollectiveKind::all_to_all, "forward", kv, E, cp);
-    if (packed) add_call(list, CollectiveKind::all_gather, "forward", B * sl, 4, cp);
-    add_call(list, CollectiveKind::all_to_all, "forward", q, E, cp);                   // O back
-    add_call(list, CollectiveKind::all_to_all, "forward", B * (hq / cp) * sl, 4, cp);  // LSE back
-    add_call(list, CollectiveKind::all_to_all, "backward", q, E, cp);                  // dO in
-    if (remat) {
-      add_call(list, CollectiveKind::all_to_all, "remat", q, E, cp);
-      add_call(list, CollectiveKind::all_to_all, "remat", kv, E, cp);
-      add_call(list, CollectiveKind::all_to_all, "remat", kv, E, cp);
-    }
-    add_call(list, CollectiveKind::all_to_all, "backward", q, E, cp);   // dQ back
-    add_call(list, CollectiveKind::all_to_all, "backward", kv, 4, cp);  // dK_rep back, fp32
-    add_call(list, CollectiveKind::all_to_all, "backward", kv, 4, cp);  // dV_rep back, fp32
-  } else {
-    const std::int64_t kv = B * sl * hkv * D;
-    add_call(list, CollectiveKind::all_gather, "forward", kv, E, cp);
-    add_call(list, CollectiveKind::all_gather, "forward", kv, E, cp);
-    if (packed) add_call(list, CollectiveKind::all_gather, "forward", B * sl, 4, cp);
-    if (remat) {
-      add_call(list, CollectiveKind::all_gather, "remat", kv, E, cp);
-      add_call(list, CollectiveKind::all_gather, "remat", kv, E, cp);
-    }
-    add_call(list, CollectiveKind::reduce_scatter, "backward", kv, 4, cp);
-    add_call(list, CollectiveKind::reduce_scatter, "backward", kv, 4, cp);
-  }
-  return list;
+  return scheduled_records(strategy_schedule(a, p, {remat, packed}), p.cp);
 }
 
 namespace {

@@ -1,0 +1,42 @@
+// Each strategy's collective schedule as data: which collective moves which tensor, with how many elements
+// per block, of which type, in which phase and order. The strategies run from it (every collective a strategy
+// issues is checked against the next scheduled one) and the planner predicts from it, so a strategy is
+// written once (docs/design.md, "Collective accounting").
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cpattn/collectives.hpp"
+#include "cpattn/config.hpp"
+
+namespace cpattn {
+
+struct ScheduledCollective {
+  CollectiveKind kind = CollectiveKind::all_to_all;
+  std::string phase;       // forward, remat, backward
+  std::string tensor;      // what moves: q, k, v, segment_ids, o, lse, d_out, dq, dk, dv
+  std::int64_t count = 0;  // elements per block, as the Communicator counts the call
+  CommDType dtype = CommDType::f32;
+  bool operator==(const ScheduledCollective&) const = default;
+};
+
+struct ScheduleOptions {
+  bool remat = false;   // backward re-gathers (all_gather) or re-exchanges (ulysses) its inputs
+  bool packed = false;  // segment ids travel too
+};
+
+// One attention layer's calls: those of a forward, and those of the backward after it (remat calls included),
+// each in issue order. Heads are those of one tp rank.
+struct StrategySchedule {
+  std::vector<ScheduledCollective> forward, backward;
+};
+StrategySchedule strategy_schedule(const AttentionSpec& attention, const ParallelSpec& parallel,
+                                   const ScheduleOptions& options);
+
+// The schedule's calls in the accounting of collectives.hpp, aggregated by (kind, phase) in issue order:
+// what a run's counters must show.
+std::vector<CollectiveRecord> scheduled_records(const StrategySchedule& schedule, std::int64_t cp);
+
+}  // namespace cpattn

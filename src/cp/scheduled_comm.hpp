@@ -1,0 +1,45 @@
+// The communicator a strategy runs on: it forwards every call to the group's communicator, after checking
+// that the call is the next one of the strategy's schedule (schedule.hpp) in kind, element count, type and
+// phase. A strategy that issues a call its schedule does not have (or skips one) fails with Error(internal),
+// so the schedule the planner predicts from is the one that runs.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "cpattn/comm.hpp"
+#include "cpattn/schedule.hpp"
+
+namespace cpattn::cp {
+
+class ScheduledCommunicator final : public Communicator {
+ public:
+  explicit ScheduledCommunicator(Communicator& group) : group_(group) {}
+
+  // The calls to expect from now on, in order; finish() checks that all of them were made.
+  void expect(std::vector<ScheduledCollective> calls);
+  void finish();
+
+  int rank() const override { return group_.rank(); }
+  int size() const override { return group_.size(); }
+  const char* backend() const override { return group_.backend(); }
+  void all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
+  void all_to_all_strided(const void* send, const BlockStrides& send_strides, void* recv,
+                          const BlockStrides& recv_strides, const BlockShape& shape,
+                          CommDType dtype) override;
+  void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
+  void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
+  void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
+                          const std::vector<int>& dest) override;
+  void barrier() override { group_.barrier(); }
+  void all_reduce(std::int64_t* values, int n, ReduceOp op) override { group_.all_reduce(values, n, op); }
+
+ private:
+  void check_next(CollectiveKind kind, std::int64_t count, CommDType dtype);
+
+  Communicator& group_;
+  std::vector<ScheduledCollective> calls_;
+  std::size_t next_ = 0;
+};
+
+}  // namespace cpattn::cp
