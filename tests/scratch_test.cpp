@@ -1,5 +1,6 @@
 // The kernels' internals that the flash tests cannot see from outside: the register-tile partition that the
-// forward's packed operands share with its loops, and the kept scratch blocks (kernels/flash_common.hpp).
+// forward's packed operands share with its loops, and the kept scratch blocks (kernels/packing.hpp,
+// kernels/scratch.hpp).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -7,7 +8,8 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/flash_common.hpp"
+#include "kernels/packing.hpp"
+#include "kernels/scratch.hpp"
 
 namespace cpattn::kernels {
 namespace {

@@ -5,7 +5,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
-#include "flash_common.hpp"
+#include "kernels/exp2_poly.hpp"
 
 namespace cpattn::kernels {
 

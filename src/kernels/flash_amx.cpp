@@ -1,5 +1,4 @@
-#include "flash_amx.hpp"
-#include "exp2_avx512.hpp"
+#include "kernels/flash_amx.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -7,8 +6,12 @@
 #include <limits>
 #include <mutex>
 
-#include "../core/parallel_for.hpp"
-#include "aligned_vector.hpp"
+#include "core/parallel_for.hpp"
+#include "kernels/aligned_vector.hpp"
+#include "kernels/block_grid.hpp"
+#include "kernels/exp2_avx512.hpp"
+#include "kernels/masking.hpp"
+#include "kernels/row_io.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define CPATTN_HAVE_AMX 1
@@ -325,6 +328,200 @@ void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const C
   });
 }
 
+namespace {
+
+// The backward's operands in the tile unit's layouts, packed once per call. q side, per (b, h, q block): Q
+// and dO as rows (left operands of S and dP) and as columns (left operands of dK^T and dV^T), [R32][D32] and
+// [D32][R32]. kv side, per (b, hk, kv block): K and V in pairs over d (right operands of S and dP), K in
+// pairs over tokens (right operand of dQ).
+struct AmxBackwardOperands {
+  std::vector<std::uint16_t> q_rows, do_rows, q_cols, do_cols;
+  std::vector<std::uint16_t> k_pairs_d, v_pairs_d, k_pairs_r;
+};
+
+// A worker's buffers, reused by its tasks.
+struct AmxBackwardWorkspace {
+  AlignedVector<float> s, dp, dkt, dvt, row;
+  AlignedVector<std::uint16_t> p_pairs, ds_pairs, ds_rows;
+  AlignedVector<double> sum_k, sum_v;  // dK^T, dV^T of one kv block: [D32][Bk]
+};
+
+// What every task of a call reads and writes.
+struct AmxBackwardCall {
+  const AttentionMask& mask;
+  const BlockGrid& grid;
+  const std::vector<float>& lse2;
+  const std::vector<float>& delta;
+  const TensorRef& dk;
+  const TensorRef& dv;
+  const AmxBackwardOperands& ops;
+  std::int64_t Sq, Skv, Hq, Hkv, D, G, Bk, D32, R32, q_blocks, kv_blocks, sq_padded, stripe, q_elems,
+      kv_elems;
+  double scale;
+  float factor;
+  bool segments;
+  std::vector<double>& head_dk;  // [B][Hq][stripe][D32][Bk] when G > 1
+  std::vector<double>& head_dv;
+  AlignedVector<float>& dq_acc;  // [B][Hq][q_blocks][R32][D32]
+  std::vector<std::int64_t>& task_tiles;
+  std::atomic<std::int64_t>& full;
+  std::atomic<std::int64_t>& partial;
+};
+
+AmxBackwardOperands pack_backward_operands(const ConstTensorRef& q, const ConstTensorRef& k,
+                                           const ConstTensorRef& v, const ConstTensorRef& d_out,
+                                           const BlockGrid& grid, std::int64_t q_blocks,
+                                           std::int64_t kv_blocks, std::int64_t R32, std::int64_t D32,
+                                           std::int64_t Bk, int threads) {
+  const std::int64_t B = q.shape.b, Hq = q.shape.h, Hkv = k.shape.h;
+  const std::int64_t q_elems = R32 * D32, kv_elems = Bk * D32;
+  AmxBackwardOperands ops;
+  ops.q_rows.assign(static_cast<std::size_t>(B * Hq * q_blocks * q_elems), 0);
+  ops.do_rows.assign(ops.q_rows.size(), 0);
+  ops.q_cols.assign(ops.q_rows.size(), 0);
+  ops.do_cols.assign(ops.q_rows.size(), 0);
+  parallel_for(B * Hq * q_blocks, threads, [&](std::int64_t task, int) {
+    const std::int64_t b = task / (Hq * q_blocks), h = (task / q_blocks) % Hq;
+    const BlockMeta& qb = grid.q[b][task % q_blocks];
+    const std::size_t at = static_cast<std::size_t>(task * q_elems);
+    pack_bf16(q, b, h, qb, R32, D32, Layout::rows, ops.q_rows.data() + at);
+    pack_bf16(d_out, b, h, qb, R32, D32, Layout::rows, ops.do_rows.data() + at);
+    pack_bf16(q, b, h, qb, R32, D32, Layout::columns, ops.q_cols.data() + at);
+    pack_bf16(d_out, b, h, qb, R32, D32, Layout::columns, ops.do_cols.data() + at);
+  });
+  ops.k_pairs_d.assign(static_cast<std::size_t>(B * Hkv * kv_blocks * kv_elems), 0);
+  ops.v_pairs_d.assign(ops.k_pairs_d.size(), 0);
+  ops.k_pairs_r.assign(ops.k_pairs_d.size(), 0);
+  parallel_for(B * Hkv * kv_blocks, threads, [&](std::int64_t task, int) {
+    const std::int64_t b = task / (Hkv * kv_blocks), hk = (task / kv_blocks) % Hkv;
+    const BlockMeta& kb = grid.kv[b][task % kv_blocks];
+    const std::size_t at = static_cast<std::size_t>(task * kv_elems);
+    pack_bf16(k, b, hk, kb, Bk, D32, Layout::pairs_over_d, ops.k_pairs_d.data() + at);
+    pack_bf16(v, b, hk, kb, Bk, D32, Layout::pairs_over_d, ops.v_pairs_d.data() + at);
+    pack_bf16(k, b, hk, kb, Bk, D32, Layout::pairs_over_r, ops.k_pairs_r.data() + at);
+  });
+  return ops;
+}
+
+// One tile of (b, h, q block qi) against the kv block at kv_at: S = Q K^T and dP = dO V^T, P and dS, then
+// dV^T = dO^T P and dK^T = Q^T dS into the kv block's fp64 sums and dQ += dS K.
+void amx_backward_tile(const AmxBackwardCall& call, AmxBackwardWorkspace& w, std::int64_t b, std::int64_t h,
+                       std::int64_t qi, const BlockMeta& kb, std::size_t kv_at, TileKind kind) {
+  const std::int64_t Bk = call.Bk, D32 = call.D32, R32 = call.R32;
+  const AmxBackwardOperands& ops = call.ops;
+  const BlockMeta& qb = call.grid.q[b][qi];
+  const std::size_t q_at = static_cast<std::size_t>(((b * call.Hq + h) * call.q_blocks + qi) * call.q_elems);
+  const std::int64_t row0 = (b * call.Hq + h) * call.sq_padded + qb.begin;
+  // S = Q K^T, dP = dO V^T: [R32][Bk]
+  tile_product(ops.q_rows.data() + q_at, D32, ops.k_pairs_d.data() + kv_at, Bk, R32, Bk, D32, w.s.data(), Bk,
+               false);
+  tile_product(ops.do_rows.data() + q_at, D32, ops.v_pairs_d.data() + kv_at, Bk, R32, Bk, D32, w.dp.data(),
+               Bk, false);
+  // Rows past the block's length are zero rows of Q and dO; their P and dS are set to 0 here (their lse2
+  // would be another block's).
+  const std::int64_t live = qb.length;
+  probabilities_and_ds_rows(w.s.data(), w.dp.data(), live, Bk, call.factor, call.lse2.data() + row0,
+                            call.delta.data() + row0);
+  std::fill(w.s.begin() + live * Bk, w.s.end(), 0.0f);
+  std::fill(w.dp.begin() + live * Bk, w.dp.end(), 0.0f);
+  if (kind == TileKind::partial) {
+    apply_mask(w.s.data(), R32, Bk, Bk, 1, qb, kb, b, call.mask, call.Sq, call.Skv, 0.0f);
+    apply_mask(w.dp.data(), R32, Bk, Bk, 1, qb, kb, b, call.mask, call.Sq, call.Skv, 0.0f);
+  }
+  to_bf16_pairs(w.s.data(), R32, Bk, w.p_pairs.data(), nullptr);
+  to_bf16_pairs(w.dp.data(), R32, Bk, w.ds_pairs.data(), w.ds_rows.data());
+  // dV^T = dO^T P, dK^T = Q^T dS: [D32][Bk], summed over q blocks in fp64
+  tile_product(ops.do_cols.data() + q_at, R32, w.p_pairs.data(), Bk, D32, Bk, R32, w.dvt.data(), Bk, false);
+  tile_product(ops.q_cols.data() + q_at, R32, w.ds_pairs.data(), Bk, D32, Bk, R32, w.dkt.data(), Bk, false);
+  for (std::int64_t i = 0; i < call.kv_elems; ++i) {
+    w.sum_k[i] += w.dkt[i];
+    w.sum_v[i] += w.dvt[i];
+  }
+  // dQ += dS K: [R32][D32], continuing each row's sum over the kv blocks in order
+  tile_product(w.ds_rows.data(), Bk, ops.k_pairs_r.data() + kv_at, D32, R32, D32, Bk,
+               call.dq_acc.data() + q_at, D32, true);
+}
+
+// [D32][Bk] sums -> rows of dK (times scale) and dV.
+void store_kv_rows(const AmxBackwardCall& call, AmxBackwardWorkspace& w, std::int64_t b, std::int64_t hk,
+                   const BlockMeta& kb) {
+  const std::int64_t Bk = call.Bk, D32 = call.D32;
+  w.row.resize(static_cast<std::size_t>(2 * D32));
+  for (std::int64_t j = 0; j < kb.length; ++j) {
+    for (std::int64_t d = 0; d < call.D; ++d) {
+      w.row[d] = static_cast<float>(w.sum_k[d * Bk + j] * call.scale);
+      w.row[D32 + d] = static_cast<float>(w.sum_v[d * Bk + j]);
+    }
+    store_row(call.dk, b, kb.begin + j, hk, w.row.data(), 1.0f);
+    store_row(call.dv, b, kb.begin + j, hk, w.row.data() + D32, 1.0f);
+  }
+}
+
+// Task `task` of the stripe [s0, s1): one q head's tiles, each kv block against the q blocks in order, its
+// dK^T and dV^T summed in fp64 and then stored (G = 1) or left as the head's partial.
+void amx_backward_head(const AmxBackwardCall& call, std::int64_t task, std::int64_t s0, std::int64_t s1,
+                       AmxBackwardWorkspace& w) {
+  const std::int64_t b = task / call.Hq, h = task % call.Hq, hk = h / call.G;
+  w.s.resize(static_cast<std::size_t>(call.R32 * call.Bk));
+  w.dp.resize(w.s.size());
+  w.dkt.resize(static_cast<std::size_t>(call.kv_elems));
+  w.dvt.resize(w.dkt.size());
+  w.p_pairs.resize(w.s.size());
+  w.ds_pairs.resize(w.s.size());
+  w.ds_rows.resize(w.s.size());
+  load_tile_config();
+  std::int64_t computed = 0, computed_full = 0;
+  for (std::int64_t kvi = s0; kvi < s1; ++kvi) {
+    const BlockMeta& kb = call.grid.kv[b][kvi];
+    const std::size_t kv_at =
+        static_cast<std::size_t>(((b * call.Hkv + hk) * call.kv_blocks + kvi) * call.kv_elems);
+    w.sum_k.assign(static_cast<std::size_t>(call.kv_elems), 0.0);
+    w.sum_v.assign(static_cast<std::size_t>(call.kv_elems), 0.0);
+    for (std::int64_t qi = 0; qi < call.q_blocks; ++qi) {
+      const TileKind kind = classify_tile(call.grid.q[b][qi], kb, call.mask.causal, call.segments, call.Bk);
+      if (kind == TileKind::empty) continue;
+      ++computed;
+      computed_full += kind == TileKind::full;
+      amx_backward_tile(call, w, b, h, qi, kb, kv_at, kind);
+    }
+    if (call.G > 1) {
+      const std::size_t at = static_cast<std::size_t>((task * call.stripe + (kvi - s0)) * call.kv_elems);
+      std::copy(w.sum_k.begin(), w.sum_k.end(), call.head_dk.begin() + at);
+      std::copy(w.sum_v.begin(), w.sum_v.end(), call.head_dv.begin() + at);
+    } else {
+      store_kv_rows(call, w, b, hk, kb);
+    }
+  }
+  release_tiles();
+  call.task_tiles[task] += computed;
+  call.full += computed_full;
+  call.partial += computed - computed_full;
+}
+
+// dK, dV of the stripe [s0, s1)'s kv blocks = the group's per-head partials, added in head order.
+void sum_amx_partials(const AmxBackwardCall& call, std::vector<AmxBackwardWorkspace>& spaces,
+                      std::int64_t batch, std::int64_t s0, std::int64_t s1, int threads) {
+  const std::int64_t Hkv = call.Hkv, kv_elems = call.kv_elems;
+  parallel_for(batch * Hkv * (s1 - s0), threads, [&](std::int64_t task, int worker) {
+    const std::int64_t b = task / (Hkv * (s1 - s0)), hk = (task / (s1 - s0)) % Hkv,
+                       kvi = s0 + task % (s1 - s0);
+    AmxBackwardWorkspace& w = spaces[worker];
+    w.sum_k.assign(static_cast<std::size_t>(kv_elems), 0.0);
+    w.sum_v.assign(static_cast<std::size_t>(kv_elems), 0.0);
+    for (std::int64_t g = 0; g < call.G; ++g) {  // the group's heads in order
+      const std::size_t at =
+          static_cast<std::size_t>(((b * call.Hq + hk * call.G + g) * call.stripe + (kvi - s0)) * kv_elems);
+      for (std::int64_t i = 0; i < kv_elems; ++i) {
+        w.sum_k[i] += call.head_dk[at + i];
+        w.sum_v[i] += call.head_dv[at + i];
+      }
+    }
+    store_kv_rows(call, w, b, hk, call.grid.kv[b][kvi]);
+  });
+}
+
+}  // namespace
+
 void flash_backward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
                         const ConstTensorRef& d_out, const AttentionMask& mask, double scale,
                         const FlashConfig& config, const BlockGrid& grid, const std::vector<float>& lse2,
@@ -337,35 +534,9 @@ void flash_backward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const 
   const std::int64_t D32 = round_up(D, kTileDepth);
   const std::int64_t R32 = round_up(Bq, kGroupRows);  // q rows of a tile, padded to whole 2x2 groups
   const std::int64_t q_blocks = (Sq + Bq - 1) / Bq, kv_blocks = (Skv + Bk - 1) / Bk;
-  const std::int64_t sq_padded = q_blocks * Bq;
-  const float factor = static_cast<float>(scale * 1.4426950408889634);
-  const bool segments = mask.has_segments();
-
-  // q side, per (b, h, q block): Q and dO as rows (left operands of S and dP) and as columns (left operands
-  // of dK^T and dV^T). kv side, per (b, hk, kv block): K and V in pairs over d (right operands of S and dP),
-  // K in pairs over tokens (right operand of dQ).
   const std::int64_t q_elems = R32 * D32, kv_elems = Bk * D32;
-  std::vector<std::uint16_t> q_rows(static_cast<std::size_t>(B * Hq * q_blocks * q_elems), 0);
-  std::vector<std::uint16_t> do_rows(q_rows.size(), 0), q_cols(q_rows.size(), 0), do_cols(q_rows.size(), 0);
-  parallel_for(B * Hq * q_blocks, config.threads, [&](std::int64_t task, int) {
-    const std::int64_t b = task / (Hq * q_blocks), h = (task / q_blocks) % Hq;
-    const BlockMeta& qb = grid.q[b][task % q_blocks];
-    const std::size_t at = static_cast<std::size_t>(task * q_elems);
-    pack_bf16(q, b, h, qb, R32, D32, Layout::rows, q_rows.data() + at);
-    pack_bf16(d_out, b, h, qb, R32, D32, Layout::rows, do_rows.data() + at);
-    pack_bf16(q, b, h, qb, R32, D32, Layout::columns, q_cols.data() + at);
-    pack_bf16(d_out, b, h, qb, R32, D32, Layout::columns, do_cols.data() + at);
-  });
-  std::vector<std::uint16_t> k_pairs_d(static_cast<std::size_t>(B * Hkv * kv_blocks * kv_elems), 0);
-  std::vector<std::uint16_t> v_pairs_d(k_pairs_d.size(), 0), k_pairs_r(k_pairs_d.size(), 0);
-  parallel_for(B * Hkv * kv_blocks, config.threads, [&](std::int64_t task, int) {
-    const std::int64_t b = task / (Hkv * kv_blocks), hk = (task / kv_blocks) % Hkv;
-    const BlockMeta& kb = grid.kv[b][task % kv_blocks];
-    const std::size_t at = static_cast<std::size_t>(task * kv_elems);
-    pack_bf16(k, b, hk, kb, Bk, D32, Layout::pairs_over_d, k_pairs_d.data() + at);
-    pack_bf16(v, b, hk, kb, Bk, D32, Layout::pairs_over_d, v_pairs_d.data() + at);
-    pack_bf16(k, b, hk, kb, Bk, D32, Layout::pairs_over_r, k_pairs_r.data() + at);
-  });
+  const AmxBackwardOperands ops =
+      pack_backward_operands(q, k, v, d_out, grid, q_blocks, kv_blocks, R32, D32, Bk, config.threads);
 
   // As the vector path: stripes of kv blocks keep the per-q-head fp64 partials of dK^T, dV^T ([D32][Bk] per
   // kv block) under the budget; dQ accumulates in fp32 over every stripe.
@@ -376,112 +547,44 @@ void flash_backward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const 
     head_dv.assign(head_dk.size(), 0.0);
   }
   AlignedVector<float> dq_acc(static_cast<std::size_t>(B * Hq * q_blocks * q_elems), 0.0f);
-  struct Workspace {
-    AlignedVector<float> s, dp, dkt, dvt, row;
-    AlignedVector<std::uint16_t> p_pairs, ds_pairs, ds_rows;
-    AlignedVector<double> sum_k, sum_v;  // dK^T, dV^T of one kv block: [D32][Bk]
-  };
-  std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
-  auto store_kv_rows = [&](Workspace& w, const double* sum_k, const double* sum_v, std::int64_t b,
-                           std::int64_t hk, const BlockMeta& kb) {  // [D32][Bk] sums -> rows of dK, dV
-    w.row.resize(static_cast<std::size_t>(2 * D32));
-    for (std::int64_t j = 0; j < kb.length; ++j) {
-      for (std::int64_t d = 0; d < D; ++d) {
-        w.row[d] = static_cast<float>(sum_k[d * Bk + j] * scale);
-        w.row[D32 + d] = static_cast<float>(sum_v[d * Bk + j]);
-      }
-      store_row(dk, b, kb.begin + j, hk, w.row.data(), 1.0f);
-      store_row(dv, b, kb.begin + j, hk, w.row.data() + D32, 1.0f);
-    }
-  };
+  const AmxBackwardCall call{.mask = mask,
+                             .grid = grid,
+                             .lse2 = lse2,
+                             .delta = delta,
+                             .dk = dk,
+                             .dv = dv,
+                             .ops = ops,
+                             .Sq = Sq,
+                             .Skv = Skv,
+                             .Hq = Hq,
+                             .Hkv = Hkv,
+                             .D = D,
+                             .G = G,
+                             .Bk = Bk,
+                             .D32 = D32,
+                             .R32 = R32,
+                             .q_blocks = q_blocks,
+                             .kv_blocks = kv_blocks,
+                             .sq_padded = q_blocks * Bq,
+                             .stripe = stripe,
+                             .q_elems = q_elems,
+                             .kv_elems = kv_elems,
+                             .scale = scale,
+                             .factor = static_cast<float>(scale * 1.4426950408889634),
+                             .segments = mask.has_segments(),
+                             .head_dk = head_dk,
+                             .head_dv = head_dv,
+                             .dq_acc = dq_acc,
+                             .task_tiles = task_tiles,
+                             .full = full,
+                             .partial = partial};
+  std::vector<AmxBackwardWorkspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
   for (std::int64_t s0 = 0; s0 < kv_blocks; s0 += stripe) {
     const std::int64_t s1 = std::min(kv_blocks, s0 + stripe);
     parallel_for(B * Hq, config.threads, [&](std::int64_t task, int worker) {
-      const std::int64_t b = task / Hq, h = task % Hq, hk = h / G;
-      Workspace& w = spaces[worker];
-      w.s.resize(static_cast<std::size_t>(R32 * Bk));
-      w.dp.resize(w.s.size());
-      w.dkt.resize(static_cast<std::size_t>(kv_elems));
-      w.dvt.resize(w.dkt.size());
-      w.p_pairs.resize(w.s.size());
-      w.ds_pairs.resize(w.s.size());
-      w.ds_rows.resize(w.s.size());
-      load_tile_config();
-      std::int64_t computed = 0, computed_full = 0;
-      for (std::int64_t kvi = s0; kvi < s1; ++kvi) {
-        const BlockMeta& kb = grid.kv[b][kvi];
-        const std::size_t kv_at = static_cast<std::size_t>(((b * Hkv + hk) * kv_blocks + kvi) * kv_elems);
-        w.sum_k.assign(static_cast<std::size_t>(kv_elems), 0.0);
-        w.sum_v.assign(static_cast<std::size_t>(kv_elems), 0.0);
-        for (std::int64_t qi = 0; qi < q_blocks; ++qi) {
-          const BlockMeta& qb = grid.q[b][qi];
-          const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
-          if (kind == TileKind::empty) continue;
-          ++computed;
-          computed_full += kind == TileKind::full;
-          const std::size_t q_at = static_cast<std::size_t>(((b * Hq + h) * q_blocks + qi) * q_elems);
-          const std::int64_t row0 = (b * Hq + h) * sq_padded + qb.begin;
-          // S = Q K^T, dP = dO V^T: [R32][Bk]
-          tile_product(q_rows.data() + q_at, D32, k_pairs_d.data() + kv_at, Bk, R32, Bk, D32, w.s.data(), Bk,
-                       false);
-          tile_product(do_rows.data() + q_at, D32, v_pairs_d.data() + kv_at, Bk, R32, Bk, D32, w.dp.data(),
-                       Bk, false);
-          // Rows past the block's length are zero rows of Q and dO; their P and dS are set to 0 here (their
-          // lse2 would be another block's).
-          const std::int64_t live = qb.length;
-          probabilities_and_ds_rows(w.s.data(), w.dp.data(), live, Bk, factor, lse2.data() + row0,
-                                    delta.data() + row0);
-          std::fill(w.s.begin() + live * Bk, w.s.end(), 0.0f);
-          std::fill(w.dp.begin() + live * Bk, w.dp.end(), 0.0f);
-          if (kind == TileKind::partial) {
-            apply_mask(w.s.data(), R32, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, 0.0f);
-            apply_mask(w.dp.data(), R32, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, 0.0f);
-          }
-          to_bf16_pairs(w.s.data(), R32, Bk, w.p_pairs.data(), nullptr);
-          to_bf16_pairs(w.dp.data(), R32, Bk, w.ds_pairs.data(), w.ds_rows.data());
-          // dV^T = dO^T P, dK^T = Q^T dS: [D32][Bk], summed over q blocks in fp64
-          tile_product(do_cols.data() + q_at, R32, w.p_pairs.data(), Bk, D32, Bk, R32, w.dvt.data(), Bk,
-                       false);
-          tile_product(q_cols.data() + q_at, R32, w.ds_pairs.data(), Bk, D32, Bk, R32, w.dkt.data(), Bk,
-                       false);
-          for (std::int64_t i = 0; i < kv_elems; ++i) {
-            w.sum_k[i] += w.dkt[i];
-            w.sum_v[i] += w.dvt[i];
-          }
-          // dQ += dS K: [R32][D32], continuing each row's sum over the kv blocks in order
-          tile_product(w.ds_rows.data(), Bk, k_pairs_r.data() + kv_at, D32, R32, D32, Bk,
-                       dq_acc.data() + q_at, D32, true);
-        }
-        if (G > 1) {
-          const std::size_t at = static_cast<std::size_t>((task * stripe + (kvi - s0)) * kv_elems);
-          std::copy(w.sum_k.begin(), w.sum_k.end(), head_dk.begin() + at);
-          std::copy(w.sum_v.begin(), w.sum_v.end(), head_dv.begin() + at);
-        } else {
-          store_kv_rows(w, w.sum_k.data(), w.sum_v.data(), b, hk, kb);
-        }
-      }
-      release_tiles();
-      task_tiles[task] += computed;
-      full += computed_full;
-      partial += computed - computed_full;
+      amx_backward_head(call, task, s0, s1, spaces[worker]);
     });
-    if (G == 1) continue;
-    parallel_for(B * Hkv * (s1 - s0), config.threads, [&](std::int64_t task, int worker) {
-      const std::int64_t b = task / (Hkv * (s1 - s0)), hk = (task / (s1 - s0)) % Hkv,
-                         kvi = s0 + task % (s1 - s0);
-      Workspace& w = spaces[worker];
-      w.sum_k.assign(static_cast<std::size_t>(kv_elems), 0.0);
-      w.sum_v.assign(static_cast<std::size_t>(kv_elems), 0.0);
-      for (std::int64_t g = 0; g < G; ++g) {  // the group's heads in order
-        const std::size_t at =
-            static_cast<std::size_t>(((b * Hq + hk * G + g) * stripe + (kvi - s0)) * kv_elems);
-        for (std::int64_t i = 0; i < kv_elems; ++i) {
-          w.sum_k[i] += head_dk[at + i];
-          w.sum_v[i] += head_dv[at + i];
-        }
-      }
-      store_kv_rows(w, w.sum_k.data(), w.sum_v.data(), b, hk, grid.kv[b][kvi]);
-    });
+    if (G > 1) sum_amx_partials(call, spaces, B, s0, s1, config.threads);
   }
   parallel_for(B * Hq * q_blocks, config.threads, [&](std::int64_t task, int) {
     const std::int64_t b = task / (Hq * q_blocks), h = (task / q_blocks) % Hq;
@@ -516,3 +619,9 @@ void flash_backward_amx(const ConstTensorRef&, const ConstTensorRef&, const Cons
 #endif
 
 }  // namespace cpattn::kernels
+
+namespace cpattn {
+bool flash_uses_amx(DType dtype, const FlashConfig& config) {
+  return dtype == DType::bf16 && config.allow_amx && kernels::amx_bf16_usable();
+}
+}  // namespace cpattn

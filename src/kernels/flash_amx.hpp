@@ -13,7 +13,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "flash_common.hpp"
+#include "cpattn/flash.hpp"
+#include "kernels/block_grid.hpp"
 
 namespace cpattn::kernels {
 

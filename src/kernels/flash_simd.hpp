@@ -20,8 +20,11 @@
 #include <limits>
 #include <type_traits>
 
-#include "exp2_avx512.hpp"
-#include "flash_common.hpp"
+#include "kernels/block_grid.hpp"
+#include "kernels/exp2_avx512.hpp"
+#include "kernels/exp2_poly.hpp"
+#include "kernels/packing.hpp"
+#include "kernels/prefetch.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace cpattn::kernels::HWY_NAMESPACE {
@@ -228,7 +231,7 @@ HWY_INLINE void scale_axpy_tile_adjacent(const float* HWY_RESTRICT scale, const 
 }
 
 // Calls tile(R, r) for the register tiles of rows [0, rows) (a multiple of 2) in order: R = RMax while it
-// fits, then 8, 4 and 2 for the rest, as row_tile_size says (flash_common.hpp; the forward's packed operands
+// fits, then 8, 4 and 2 for the rest, as row_tile_size says (packing.hpp; the forward's packed operands
 // follow the same partition). RMax x C vectors is the register tile: 6 x 4, 8 x 3 or 12 x 2 leave room for
 // their operands (24 accumulators + C loads + 1 broadcast of 32 zmm registers).
 template <int RMax, class Tile>

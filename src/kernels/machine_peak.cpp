@@ -1,7 +1,7 @@
 #include "kernels/machine_peak.hpp"
 
-#include "aligned_vector.hpp"
-#include "flash_common.hpp"
+#include "kernels/aligned_vector.hpp"
+#include "kernels/simd_target.hpp"
 
 #include <algorithm>
 #include <array>
@@ -29,7 +29,7 @@ constexpr int kTries = 5;
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 #include <hwy/highway.h>
 
-#include "flash_simd.hpp"
+#include "kernels/flash_simd.hpp"
 
 HWY_BEFORE_NAMESPACE();
 namespace cpattn::peak::HWY_NAMESPACE {
