@@ -1,11 +1,14 @@
 // One body of collective tests for every backend (nccl-tests style): inputs are built so the exact answer is
-// known (element = rank * 1000 + index), and each case returns the number of wrong elements.
+// known (element = rank * 2^20 + index: unique for every (rank, index) the cases use, and exact in fp32), and
+// each case returns the number of wrong elements.
 #pragma once
 
 #include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "cpattn/bf16.hpp"
@@ -13,8 +16,14 @@
 
 namespace cpattn::testing {
 
+// Unique while index < 2^20 and rank < 16 (then below 2^24, where every integer is a float).
+inline constexpr std::int64_t kIndexLimit = std::int64_t{1} << 20;
 inline float value_of(int rank, std::int64_t index) {
-  return static_cast<float>(rank * 1000 + index);
+  if (index < 0 || index >= kIndexLimit || rank < 0 || rank >= 16) {
+    throw std::logic_error("value_of(" + std::to_string(rank) + ", " + std::to_string(index) +
+                           "): outside the range where values are unique and exact");
+  }
+  return static_cast<float>(rank * kIndexLimit + index);
 }
 
 inline std::int64_t wrong_all_to_all(Communicator& c, std::int64_t count) {

@@ -149,7 +149,7 @@ TEST(ContextParallel, WithOneKvHeadTheTiledOrderIsTheSame) {
             0);
 }
 
-// ---- The accounting: what the communicator counted is DESIGN.md's table. ----
+// ---- The accounting: what the communicator counted is docs/design.md's table. ----
 
 std::int64_t sum_bytes(const std::vector<CollectiveRecord>& recs, CollectiveKind kind,
                        const std::string& phase, std::int64_t* count = nullptr,

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <stdexcept>
 
 #include "collective_cases.hpp"
@@ -18,6 +19,94 @@ TEST(InProcessGroup, CollectivesAreExactOnEveryRank) {
     group.run([&](Communicator& c) { wrong[c.rank()] = testing::wrong_in_all_cases(c); });
     for (int r = 0; r < n; ++r) EXPECT_EQ(wrong[r], 0) << "cp " << n << " rank " << r;
   }
+}
+
+// A deliberately broken communicator over a working one, to show that the collective cases can fail.
+enum class Breakage { own_send_buffer, swapped_blocks, one_byte_off };
+
+class BrokenCommunicator final : public Communicator {
+ public:
+  BrokenCommunicator(Communicator& inner, Breakage how) : inner_(inner), how_(how) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  const char* backend() const override { return "broken"; }
+  void all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
+    inner_.all_to_all(send, recv, count, dtype);
+    if (how_ == Breakage::own_send_buffer) {
+      std::memcpy(recv, send, bytes(count * size(), dtype));  // every block as this rank sent it
+    }
+    damage(recv, count, size(), dtype);
+  }
+  void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
+    inner_.all_gather(send, recv, count, dtype);
+    damage(recv, count, size(), dtype);
+  }
+  void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
+    inner_.reduce_scatter_sum(send, recv, count, dtype);
+    damage(recv, count, 1, dtype);
+  }
+  void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
+                          const std::vector<int>& dest) override {
+    inner_.collective_permute(send, recv, count, dtype, dest);
+    damage(recv, count, 1, dtype);
+  }
+  void barrier() override { inner_.barrier(); }
+  void all_reduce(std::int64_t* values, int n, ReduceOp op) override { inner_.all_reduce(values, n, op); }
+
+ private:
+  static std::size_t bytes(std::int64_t elements, CommDType dtype) {
+    return static_cast<std::size_t>(elements) * comm_dtype_size(dtype);
+  }
+  // swapped_blocks: blocks 0 and 1 of a rank-major buffer trade places; one_byte_off: one bit of the middle
+  // byte flips.
+  void damage(void* recv, std::int64_t count, int blocks, CommDType dtype) const {
+    auto* p = static_cast<unsigned char*>(recv);
+    const std::size_t block = bytes(count, dtype);
+    if (how_ == Breakage::swapped_blocks && blocks > 1) {
+      std::vector<unsigned char> first(p, p + block);
+      std::memcpy(p, p + block, block);
+      std::memcpy(p + block, first.data(), block);
+    } else if (how_ == Breakage::one_byte_off && block > 0) {
+      p[block * static_cast<std::size_t>(blocks) / 2] ^= 1;
+    }
+  }
+  Communicator& inner_;
+  Breakage how_;
+};
+
+TEST(InProcessGroup, TheCollectiveCasesCountWhatABrokenCommunicatorGetsWrong) {
+  InProcessGroup group(4);
+  // An all_to_all that hands back its own send buffer: at count 1000 the values rank * 1000 + index, used
+  // before, made it look right.
+  std::vector<std::int64_t> own(4, -1), swapped(4 * 3, -1), off(4 * 6, -1);
+  group.run([&](Communicator& c) {
+    BrokenCommunicator b(c, Breakage::own_send_buffer);
+    own[c.rank()] = testing::wrong_all_to_all(b, 1000);
+  });
+  group.run([&](Communicator& c) {
+    BrokenCommunicator b(c, Breakage::swapped_blocks);
+    const int r = c.rank();
+    swapped[3 * r] = testing::wrong_all_to_all(b, 7);
+    swapped[3 * r + 1] = testing::wrong_all_gather(b, 7);
+    swapped[3 * r + 2] = testing::wrong_all_to_all_strided(b, 2, 3, 5, 3);
+  });
+  group.run([&](Communicator& c) {
+    BrokenCommunicator b(c, Breakage::one_byte_off);
+    const int r = c.rank();
+    off[6 * r] = testing::wrong_all_to_all(b, 7);
+    off[6 * r + 1] = testing::wrong_all_gather(b, 7);
+    off[6 * r + 2] = testing::wrong_reduce_scatter(b, 7, CommDType::f32);
+    off[6 * r + 3] = testing::wrong_reduce_scatter_order(b, 7, CommDType::bf16);
+    off[6 * r + 4] = testing::wrong_permute(b, 7, 1);
+    off[6 * r + 5] = testing::wrong_in_all_cases(b);
+  });
+  for (int r = 0; r < 4; ++r) {
+    // Every block but the rank's own is wrong: 3 of 4 blocks of 1000.
+    EXPECT_EQ(own[r], 3000) << "rank " << r;
+  }
+  for (std::size_t i = 0; i < swapped.size(); ++i)
+    EXPECT_GT(swapped[i], 0) << "swapped blocks, case " << i % 3;
+  for (std::size_t i = 0; i < off.size(); ++i) EXPECT_GT(off[i], 0) << "one byte off, case " << i % 6;
 }
 
 TEST(InProcessGroup, CountersFollowTheAccounting) {

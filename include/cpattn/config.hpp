@@ -1,5 +1,5 @@
 // What a user asks for: the attention problem (AttentionSpec) and how it is split over ranks (ParallelSpec),
-// and the rules that say whether the pair can run (validate). Every rule is in DESIGN.md "Validation".
+// and the rules that say whether the pair can run (validate). Every rule is in docs/design.md, "Validation".
 #pragma once
 
 #include <cstdint>

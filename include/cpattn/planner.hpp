@@ -56,7 +56,7 @@ struct StrategyPlan {
   bool load_balance = false;
   bool possible = true;
   std::vector<ErrorItem> why_not;  // the validation errors when not possible
-  // One attention layer, in DESIGN.md's accounting (what ContextParallelAttention issues).
+  // One attention layer, in the accounting of collectives.hpp (the strategy's schedule).
   std::vector<CollectiveRecord> collectives;
   // The reorder permutes around one attention layer (load balance with contiguous-order neighbours).
   std::vector<CollectiveRecord> reorder;

@@ -15,8 +15,8 @@ AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor&
   std::vector<std::int32_t> seg_full;
   if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, B, positions);
 
-  const auto q_pos =
-      positions_as_int32(cpattn::local_positions(parallel.effective_layout(), attention.seq_len, cp, rank), B);
+  const auto q_pos = positions_as_int32(
+      cpattn::local_positions(parallel.effective_layout(), attention.seq_len, cp, rank), B);
   const auto kv_pos = natural_positions(B, attention.seq_len);
   AttentionOutput out;
   out.o = Tensor(attention.dtype, q.shape());
@@ -50,8 +50,8 @@ AttentionGradients ContextParallelAttention::Impl::all_gather_backward(const Ten
     s.k_full = cp::all_gather_sequence(comm, s.k, positions);
     s.v_full = cp::all_gather_sequence(comm, s.v, positions);
   }
-  const auto q_pos =
-      positions_as_int32(cpattn::local_positions(parallel.effective_layout(), attention.seq_len, cp, rank), B);
+  const auto q_pos = positions_as_int32(
+      cpattn::local_positions(parallel.effective_layout(), attention.seq_len, cp, rank), B);
   const auto kv_pos = natural_positions(B, attention.seq_len);
   AttentionGradients g;
   g.dq = Tensor(attention.dtype, s.q.shape());
