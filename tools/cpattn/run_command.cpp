@@ -145,48 +145,16 @@ WholeResult execute(const std::string& backend, const AttentionSpec& a, const Pa
 #endif
 }
 
-int run(const CLI::App& app, RunOptions& opt) {
-  ConfigValues values = opt.problem.resolve(app);
-  WholeProblem problem;
-  if (!opt.load_dir.empty()) problem = load_problem(opt.load_dir, values);
-  Specs specs;
-  const auto errors = all_config_errors(values, specs);
-  if (!errors.empty()) {
-    if (opt.json) std::cout << "{\"ok\": false, \"errors\": " << errors_to_json(errors) << "}\n";
-    print_errors(errors);
-    return 2;
-  }
-#ifdef CPATTN_WITH_MPI
-  const char* backends = "inproc or mpi";
-#else
-  const char* backends = "inproc (this build has no MPI)";
-#endif
-  if (opt.backend != "inproc" && !(opt.backend == "mpi" && std::string(backends) == "inproc or mpi")) {
-    bad_input("--backend", opt.backend,
-              "--backend '" + opt.backend + "' is not available; valid: " + backends);
-  }
-  const AttentionSpec& a = specs.attention;
-  const ParallelSpec& p = specs.parallel;
-  if (p.tp != 1)
-    bad_input("--tp", std::to_string(p.tp), "cpattn run simulates one tensor-parallel group; use --tp 1");
-  // Inputs Q, K, V, dO and outputs O, dQ, dK, dV, before the ranks' own copies and the check's.
-  require_memory_for(a, 8, "cpattn run");
-  if (opt.load_dir.empty()) problem = harness::random_problem(a, opt.seed);
-  if (!opt.segments.empty()) {
-    const auto lengths = parse_segments(opt.segments, a.seq_len);
-    problem.segment_ids = segment_ids_from_lengths(a.batch, lengths);
-  }
-  harness::RunSettings settings;
-  settings.options.remat = opt.remat;
-  settings.options.threads = opt.threads;
-  settings.forward_only = opt.forward_only;
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads_per_rank = opt.threads > 0 ? opt.threads : std::max(1, cores / static_cast<int>(p.cp));
+// "1e-6" for 1e-6, "2e-2" for 2e-2: a tolerance as it is written in the docs.
+std::string tolerance_text(double x) {
+  const int exponent = static_cast<int>(std::floor(std::log10(x) + 1e-9));
+  const long mantissa = std::lround(x / std::pow(10.0, exponent));
+  return std::to_string(mantissa) + "e" + std::to_string(exponent);
+}
 
-  int my_rank = 0;
-  const WholeResult result = execute(opt.backend, a, p, settings, problem, my_rank);
-  if (my_rank != 0) return 0;  // under mpirun rank 0 alone checks and reports
-
+// The run's figures: the problem, the slowest rank's seconds, what each rank counted, the tiles per rank.
+nlohmann::ordered_json run_report(const RunOptions& opt, const AttentionSpec& a, const ParallelSpec& p,
+                                  int threads_per_rank, const WholeResult& result) {
   nlohmann::ordered_json out;
   out["ok"] = true;
   out["problem"] = {{"strategy", to_string(p.strategy)}, {"cp", p.cp}};
@@ -218,89 +186,146 @@ int run(const CLI::App& app, RunOptions& opt) {
   out["tiles_per_rank"] = tiles;
   const auto [tmin, tmax] = std::minmax_element(tiles.begin(), tiles.end());
   out["tiles_skew"] = *tmin > 0 ? static_cast<double>(*tmax) / static_cast<double>(*tmin) : 0.0;
+  return out;
+}
 
+// --check: adds out["check"] and returns the lines it prints.
+std::string check_report(const harness::WholeCheck& c, bool forward_only, nlohmann::ordered_json& out) {
+  nlohmann::ordered_json sd_abs, sd_rel, ref_rel;
+  for (const auto& [name, value] : c.single_device_abs) sd_abs[name] = value;
+  for (const auto& [name, value] : c.single_device_rel) sd_rel[name] = value;
+  for (const auto& [name, value] : c.reference_rel)
+    ref_rel[name] = value ? nlohmann::ordered_json(*value) : nullptr;
+  out["check"] = {{"single_device", {{"max_abs_diff", sd_abs}, {"max_rel_diff", sd_rel}}},
+                  {"reference", {{"max_rel_diff", ref_rel}, {"scope", c.reference_scope}}},
+                  {"tolerances",
+                   {{"forward", "bit-identical"},
+                    {"grad_vs_single_device", c.grad_tolerance},
+                    {"vs_reference", c.reference_tolerance}}},
+                  {"pass", c.pass}};
+  std::ostringstream t;
+  t << "check vs the single-device kernel: max abs diff o " << fmt(sd_abs["o"]) << ", lse "
+    << fmt(sd_abs["lse"]);
+  if (!forward_only) {
+    t << "; max rel diff dq " << fmt(sd_rel["dq"]) << ", dk " << fmt(sd_rel["dk"]) << ", dv "
+      << fmt(sd_rel["dv"]);
+  }
+  t << "\ncheck vs the float64 reference (" << c.reference_scope << "): max rel diff";
+  for (const auto& [name, value] : ref_rel.items())
+    t << " " << name << " " << (value.is_null() ? "-" : fmt(value));
+  t << "\ncheck: " << (c.pass ? "PASS" : "FAIL") << " (forward bit-identical; gradients within "
+    << tolerance_text(c.grad_tolerance) << " of the single-device kernel; within "
+    << fmt(c.reference_tolerance) << " of the reference)\n";
+  return t.str();
+}
+
+// --save DIR: o, lse and (unless forward-only) dq, dk, dv as float32 .npy in natural token order.
+void save_outputs(const std::string& dir, const AttentionSpec& a, const WholeResult& result,
+                  bool forward_only) {
+  namespace fs = std::filesystem;
+  fs::create_directories(dir);
+  auto save = [&](const char* name, const Tensor& t) {
+    const auto f = t.to_floats();
+    const Shape4 s = t.shape();
+    write_npy((fs::path(dir) / name).string(), {s.b, s.s, s.h, s.d}, f.data());
+  };
+  save("o.npy", result.o);
+  write_npy((fs::path(dir) / "lse.npy").string(), {a.batch, a.num_q_heads, a.seq_len}, result.lse.data());
+  if (!forward_only) {
+    save("dq.npy", result.dq);
+    save("dk.npy", result.dk);
+    save("dv.npy", result.dv);
+  }
+}
+
+void print_text(const RunOptions& opt, const AttentionSpec& a, const ParallelSpec& p,
+                const nlohmann::ordered_json& out) {
+  std::cout << "cpattn run: " << to_string(p.strategy) << (p.load_balance ? " (load balance)" : "")
+            << (opt.remat ? " remat" : "") << ", cp=" << p.cp
+            << (opt.backend == "mpi" ? " over MPI (" : " on the in-process group (")
+            << out["problem"]["threads_per_rank"].get<int>() << " thread(s) per rank); B=" << a.batch
+            << " S=" << a.seq_len << " Hq=" << a.num_q_heads << " Hkv=" << a.num_kv_heads
+            << " D=" << a.head_dim << (a.causal ? " causal" : " non-causal") << " " << to_string(a.dtype)
+            << (opt.segments.empty() ? "" : " segments " + opt.segments) << "\n";
+  if (p.strategy == Strategy::ulysses) {
+    std::cout << "placement: replication " << kv_replication_factor(a.num_kv_heads, p.cp) << ";";
+    for (const auto& r : head_placement(a, p)) {
+      std::cout << " rank " << r.rank << " -> q " << r.q_heads.begin << ".." << r.q_heads.end - 1 << " kv "
+                << r.kv_heads.front() << (r.kv_heads.size() > 1 ? "+" : "") << ";";
+    }
+    std::cout << "\n";
+  }
+  std::cout << "seconds: forward " << fmt(out["seconds"]["forward"].get<double>());
+  if (!opt.forward_only) std::cout << ", backward " << fmt(out["seconds"]["backward"].get<double>());
+  std::cout << "\ncollectives (per rank):\n";
+  std::cout << "  " << std::left << std::setw(20) << "kind" << std::setw(10) << "phase" << std::setw(7)
+            << "count" << std::setw(14) << "bytes"
+            << "bytes sent per rank\n";
+  for (const auto& c : out["collectives"]) {
+    std::cout << "  " << std::left << std::setw(20) << c["kind"].get<std::string>() << std::setw(10)
+              << c["phase"].get<std::string>() << std::setw(7) << c["count"].get<std::int64_t>()
+              << std::setw(14) << c["bytes"].get<std::int64_t>()
+              << c["bytes_sent_per_rank"].get<std::int64_t>() << "\n";
+  }
+  std::cout << "tiles per rank (forward):";
+  for (const auto& t : out["tiles_per_rank"]) std::cout << " " << t.get<std::int64_t>();
+  std::cout << "  (max/min " << fmt(out["tiles_skew"].get<double>()) << ")\n";
+}
+
+int run(const CLI::App& app, RunOptions& opt) {
+  ConfigValues values = opt.problem.resolve(app);
+  WholeProblem problem;
+  if (!opt.load_dir.empty()) problem = load_problem(opt.load_dir, values);
+  Specs specs;
+  const auto errors = all_config_errors(values, specs);
+  if (!errors.empty()) {
+    if (opt.json) std::cout << "{\"ok\": false, \"errors\": " << errors_to_json(errors) << "}\n";
+    print_errors(errors);
+    return 2;
+  }
+#ifdef CPATTN_WITH_MPI
+  const char* backends = "inproc or mpi";
+#else
+  const char* backends = "inproc (this build has no MPI)";
+#endif
+  if (opt.backend != "inproc" && !(opt.backend == "mpi" && std::string(backends) == "inproc or mpi")) {
+    bad_input("--backend", opt.backend,
+              "--backend '" + opt.backend + "' is not available; valid: " + backends);
+  }
+  const AttentionSpec& a = specs.attention;
+  const ParallelSpec& p = specs.parallel;
+  if (p.tp != 1)
+    bad_input("--tp", std::to_string(p.tp), "cpattn run simulates one tensor-parallel group; use --tp 1");
+  // Inputs Q, K, V, dO and outputs O, dQ, dK, dV, before the ranks' own copies and the check's.
+  require_memory_for(a, 8, "cpattn run");
+  if (opt.load_dir.empty()) problem = harness::random_problem(a, opt.seed);
+  if (!opt.segments.empty())
+    problem.segment_ids = segment_ids_from_lengths(a.batch, parse_segments(opt.segments, a.seq_len));
+  harness::RunSettings settings;
+  settings.options.remat = opt.remat;
+  settings.options.threads = opt.threads;
+  settings.forward_only = opt.forward_only;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads_per_rank = opt.threads > 0 ? opt.threads : std::max(1, cores / static_cast<int>(p.cp));
+
+  int my_rank = 0;
+  const WholeResult result = execute(opt.backend, a, p, settings, problem, my_rank);
+  if (my_rank != 0) return 0;  // under mpirun rank 0 alone checks and reports
+
+  nlohmann::ordered_json out = run_report(opt, a, p, threads_per_rank, result);
   bool pass = true;
   std::string check_text;
   if (opt.check) {
     const harness::WholeCheck c = harness::check_whole_result(a, problem, result, opt.forward_only, cores);
     pass = c.pass;
-    nlohmann::ordered_json sd_abs, sd_rel, ref_rel;
-    for (const auto& [name, value] : c.single_device_abs) sd_abs[name] = value;
-    for (const auto& [name, value] : c.single_device_rel) sd_rel[name] = value;
-    for (const auto& [name, value] : c.reference_rel)
-      ref_rel[name] = value ? nlohmann::ordered_json(*value) : nullptr;
-    out["check"] = {{"single_device", {{"max_abs_diff", sd_abs}, {"max_rel_diff", sd_rel}}},
-                    {"reference", {{"max_rel_diff", ref_rel}, {"scope", c.reference_scope}}},
-                    {"tolerances",
-                     {{"forward", "bit-identical"},
-                      {"grad_vs_single_device", c.grad_tolerance},
-                      {"vs_reference", c.reference_tolerance}}},
-                    {"pass", pass}};
-    std::ostringstream t;
-    t << "check vs the single-device kernel: max abs diff o " << fmt(sd_abs["o"]) << ", lse "
-      << fmt(sd_abs["lse"]);
-    if (!opt.forward_only) {
-      t << "; max rel diff dq " << fmt(sd_rel["dq"]) << ", dk " << fmt(sd_rel["dk"]) << ", dv "
-        << fmt(sd_rel["dv"]);
-    }
-    t << "\ncheck vs the float64 reference (" << c.reference_scope << "): max rel diff";
-    for (const auto& [name, value] : ref_rel.items())
-      t << " " << name << " " << (value.is_null() ? "-" : fmt(value));
-    t << "\ncheck: " << (pass ? "PASS" : "FAIL") << " (forward bit-identical; gradients within "
-      << fmt(c.grad_tolerance) << " of the single-device kernel; within " << fmt(c.reference_tolerance)
-      << " of the reference)\n";
-    check_text = t.str();
+    check_text = check_report(c, opt.forward_only, out);
   }
-
-  if (!opt.save_dir.empty()) {
-    namespace fs = std::filesystem;
-    fs::create_directories(opt.save_dir);
-    auto save = [&](const char* name, const Tensor& t) {
-      const auto f = t.to_floats();
-      const Shape4 s = t.shape();
-      write_npy((fs::path(opt.save_dir) / name).string(), {s.b, s.s, s.h, s.d}, f.data());
-    };
-    save("o.npy", result.o);
-    write_npy((fs::path(opt.save_dir) / "lse.npy").string(), {a.batch, a.num_q_heads, a.seq_len},
-              result.lse.data());
-    if (!opt.forward_only) {
-      save("dq.npy", result.dq);
-      save("dk.npy", result.dk);
-      save("dv.npy", result.dv);
-    }
-  }
-
+  if (!opt.save_dir.empty()) save_outputs(opt.save_dir, a, result, opt.forward_only);
   if (opt.json) {
     std::cout << out.dump(2) << "\n";
   } else {
-    std::cout << "cpattn run: " << to_string(p.strategy) << (p.load_balance ? " (load balance)" : "")
-              << (opt.remat ? " remat" : "") << ", cp=" << p.cp
-              << (opt.backend == "mpi" ? " over MPI (" : " on the in-process group (") << threads_per_rank
-              << " thread(s) per rank); B=" << a.batch << " S=" << a.seq_len << " Hq=" << a.num_q_heads
-              << " Hkv=" << a.num_kv_heads << " D=" << a.head_dim << (a.causal ? " causal" : " non-causal")
-              << " " << to_string(a.dtype) << (opt.segments.empty() ? "" : " segments " + opt.segments)
-              << "\n";
-    if (p.strategy == Strategy::ulysses) {
-      std::cout << "placement: replication " << kv_replication_factor(a.num_kv_heads, p.cp) << ";";
-      for (const auto& r : head_placement(a, p)) {
-        std::cout << " rank " << r.rank << " -> q " << r.q_heads.begin << ".." << r.q_heads.end - 1 << " kv "
-                  << r.kv_heads.front() << (r.kv_heads.size() > 1 ? "+" : "") << ";";
-      }
-      std::cout << "\n";
-    }
-    std::cout << "seconds: forward " << fmt(fwd_s);
-    if (!opt.forward_only) std::cout << ", backward " << fmt(bwd_s);
-    std::cout << "\ncollectives (per rank):\n";
-    std::cout << "  " << std::left << std::setw(20) << "kind" << std::setw(10) << "phase" << std::setw(7)
-              << "count" << std::setw(14) << "bytes"
-              << "bytes sent per rank\n";
-    for (const auto& c : result.ranks.front().collectives) {
-      std::cout << "  " << std::left << std::setw(20) << to_string(c.kind) << std::setw(10) << c.phase
-                << std::setw(7) << c.count << std::setw(14) << c.bytes << c.bytes_sent_per_rank << "\n";
-    }
-    std::cout << "tiles per rank (forward):";
-    for (auto t : tiles) std::cout << " " << t;
-    std::cout << "  (max/min " << fmt(out["tiles_skew"].get<double>()) << ")\n" << check_text;
+    print_text(opt, a, p, out);
+    std::cout << check_text;
   }
   return pass ? 0 : 1;
 }
