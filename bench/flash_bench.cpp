@@ -4,9 +4,11 @@
 #include <benchmark/benchmark.h>
 
 #include <cmath>
-#include <random>
+#include <vector>
 
 #include "cpattn/flash.hpp"
+#include "cpattn/sequence_layout.hpp"
+#include "harness/whole_problem.hpp"
 #include "kernels/machine_peak.hpp"
 
 namespace {
@@ -16,21 +18,17 @@ double fma_peak() {
   return peak;
 }
 
-cpattn::Tensor random_tensor(cpattn::Shape4 shape, std::uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> dist;
-  std::vector<float> v(static_cast<std::size_t>(shape.numel()));
-  for (auto& x : v) x = dist(gen);
-  return cpattn::Tensor::from_floats(cpattn::DType::f32, shape, v);
-}
-
 // Hkv: the kv heads (Hq = H for BM_Forward and BM_Backward, fewer for the GQA benchmarks).
 void run(benchmark::State& state, bool backward, std::int64_t S, std::int64_t H, std::int64_t Hkv,
          std::int64_t D, bool causal, int threads) {
-  const cpattn::Tensor q = random_tensor({1, S, H, D}, 1), k = random_tensor({1, S, Hkv, D}, 2),
-                       v = random_tensor({1, S, Hkv, D}, 3), d_out = random_tensor({1, S, H, D}, 4);
-  std::vector<std::int32_t> pos(static_cast<std::size_t>(S));
-  for (std::int64_t i = 0; i < S; ++i) pos[i] = static_cast<std::int32_t>(i);
+  cpattn::AttentionSpec spec;
+  spec.seq_len = S;
+  spec.num_q_heads = H;
+  spec.num_kv_heads = Hkv;
+  spec.head_dim = D;
+  const cpattn::harness::WholeProblem problem = cpattn::harness::random_problem(spec, 1);
+  const cpattn::Tensor &q = problem.q, &k = problem.k, &v = problem.v, &d_out = problem.d_out;
+  const std::vector<std::int32_t> pos = cpattn::natural_positions(1, S);
   const cpattn::AttentionMask mask{pos, pos, {}, {}, causal};
   cpattn::FlashConfig cfg;
   cfg.threads = threads;

@@ -21,7 +21,6 @@ namespace cpattn {
 namespace {
 
 using testing::natural_positions;
-using testing::random_tensor;
 using testing::segment_ids_from_lengths;
 
 struct Case {
@@ -45,13 +44,20 @@ struct Inputs {
 };
 
 Inputs make_inputs(const Case& c, std::uint32_t seed) {
-  Inputs in;
-  in.q = random_tensor(c.dtype, {c.batch, c.seq, c.hq, c.dim}, seed);
-  in.k = random_tensor(c.dtype, {c.batch, c.seq, c.hkv, c.dim}, seed + 1);
-  in.v = random_tensor(c.dtype, {c.batch, c.seq, c.hkv, c.dim}, seed + 2);
-  in.d_out = random_tensor(c.dtype, {c.batch, c.seq, c.hq, c.dim}, seed + 3);
-  in.pos = natural_positions(c.batch, c.seq);
-  if (!c.segments.empty()) in.seg = segment_ids_from_lengths(c.batch, c.segments);
+  AttentionSpec spec;
+  spec.batch = c.batch;
+  spec.seq_len = c.seq;
+  spec.num_q_heads = c.hq;
+  spec.num_kv_heads = c.hkv;
+  spec.head_dim = c.dim;
+  spec.dtype = c.dtype;
+  harness::WholeProblem p = harness::random_problem(spec, seed, c.segments);
+  Inputs in{std::move(p.q),
+            std::move(p.k),
+            std::move(p.v),
+            std::move(p.d_out),
+            natural_positions(c.batch, c.seq),
+            std::move(p.segment_ids)};
   return in;
 }
 

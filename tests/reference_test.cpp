@@ -13,7 +13,6 @@ namespace cpattn {
 namespace {
 
 using testing::natural_positions;
-using testing::random_tensor;
 
 struct Problem {
   Tensor q, k, v, d_out;
@@ -22,14 +21,15 @@ struct Problem {
 };
 
 Problem make_problem(Shape4 qs, std::int64_t hkv, std::uint32_t seed) {
-  Problem p;
-  const Shape4 ks{qs.b, qs.s, hkv, qs.d};
-  p.q = random_tensor(DType::f32, qs, seed);
-  p.k = random_tensor(DType::f32, ks, seed + 1);
-  p.v = random_tensor(DType::f32, ks, seed + 2);
-  p.d_out = random_tensor(DType::f32, qs, seed + 3);
-  p.pos = natural_positions(qs.b, qs.s);
-  return p;
+  AttentionSpec spec;
+  spec.batch = qs.b;
+  spec.seq_len = qs.s;
+  spec.num_q_heads = qs.h;
+  spec.num_kv_heads = hkv;
+  spec.head_dim = qs.d;
+  harness::WholeProblem w = harness::random_problem(spec, seed);
+  return {
+      std::move(w.q), std::move(w.k), std::move(w.v), std::move(w.d_out), natural_positions(qs.b, qs.s), {}};
 }
 
 TEST(Reference, HandComputedTinyCase) {
@@ -146,13 +146,16 @@ namespace cpattn {
 namespace {
 
 TEST(Reference, ChosenRowsMatchTheWholeReference) {
-  const Shape4 qs{2, 40, 4, 8};
-  const Tensor q = testing::random_tensor(DType::f32, qs, 1),
-               k = testing::random_tensor(DType::f32, {2, 40, 2, 8}, 2),
-               v = testing::random_tensor(DType::f32, {2, 40, 2, 8}, 3),
-               d_out = testing::random_tensor(DType::f32, qs, 4);
+  AttentionSpec spec;
+  spec.batch = 2;
+  spec.seq_len = 40;
+  spec.num_q_heads = 4;
+  spec.num_kv_heads = 2;
+  spec.head_dim = 8;
+  const harness::WholeProblem problem = harness::random_problem(spec, 1, {15, 25});
+  const Tensor &q = problem.q, &k = problem.k, &v = problem.v, &d_out = problem.d_out;
   const auto pos = testing::natural_positions(2, 40);
-  const auto seg = testing::segment_ids_from_lengths(2, {15, 25});
+  const auto& seg = problem.segment_ids;
   const AttentionMask mask{pos, pos, seg, seg, true};
   const auto whole = reference_attention(q, k, v, &d_out, mask, 0.3);
   const std::vector<ReferenceRow> rows = {{0, 0, 0}, {1, 3, 39}, {0, 2, 15}, {1, 1, 7}};

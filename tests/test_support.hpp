@@ -1,5 +1,6 @@
-// Shared test helpers: deterministic random tensors, positions, and comparisons that report max abs/rel error
-// and the first mismatches (llm.c's check_tensor), not just pass/fail.
+// Shared test helpers: token metadata from the layout module, and the harness's comparisons as GoogleTest
+// expectations that report max abs/rel error and the first mismatches (llm.c's check_tensor), not just
+// pass/fail. Random inputs come from harness::random_problem.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -18,10 +19,6 @@
 #include "harness/check.hpp"
 
 namespace cpattn::testing {
-
-inline Tensor random_tensor(DType dtype, Shape4 shape, std::uint32_t seed, float scale = 1.0f) {
-  return random_normal(dtype, shape, seed, scale);
-}
 
 using ::cpattn::natural_positions;
 using ::cpattn::segment_ids_from_lengths;

@@ -67,7 +67,8 @@ class Communicator {
   // Small control values (shapes, error flags); not counted.
   virtual void all_reduce(std::int64_t* values, int n, ReduceOp op) = 0;
 
-  CollectiveCounters& counters() { return counters_; }
+  // What this communicator counted. A communicator that forwards to another returns the other's.
+  virtual CollectiveCounters& counters() { return counters_; }
 
  protected:
   // The accounting for one call; backends call it once per collective, after it succeeded.

@@ -13,7 +13,7 @@
 namespace cpattn {
 
 enum class Strategy { all_gather, ulysses };
-// Every strategy, for the tests and the planner that cover them all.
+// Every strategy: the planner plans each, and the tests that cover every strategy loop over it.
 inline constexpr Strategy kAllStrategies[] = {Strategy::all_gather, Strategy::ulysses};
 // How the caller's sequence shards are laid out: contiguous (rank r holds [r*S/cp, (r+1)*S/cp)) or
 // dual_chunk_swap (2*cp chunks; rank r holds chunks r and 2*cp-1-r).

@@ -43,7 +43,6 @@ class ContextParallelAttention::Impl {
   NegativeControl negative_control = NegativeControl::none;
   std::int64_t cp = 1, rank = 0, local_seq = 0, hq = 0, hkv = 0;  // local heads (per tp rank)
   RankPositions positions;                                        // every rank's local positions
-  std::vector<std::int32_t> natural;                              // 0..S-1, per batch row
   TileCounts tiles;
 
   // What forward keeps for backward.

@@ -32,6 +32,7 @@ class ScheduledCommunicator final : public Communicator {
   void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
                           const std::vector<int>& dest) override;
   void barrier() override { group_.barrier(); }
+  CollectiveCounters& counters() override { return group_.counters(); }
   void all_reduce(std::int64_t* values, int n, ReduceOp op) override { group_.all_reduce(values, n, op); }
 
  private:

@@ -5,6 +5,8 @@
 namespace cpattn::kernels {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
+// log2(e) in double: the scale * log2(e) folded into Q is formed in double, then rounded once to float.
+inline constexpr double kLog2eDouble = 1.4426950408889634;
 // 2^f for f in [-0.5, 0.5]: the degree-6 minimax polynomial of the kernels' exp2 (relative error 1.9e-9
 // before float rounding; Remez exchange on the relative error), coefficients of f^6 down to f^0, for Horner.
 inline constexpr float kExp2Poly[7] = {1.5345812004000534e-04f,

@@ -10,6 +10,7 @@
 #include "kernels/aligned_vector.hpp"
 #include "kernels/block_grid.hpp"
 #include "kernels/exp2_avx512.hpp"
+#include "kernels/exp2_poly.hpp"
 #include "kernels/masking.hpp"
 #include "kernels/row_io.hpp"
 
@@ -250,7 +251,7 @@ void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const C
   const std::int64_t Bq = config.block_q, Bk = config.block_kv;
   const std::int64_t D32 = round_up(D, kTileDepth);  // the head dim padded to whole tile depths (zeros)
   const std::int64_t q_blocks = (Sq + Bq - 1) / Bq, kv_blocks = (Skv + Bk - 1) / Bk;
-  const float factor = static_cast<float>(scale * 1.4426950408889634);
+  const float factor = static_cast<float>(scale * kLog2eDouble);
   const bool segments = mask.has_segments();
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
@@ -570,7 +571,7 @@ void flash_backward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const 
                              .q_elems = q_elems,
                              .kv_elems = kv_elems,
                              .scale = scale,
-                             .factor = static_cast<float>(scale * 1.4426950408889634),
+                             .factor = static_cast<float>(scale * kLog2eDouble),
                              .segments = mask.has_segments(),
                              .head_dk = head_dk,
                              .head_dv = head_dv,

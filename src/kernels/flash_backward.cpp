@@ -321,7 +321,7 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
   const std::int64_t G = Hq / Hkv;
   const std::int64_t Bq = config.block_q, Bk = config.block_kv;
   const std::int64_t Dp = padded_head_dim(q.shape.d);
-  const float q_factor = static_cast<float>(scale * 1.4426950408889634);
+  const float q_factor = static_cast<float>(scale * kLog2eDouble);
   const std::int64_t q_blocks = (Sq + Bq - 1) / Bq, kv_blocks = (Skv + Bk - 1) / Bk;
   const std::int64_t sq_padded = q_blocks * Bq;
   const PackedBlocks qs(q, grid.q, Bq, Dp, PackLayout::rows, q_factor, config.threads);

@@ -13,6 +13,7 @@
 #include "core/parallel_for.hpp"
 #include "kernels/aligned_vector.hpp"
 #include "kernels/block_grid.hpp"
+#include "kernels/exp2_poly.hpp"
 #include "kernels/flash_amx.hpp"
 #include "kernels/kernel_args.hpp"
 #include "kernels/masking.hpp"
@@ -414,7 +415,7 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
                          .Dp = Dp,
                          .q_blocks = q_blocks,
                          .groups = (q_blocks + kGroupBlocks - 1) / kGroupBlocks,
-                         .q_factor = static_cast<float>(scale * 1.4426950408889634),
+                         .q_factor = static_cast<float>(scale * kLog2eDouble),
                          .segments = mask.has_segments(),
                          .guard = any_nonfinite(v),
                          .task_tiles = task_tiles,

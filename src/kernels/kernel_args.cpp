@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cpattn/config.hpp"
 #include "cpattn/error.hpp"
 #include "kernels/block_grid.hpp"
 
@@ -29,8 +30,9 @@ void check_forward_args(const ConstTensorRef& q, const ConstTensorRef& k, const 
   if (ks.d != qs.d)
     fail("k", to_string(ks),
          "k head_dim (" + std::to_string(ks.d) + ") differs from q's (" + std::to_string(qs.d) + ")");
-  if (qs.d < 1 || qs.d > 512)
-    fail("head_dim", std::to_string(qs.d), "head_dim (" + std::to_string(qs.d) + ") must be in 1..512");
+  if (qs.d < 1 || qs.d > kMaxHeadDim)
+    fail("head_dim", std::to_string(qs.d),
+         "head_dim (" + std::to_string(qs.d) + ") must be in 1.." + std::to_string(kMaxHeadDim));
   if (ks.h < 1 || qs.h % ks.h != 0) {
     fail("num_kv_heads", std::to_string(ks.h),
          "k's heads (" + std::to_string(ks.h) + ") must divide q's heads (" + std::to_string(qs.h) + ")");

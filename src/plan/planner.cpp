@@ -218,9 +218,14 @@ Plan make_plan(const PlanRequest& req) {
                 "flops and bandwidth must be positive");
   }
   Plan plan;
-  plan.strategies.push_back(plan_strategy(req, "all_gather", Strategy::all_gather, false));
-  plan.strategies.push_back(plan_strategy(req, "all_gather_load_balanced", Strategy::all_gather, true));
-  plan.strategies.push_back(plan_strategy(req, "ulysses", Strategy::ulysses, false));
+  for (Strategy strategy : kAllStrategies) {
+    for (bool load_balance : {false, true}) {
+      if (load_balance && strategy != Strategy::all_gather)
+        continue;  // the only strategy with a load balance
+      const std::string name = std::string(to_string(strategy)) + (load_balance ? "_load_balanced" : "");
+      plan.strategies.push_back(plan_strategy(req, name, strategy, load_balance));
+    }
+  }
 
   const StrategyPlan* best = nullptr;
   for (const auto& s : plan.strategies) {

@@ -14,6 +14,8 @@
 #include "bench_command.hpp"
 #include "cpattn/flash.hpp"
 #include "cpattn/reference.hpp"
+#include "cpattn/sequence_layout.hpp"
+#include "harness/whole_problem.hpp"
 #include "kernels/machine_peak.hpp"
 #include "problem_flags.hpp"
 
@@ -84,14 +86,10 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
   }
   const AttentionSpec& a = specs.attention;
   require_memory_for(a, 8, "cpattn bench kernel");  // Q, K, V, dO, O, dQ, dK, dV
-  const Shape4 q_shape{a.batch, a.seq_len, a.num_q_heads, a.head_dim};
-  const Shape4 kv_shape{a.batch, a.seq_len, a.num_kv_heads, a.head_dim};
-  const Tensor q = random_normal(a.dtype, q_shape, 1), k = random_normal(a.dtype, kv_shape, 2),
-               v = random_normal(a.dtype, kv_shape, 3), d_out = random_normal(a.dtype, q_shape, 4);
-  std::vector<std::int32_t> positions(static_cast<std::size_t>(a.batch * a.seq_len));
-  for (std::size_t i = 0; i < positions.size(); ++i) {
-    positions[i] = static_cast<std::int32_t>(static_cast<std::int64_t>(i) % a.seq_len);
-  }
+  const harness::WholeProblem problem = harness::random_problem(a, 1);
+  const Tensor &q = problem.q, &k = problem.k, &v = problem.v, &d_out = problem.d_out;
+  const Shape4 q_shape = q.shape(), kv_shape = k.shape();
+  const std::vector<std::int32_t> positions = natural_positions(a.batch, a.seq_len);
   const AttentionMask mask{positions, positions, {}, {}, a.causal};
   const double scale = 1.0 / std::sqrt(static_cast<double>(a.head_dim));
   FlashConfig cfg;
