@@ -76,8 +76,8 @@ class BrokenCommunicator final : public Communicator {
 
 TEST(InProcessGroup, TheCollectiveCasesCountWhatABrokenCommunicatorGetsWrong) {
   InProcessGroup group(4);
-  // An all_to_all that hands back its own send buffer: at count 1000 the values rank * 1000 + index, used
-  // before, made it look right.
+  // An all_to_all that hands back its own send buffer: with values rank * 1000 + index at count 1000 the
+  // blocks would overlap and such a bug could look right; rank * 2^20 + index cannot.
   std::vector<std::int64_t> own(4, -1), swapped(4 * 3, -1), off(4 * 6, -1);
   group.run([&](Communicator& c) {
     BrokenCommunicator b(c, Breakage::own_send_buffer);
