@@ -70,6 +70,54 @@ inline std::int64_t wrong_all_to_all_strided(Communicator& c, std::int64_t outer
   return wrong;
 }
 
+// Blocks of per-pair sizes: rank r sends rank p outer x inner(r, p) rows of row(p) elements, inner(r, p) =
+// (r + 2p + k) % 4 (zero-sized blocks included). Sender: block p is the columns [col_p, col_p + row(p)) of an
+// [outer][4][sum_p row(p) + pad] array; receiver: block p is inner(p, r) rows from row sum_{v<p} inner(v, r)
+// of an [outer][sum_v inner(v, r) + 1][max row + pad] array. Counts wrong elements, written padding included.
+inline std::int64_t wrong_all_to_all_v(Communicator& c, std::int64_t outer, std::int64_t k,
+                                       std::int64_t pad) {
+  const int n = c.size(), r = c.rank();
+  auto inner = [&](int from, int to) -> std::int64_t { return (from + 2 * to + k) % 4; };
+  auto row = [](int to) -> std::int64_t { return 3 + to % 2; };
+  std::int64_t width = pad, recv_rows = 1;
+  for (int p = 0; p < n; ++p) {
+    width += row(p);
+    recv_rows += inner(p, r);
+  }
+  const std::int64_t recv_width = 4 + pad;
+  BlockList from{{}, {}, 4 * width, width}, to{{}, {}, recv_rows * recv_width, recv_width};
+  std::vector<float> send(static_cast<std::size_t>(outer * 4 * width), -2.0f),
+      recv(static_cast<std::size_t>(outer * recv_rows * recv_width), -1.0f), expected(recv.size(), -1.0f);
+  auto id = [&](int dst, std::int64_t i, std::int64_t j, std::int64_t e) {
+    return ((dst * outer + i) * 4 + j) * 8 + e;
+  };
+  std::int64_t col = 0, first_row = 0;
+  for (int p = 0; p < n; ++p) {
+    from.shape.push_back({outer, inner(r, p), row(p)});
+    from.offset.push_back(col);
+    to.shape.push_back({outer, inner(p, r), row(r)});
+    to.offset.push_back(first_row * recv_width);
+    for (std::int64_t i = 0; i < outer; ++i) {
+      for (std::int64_t j = 0; j < 4; ++j) {
+        for (std::int64_t e = 0; e < 4; ++e) {
+          if (j < inner(r, p) && e < row(p)) {
+            send[i * from.outer + j * from.inner + col + e] = value_of(r, id(p, i, j, e));
+          }
+          if (j < inner(p, r) && e < row(r)) {
+            expected[i * to.outer + (first_row + j) * to.inner + e] = value_of(p, id(r, i, j, e));
+          }
+        }
+      }
+    }
+    col += row(p);
+    first_row += inner(p, r);
+  }
+  c.all_to_all_v(send.data(), from, recv.data(), to, CommDType::f32);
+  std::int64_t wrong = 0;
+  for (std::size_t i = 0; i < recv.size(); ++i) wrong += recv[i] != expected[i];
+  return wrong;
+}
+
 inline std::int64_t wrong_all_gather(Communicator& c, std::int64_t count) {
   const int n = c.size(), r = c.rank();
   std::vector<std::int32_t> send(static_cast<std::size_t>(count)),
@@ -183,6 +231,11 @@ inline std::int64_t wrong_in_all_cases(Communicator& c) {
     wrong += wrong_all_to_all_strided(c, outer, inner, row, 0);
     wrong += wrong_all_to_all_strided(c, outer, inner, row, 3);
   }
+  for (std::int64_t k : {0, 1, 3}) {
+    wrong += wrong_all_to_all_v(c, 2, k, 0);
+    wrong += wrong_all_to_all_v(c, 1, k, 3);
+  }
+  wrong += wrong_all_to_all_v(c, 0, 1, 2);  // every block empty
   wrong += wrong_all_reduce(c);
   c.barrier();
   return wrong;

@@ -44,6 +44,34 @@ TEST(Validation, UlyssesAcceptsMqaAndKvHeadsDividedByCp) {
   EXPECT_TRUE(validation_errors(a, ulysses(4)).empty());
 }
 
+// Every (Hq, Hkv, cp) with Hq % Hkv == 0 and cp <= Hq: no divisibility between heads and cp.
+TEST(Validation, UlyssesAcceptsAnyHeadCountsUpToOneQHeadPerRank) {
+  struct Shape {
+    std::int64_t hq, hkv, cp;
+  };
+  for (const Shape& s : {Shape{28, 4, 8},
+                         {40, 10, 4},
+                         {24, 3, 4},
+                         {7, 7, 4},
+                         {12, 3, 8},
+                         {6, 1, 4},
+                         {32, 2, 4},
+                         {40, 8, 16},
+                         {7, 1, 7}}) {
+    AttentionSpec a = seed_attention();
+    a.num_q_heads = s.hq;
+    a.num_kv_heads = s.hkv;
+    a.seq_len = 1024 * s.cp;
+    EXPECT_TRUE(validation_errors(a, ulysses(s.cp)).empty()) << s.hq << "," << s.hkv << "," << s.cp;
+  }
+  AttentionSpec a = seed_attention();
+  a.num_q_heads = 7;
+  a.num_kv_heads = 7;
+  const auto errors = validation_errors(a, ulysses(8));
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].fields, (std::vector<std::string>{"cp", "num_q_heads"}));
+}
+
 struct BadCase {
   const char* name;
   AttentionSpec attention;
@@ -87,19 +115,14 @@ std::vector<BadCase> bad_cases() {
         p.load_balance = true;
       },
       {"seq_len"}, {"divisible by 2*cp (8)"});
-  add("ulysses_kv_heads_neither",
-      [](AttentionSpec& a, ParallelSpec&) {
-        a.num_q_heads = 24;
-        a.num_kv_heads = 3;
-      },
-      {"num_kv_heads"}, {"ulysses needs num_kv_heads (3) to divide cp (4) or be divisible by it"});
-  add("ulysses_q_heads",
+  add("ulysses_more_ranks_than_q_heads",
       [](AttentionSpec& a, ParallelSpec& p) {
         a.num_q_heads = 6;
         a.num_kv_heads = 2;
-        p.cp = 4;
+        p.cp = 8;
+        a.seq_len = 64;
       },
-      {"num_q_heads"}, {"ulysses needs num_q_heads (6) to be divisible by cp (4)"});
+      {"cp"}, {"ulysses needs cp (8) <= num_q_heads (6)", "hybrid strategy"});
   add("ulysses_load_balance", [](AttentionSpec&, ParallelSpec& p) { p.load_balance = true; },
       {"load_balance"}, {"for all_gather only"});
   add("tp_does_not_divide", [](AttentionSpec&, ParallelSpec& p) { p.tp = 3; }, {"tp", "tp"},
@@ -110,7 +133,7 @@ std::vector<BadCase> bad_cases() {
         p.tp = 2;
         p.cp = 8;
       },
-      {"num_q_heads"}, {"num_q_heads per tp rank (heads / tp, tp=2) (4) to be divisible by cp (8)"});
+      {"cp"}, {"cp (8) <= num_q_heads per tp rank (heads / tp, tp=2) (4)"});
   add("layout_without_load_balance",
       [](AttentionSpec&, ParallelSpec& p) {
         p.strategy = Strategy::all_gather;
@@ -164,7 +187,7 @@ TEST(Validation, BadConfigsNameTheFieldAndTheFix) {
 
 TEST(Validation, ReportsEveryBrokenRuleAtOnce) {
   AttentionSpec a = seed_attention();
-  a.num_q_heads = 30;
+  a.num_q_heads = 2;  // not a multiple of the kv heads, and fewer than the ranks
   a.num_kv_heads = 3;
   a.seq_len = 65537;
   const auto errors = validation_errors(a, ulysses(4));

@@ -81,6 +81,36 @@ TEST(ContextParallel, UlyssesMatchesReferenceWhenKvHeadsFewerThanRanks) {
   }
 }
 
+// Ulysses at any head counts (docs/design.md, "Head placement"): each shape of kAnyHeadCounts
+// twice, on rows of a two-level orthogonal array (every pair of the six factors meets in all four
+// combinations), the second run of a shape the complement of its first.
+TEST(ContextParallel, UlyssesAtAnyHeadCountsMatchesTheSingleDeviceKernel) {
+  // L8: columns causal, packed, bf16, batch 2, head dim 80, remat.
+  constexpr int kRows[8][6] = {{0, 0, 0, 0, 0, 0}, {0, 0, 0, 1, 1, 1}, {0, 1, 1, 0, 0, 1},
+                               {0, 1, 1, 1, 1, 0}, {1, 0, 1, 0, 1, 0}, {1, 0, 1, 1, 0, 1},
+                               {1, 1, 0, 0, 1, 1}, {1, 1, 0, 1, 0, 0}};
+  int i = 0;
+  for (const testing::HeadCounts& h : testing::kAnyHeadCounts) {
+    for (const bool complement : {false, true}) {
+      const int* row = kRows[i++ % 8];
+      auto on = [&](int column) { return (row[column] != 0) != complement; };
+      CpCase c;
+      c.hq = h.hq;
+      c.hkv = h.hkv;
+      c.cp = h.cp;
+      c.seq = h.cp * (150 / h.cp + 1);  // not a multiple of the 64-token block
+      c.causal = on(0);
+      if (on(1)) c.segments = {c.seq / 3, c.seq - c.seq / 3 - 5, 5};
+      c.dtype = on(2) ? DType::bf16 : DType::f32;
+      c.batch = on(3) ? 2 : 1;
+      c.dim = on(4) ? 80 : 64;
+      c.remat = on(5);
+      ASSERT_TRUE(validation_errors(c.attention(), c.parallel()).empty()) << c.name();
+      expect_matches_single_device(c);
+    }
+  }
+}
+
 TEST(ContextParallel, CombinationsTheValidatorRejectsAreRejected) {
   CpCase c;
   c.hq = 4;
@@ -102,7 +132,9 @@ TEST(ContextParallel, CombinationsTheValidatorRejectsAreRejected) {
   EXPECT_FALSE(validation_errors(c.attention(), c.parallel()).empty());
   c = CpCase{};
   c.hq = 24;
-  c.hkv = 3;  // 3 neither divides nor is divided by 4
+  c.hkv = 3;  // 3 neither divides nor is divided by 4: taken (kv sets shared between ranks)
+  EXPECT_TRUE(validation_errors(c.attention(), c.parallel()).empty());
+  c.hq = 25;  // but a q head count that is not a multiple of the kv heads is not
   EXPECT_FALSE(validation_errors(c.attention(), c.parallel()).empty());
 }
 
@@ -135,6 +167,41 @@ TEST(ContextParallel, NegativeControlsAreCaught) {
   EXPECT_GT(max_rel(first.dk, single.dk), 1e-2) << "one replica instead of the sum must give wrong dK";
   EXPECT_GT(max_rel(first.dv, single.dv), 1e-2);
   EXPECT_LE(max_rel(first.dq, single.dq), 1e-6) << "dQ does not depend on the kv reduction";
+}
+
+// The controls of the any-head-count placement: a kv set shifted by one head where a rank starts a q group
+// (Hq=24, Hkv=3, cp=4: rank 0 gets kv 1 for q heads that read kv 0), the replica gradients not summed (kv 0
+// and kv 1 go to two ranks each), and the extra q heads on the highest ranks while the kv sets assume the
+// lowest (Hq=28, Hkv=4, cp=8: rank 2's q heads 6..8 with kv set {1}).
+TEST(ContextParallel, AnyHeadCountControlsAreCaught) {
+  CpCase c;
+  c.hq = 24;
+  c.hkv = 3;
+  c.seq = 128;
+  const auto in = testing::make_whole_inputs(c, 11);
+  const auto single = testing::run_single_device(c, in);
+  EXPECT_LE(max_rel(testing::run_context_parallel(c, in).dk, single.dk), 1e-6);
+
+  c.control = NegativeControl::shifted_kv_set;
+  EXPECT_GT(max_rel(testing::run_context_parallel(c, in).o, single.o), 1e-2)
+      << "a kv set shifted by one head must give a wrong output";
+
+  c.control = NegativeControl::first_kv_replica_only;
+  const auto first = testing::run_context_parallel(c, in);
+  EXPECT_EQ(testing::count_bit_differences(first.o, single.o), 0) << "the forward is untouched";
+  EXPECT_GT(max_rel(first.dk, single.dk), 1e-2) << "one contribution instead of the sum must give wrong dK";
+  EXPECT_GT(max_rel(first.dv, single.dv), 1e-2);
+
+  c = CpCase{};
+  c.hq = 28;
+  c.hkv = 4;
+  c.cp = 8;
+  c.seq = 128;
+  const auto in28 = testing::make_whole_inputs(c, 12);
+  const auto single28 = testing::run_single_device(c, in28);
+  c.control = NegativeControl::extra_q_heads_on_highest_ranks;
+  EXPECT_GT(max_rel(testing::run_context_parallel(c, in28).o, single28.o), 1e-2)
+      << "q heads placed where the kv sets do not expect them must give a wrong output";
 }
 
 TEST(ContextParallel, WithOneKvHeadTheTiledOrderIsTheSame) {
@@ -261,6 +328,11 @@ class FailingCommunicator final : public Communicator {
   void all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
     step();
     inner_.all_to_all(send, recv, count, dtype);
+  }
+  void all_to_all_v(const void* send, const BlockList& send_blocks, void* recv, const BlockList& recv_blocks,
+                    CommDType dtype) override {
+    step();
+    inner_.all_to_all_v(send, send_blocks, recv, recv_blocks, dtype);
   }
   void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
     step();

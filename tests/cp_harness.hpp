@@ -54,6 +54,15 @@ struct CpCase {
   }
 };
 
+// The (Hq, Hkv, cp) shapes ulysses takes unevenly or with kv sets shared between ranks (docs/design.md, "Any
+// head counts under ulysses"): Qwen2.5-7B's heads at cp 8, Phi-3-medium's at cp 4, 3 kv heads over 4 ranks,
+// 7 MHA heads, a group of 4 over 8 ranks, MQA at 6 heads, the seed's, Qwen2.5-32B's at cp 16.
+struct HeadCounts {
+  std::int64_t hq, hkv, cp;
+};
+inline constexpr HeadCounts kAnyHeadCounts[] = {{28, 4, 8}, {40, 10, 4}, {24, 3, 4}, {7, 7, 4},
+                                                {12, 3, 8}, {6, 1, 4},   {32, 2, 4}, {40, 8, 16}};
+
 using WholeInputs = harness::WholeProblem;
 
 inline WholeInputs make_whole_inputs(const CpCase& c, std::uint32_t seed) {

@@ -37,6 +37,21 @@ class BrokenCommunicator final : public Communicator {
     }
     damage(recv, count, size(), dtype);
   }
+  // Blocks 0 and 1 of the receive list trade their first elements, or one bit of block 0 flips.
+  void all_to_all_v(const void* send, const BlockList& send_blocks, void* recv, const BlockList& recv_blocks,
+                    CommDType dtype) override {
+    inner_.all_to_all_v(send, send_blocks, recv, recv_blocks, dtype);
+    auto* p = static_cast<unsigned char*>(recv);
+    const std::size_t e = comm_dtype_size(dtype);
+    const std::size_t a = static_cast<std::size_t>(recv_blocks.offset[0]) * e;
+    if (how_ == Breakage::swapped_blocks && size() > 1 && recv_blocks.shape[0].count() > 0 &&
+        recv_blocks.shape[1].count() > 0) {
+      const std::size_t b = static_cast<std::size_t>(recv_blocks.offset[1]) * e;
+      for (std::size_t i = 0; i < e; ++i) std::swap(p[a + i], p[b + i]);
+    } else if (how_ != Breakage::swapped_blocks && recv_blocks.shape[0].count() > 0) {
+      p[a] ^= 1;
+    }
+  }
   void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
     inner_.all_gather(send, recv, count, dtype);
     damage(recv, count, size(), dtype);
@@ -107,6 +122,24 @@ TEST(InProcessGroup, TheCollectiveCasesCountWhatABrokenCommunicatorGetsWrong) {
   for (std::size_t i = 0; i < swapped.size(); ++i)
     EXPECT_GT(swapped[i], 0) << "swapped blocks, case " << i % 3;
   for (std::size_t i = 0; i < off.size(); ++i) EXPECT_GT(off[i], 0) << "one byte off, case " << i % 6;
+
+  // The variable all_to_all's case (k = 1): rank r receives (p + 2r + 1) % 4 rows from rank p. A swap needs
+  // blocks 0 and 1 non-empty (ranks 0 and 2), a flipped bit block 0 (every rank).
+  std::vector<std::int64_t> variable(4 * 2, -1);
+  group.run([&](Communicator& c) {
+    BrokenCommunicator swapped_v(c, Breakage::swapped_blocks), off_v(c, Breakage::one_byte_off);
+    variable[2 * c.rank()] = testing::wrong_all_to_all_v(swapped_v, 2, 1, 0);
+    variable[2 * c.rank() + 1] = testing::wrong_all_to_all_v(off_v, 2, 1, 0);
+  });
+  for (int r = 0; r < 4; ++r) {
+    const std::int64_t from0 = (2 * r + 1) % 4, from1 = (1 + 2 * r + 1) % 4;
+    if (from0 > 0 && from1 > 0) {
+      EXPECT_GT(variable[2 * r], 0) << "swapped, rank " << r;
+    }
+    if (from0 > 0) {
+      EXPECT_GT(variable[2 * r + 1], 0) << "one byte off, rank " << r;
+    }
+  }
 }
 
 TEST(InProcessGroup, CountersFollowTheAccounting) {
@@ -240,6 +273,9 @@ class PackingCommunicator final : public Communicator {
   const char* backend() const override { return "packing"; }
   void all_to_all(const void* s, void* r, std::int64_t n, CommDType t) override {
     inner_.all_to_all(s, r, n, t);
+  }
+  void all_to_all_v(const void* s, const BlockList& sb, void* r, const BlockList& rb, CommDType t) override {
+    inner_.all_to_all_v(s, sb, r, rb, t);
   }
   void all_gather(const void* s, void* r, std::int64_t n, CommDType t) override {
     inner_.all_gather(s, r, n, t);

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <numeric>
+#include <string>
 
 #include "cpattn/placement.hpp"
 #include "cpattn/sequence_layout.hpp"
@@ -10,13 +12,59 @@ namespace {
 
 using V = std::vector<std::int64_t>;
 
-TEST(Placement, ReplicationFactor) {
-  EXPECT_EQ(kv_replication_factor(2, 4), 2);
-  EXPECT_EQ(kv_replication_factor(2, 8), 4);
-  EXPECT_EQ(kv_replication_factor(1, 8), 8);
-  EXPECT_EQ(kv_replication_factor(8, 4), 1);
-  EXPECT_EQ(kv_replication_factor(4, 4), 1);
-  EXPECT_THROW(kv_replication_factor(3, 4), Error);
+TEST(Placement, ReplicationIsTheMostRanksSharingAKvHead) {
+  EXPECT_EQ(ulysses_heads(32, 2, 4).replication(), 2);
+  EXPECT_EQ(ulysses_heads(32, 2, 8).replication(), 4);
+  EXPECT_EQ(ulysses_heads(8, 1, 8).replication(), 8);
+  EXPECT_EQ(ulysses_heads(32, 8, 4).replication(), 1);
+  EXPECT_EQ(ulysses_heads(32, 4, 4).replication(), 1);
+  EXPECT_EQ(ulysses_heads(24, 3, 4).replication(), 2);
+  EXPECT_EQ(ulysses_heads(32, 2, 4).kv_head_order(), grouped_repeat_heads(2, 2));
+  EXPECT_EQ(ulysses_heads(32, 2, 8).kv_head_order(), grouped_repeat_heads(2, 4));
+}
+
+// docs/design.md's example: Hq = 24, Hkv = 3, U = 4 (G = 8).
+TEST(Placement, AnyHeadCountsTheDesignExample) {
+  const UlyssesHeads u = ulysses_heads(24, 3, 4);
+  EXPECT_EQ(u.q, (std::vector<HeadRange>{{0, 6}, {6, 12}, {12, 18}, {18, 24}}));
+  EXPECT_EQ(u.kv, (std::vector<HeadRange>{{0, 1}, {0, 2}, {1, 3}, {2, 3}}));
+  EXPECT_EQ(u.kv_head_order(), (V{0, 0, 1, 1, 2, 2}));
+  EXPECT_DOUBLE_EQ(u.work_skew(), 1.0);
+  // Qwen2.5-7B at cp = 8: 28 q heads as 4,4,4,4,3,3,3,3.
+  const UlyssesHeads q7 = ulysses_heads(28, 4, 8);
+  EXPECT_EQ(q7.q[3], (HeadRange{12, 16}));
+  EXPECT_EQ(q7.q[4], (HeadRange{16, 19}));
+  EXPECT_EQ(q7.max_q_heads(), 4);
+  EXPECT_DOUBLE_EQ(q7.work_skew(), 4.0 / 3.0);
+}
+
+// Every (Hq, Hkv, U) in a range: the q ranges tile [0, Hq) in order with sizes floor(Hq/U) or one more (the
+// larger first), and each rank's kv set is exactly the kv heads its q heads read.
+TEST(Placement, AnyHeadCountsEveryRankReadsExactlyItsKvSet) {
+  for (std::int64_t hq = 1; hq <= 40; ++hq) {
+    for (std::int64_t hkv = 1; hkv <= hq; ++hkv) {
+      if (hq % hkv != 0) continue;
+      for (std::int64_t ranks = 1; ranks <= hq; ++ranks) {
+        const UlyssesHeads u = ulysses_heads(hq, hkv, ranks);
+        ASSERT_EQ(static_cast<std::int64_t>(u.q.size()), ranks);
+        std::int64_t next = 0;
+        for (std::int64_t r = 0; r < ranks; ++r) {
+          const std::string at = std::to_string(hq) + "," + std::to_string(hkv) + "," +
+                                 std::to_string(ranks) + " rank " + std::to_string(r);
+          EXPECT_EQ(u.q[r].begin, next) << at;
+          EXPECT_EQ(u.q[r].size(), hq / ranks + (r < hq % ranks ? 1 : 0)) << at;
+          next = u.q[r].end;
+          std::int64_t lo = hkv, hi = -1;
+          for (std::int64_t h = u.q[r].begin; h < u.q[r].end; ++h) {
+            lo = std::min(lo, kv_head_of_q_head(h, hq, hkv));
+            hi = std::max(hi, kv_head_of_q_head(h, hq, hkv));
+          }
+          EXPECT_EQ(u.kv[r], (HeadRange{lo, hi + 1})) << at;
+        }
+        EXPECT_EQ(next, hq);
+      }
+    }
+  }
 }
 
 TEST(Placement, GroupedOrderIsTheSeedsAndTiledDiffers) {

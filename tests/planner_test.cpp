@@ -91,7 +91,7 @@ TEST(Planner, ReorderIsEightPermutesOf64MiBPerLayer) {
 
 TEST(Planner, ImpossibleUlyssesIsExplained) {
   PlanRequest r = seed_request(4);
-  r.attention.num_q_heads = 6;
+  r.attention.num_q_heads = 2;  // fewer q heads than ranks
   r.attention.num_kv_heads = 2;
   const Plan p = make_plan(r);
   EXPECT_FALSE(by_name(p, "ulysses").possible);
@@ -138,6 +138,47 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
     }
   }
   EXPECT_GE(cases, 24) << "every strategy and the load-balanced all_gather, each in 8 variants";
+}
+
+// Ulysses at any head counts: the bytes of the variable all-to-alls (largest operand, largest sent, over
+// ranks) and the tiles per rank with the head skew, predicted as counted, for every shape of kAnyHeadCounts.
+TEST(Planner, PredictionsEqualWhatRunCountedAtAnyHeadCounts) {
+  auto sorted = [](std::vector<CollectiveRecord> v) {
+    std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) {
+      return std::tie(a.kind, a.phase, a.bytes) < std::tie(b.kind, b.phase, b.bytes);
+    });
+    return v;
+  };
+  int variant = 0;
+  for (const testing::HeadCounts& h : testing::kAnyHeadCounts) {
+    testing::CpCase c;
+    c.hq = h.hq;
+    c.hkv = h.hkv;
+    c.cp = h.cp;
+    c.dim = 16;
+    c.seq = 8 * h.cp;
+    c.remat = variant % 2 == 1;
+    c.dtype = variant % 3 == 0 ? DType::bf16 : DType::f32;
+    const bool packed = variant++ % 4 < 2;
+    if (packed) c.segments = {c.seq - 5, 5};
+    SCOPED_TRACE(c.name());
+    const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
+    const auto predicted = attention_collectives(c.attention(), c.parallel(), c.remat, packed);
+    for (const auto& counted : run.records) EXPECT_EQ(sorted(counted), sorted(predicted));
+
+    PlanRequest r;
+    r.attention = c.attention();
+    r.parallel = c.parallel();
+    r.block = 64;  // the kernel's block
+    r.segments = c.segments;
+    r.remat = c.remat;
+    r.hardware = *find_hardware("h200");
+    const Plan plan = make_plan(r);
+    const StrategyPlan& u = by_name(plan, "ulysses");
+    EXPECT_EQ(u.tiles_per_rank, run.tiles_per_rank);
+    const UlyssesHeads heads = ulysses_heads(h.hq, h.hkv, h.cp);
+    EXPECT_DOUBLE_EQ(u.tiles_skew, heads.work_skew());
+  }
 }
 
 TEST(Planner, ReorderPredictionEqualsWhatReorderCounted) {

@@ -48,6 +48,12 @@ struct CollectiveCost {
 CollectiveCost collective_cost(CollectiveKind kind, std::int64_t count, std::size_t element_size, int ranks,
                                const std::vector<int>* dest = nullptr);
 
+// A variable all_to_all (Communicator::all_to_all_v): sent[r][p] = the elements rank r sends rank p. bytes:
+// the largest operand over ranks (what one rank sends in all, its own block included); bytes_sent_per_rank:
+// the largest over ranks of the operand less its own block.
+CollectiveCost all_to_all_v_cost(const std::vector<std::vector<std::int64_t>>& sent,
+                                 std::size_t element_size);
+
 // Adds one call to a (kind, phase)-aggregated list, keeping first-seen order.
 void add_to_records(std::vector<CollectiveRecord>& records, CollectiveKind kind, const std::string& phase,
                     const CollectiveCost& cost);

@@ -29,6 +29,18 @@ struct BlockStrides {
 };
 // Throws Error(invalid_input) naming the field when a shape or stride is negative or the count overflows.
 void check_block_layout(const BlockShape& shape, const BlockStrides& send, const BlockStrides& recv);
+// One rank's side of an all_to_all_v: block p (sent to, or received from, rank p) holds shape[p] rows laid
+// out by the shared strides (outer, inner; in elements), starting offset[p] elements into the buffer. Blocks
+// may differ in size from rank to rank and be empty.
+struct BlockList {
+  std::vector<BlockShape> shape;
+  std::vector<std::int64_t> offset;
+  std::int64_t outer = 0, inner = 0;
+};
+// Throws Error(invalid_input) naming the field when a list does not hold `ranks` blocks, or a shape, offset
+// or stride is negative or overflows.
+void check_block_list(const BlockList& list, int ranks, const char* side);
+
 // Copies one block's rows from src (laid out by `from`) to dst (laid out by `to`), both pointing at the
 // block.
 void copy_block(const void* src, const BlockStrides& from, void* dst, const BlockStrides& to,
@@ -54,6 +66,13 @@ class Communicator {
   // copies each byte once, straight from the sender's layout into the receiver's.
   virtual void all_to_all_strided(const void* send, const BlockStrides& send_strides, void* recv,
                                   const BlockStrides& recv_strides, const BlockShape& shape, CommDType dtype);
+  // Blocks of per-rank sizes (MPI_Alltoallv's exchange, between strided layouts): send_blocks.shape[p] goes
+  // to rank p, recv_blocks.shape[p] comes from rank p. What rank r sends rank p must have the shape rank p
+  // expects from r, row for row; otherwise every rank gets an Error(communication) naming the pair. Counted
+  // as one all_to_all (all_to_all_v_cost: the largest operand over ranks, and the largest sent). The
+  // in-process group copies each byte once, from the sender's layout into the receiver's.
+  virtual void all_to_all_v(const void* send, const BlockList& send_blocks, void* recv,
+                            const BlockList& recv_blocks, CommDType dtype) = 0;
   // send: `count` elements; recv: size() blocks, block p from rank p.
   virtual void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) = 0;
   // send: size() blocks of `count`; recv: `count` = the sum over ranks of their block rank(). f32 or bf16
@@ -74,6 +93,7 @@ class Communicator {
   // The accounting for one call; backends call it once per collective, after it succeeded.
   void count(CollectiveKind kind, std::int64_t count, CommDType dtype,
              const std::vector<int>* dest = nullptr);
+  void count_cost(CollectiveKind kind, const CollectiveCost& cost);
 
  private:
   CollectiveCounters counters_;

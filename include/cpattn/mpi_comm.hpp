@@ -26,6 +26,8 @@ class MpiCommunicator final : public Communicator {
   void all_to_all_strided(const void* send, const BlockStrides& send_strides, void* recv,
                           const BlockStrides& recv_strides, const BlockShape& shape,
                           CommDType dtype) override;
+  void all_to_all_v(const void* send, const BlockList& send_blocks, void* recv, const BlockList& recv_blocks,
+                    CommDType dtype) override;
   void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
   void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
   void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
@@ -36,6 +38,11 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm comm() const { return comm_; }
 
  private:
+  CollectiveCost agree_on_blocks(const BlockList& send_blocks, const BlockList& recv_blocks, CommDType dtype,
+                                 bool& packed);
+  void exchange_packed(const void* send, const BlockList& send_blocks, void* recv,
+                       const BlockList& recv_blocks, CommDType dtype);
+
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   std::vector<unsigned char> gathered_;  // reduce_scatter's blocks from every rank, kept between calls

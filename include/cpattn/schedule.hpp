@@ -17,8 +17,11 @@ struct ScheduledCollective {
   CollectiveKind kind = CollectiveKind::all_to_all;
   std::string phase;       // forward, remat, backward
   std::string tensor;      // what moves: q, k, v, segment_ids, o, lse, d_out, dq, dk, dv
-  std::int64_t count = 0;  // elements per block, as the Communicator counts the call
+  std::int64_t count = 0;  // elements per block, as the Communicator counts the call (0 for all_to_all_v)
   CommDType dtype = CommDType::f32;
+  // An all_to_all_v (blocks of per-rank sizes): blocks[r][p] = the elements rank r sends rank p. Empty for
+  // every other call.
+  std::vector<std::vector<std::int64_t>> blocks;
   bool operator==(const ScheduledCollective&) const = default;
 };
 

@@ -11,6 +11,10 @@ void Communicator::count(CollectiveKind kind, std::int64_t count, CommDType dtyp
   counters_.record(kind, c);
 }
 
+void Communicator::count_cost(CollectiveKind kind, const CollectiveCost& cost) {
+  counters_.record(kind, cost);
+}
+
 void check_permutation(const std::vector<int>& dest, int size) {
   if (static_cast<int>(dest.size()) != size) {
     throw Error(ErrorKind::invalid_input, "dest", std::to_string(dest.size()),

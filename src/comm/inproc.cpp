@@ -13,7 +13,16 @@ namespace cpattn {
 
 namespace {
 
-enum class Call { all_to_all, all_to_all_strided, all_gather, reduce_scatter, permute, barrier, all_reduce };
+enum class Call {
+  all_to_all,
+  all_to_all_strided,
+  all_to_all_v,
+  all_gather,
+  reduce_scatter,
+  permute,
+  barrier,
+  all_reduce
+};
 
 const char* call_name(Call c) {
   switch (c) {
@@ -21,6 +30,8 @@ const char* call_name(Call c) {
       return "all_to_all";
     case Call::all_to_all_strided:
       return "all_to_all_strided";
+    case Call::all_to_all_v:
+      return "all_to_all_v";
     case Call::all_gather:
       return "all_gather";
     case Call::reduce_scatter:
@@ -47,7 +58,15 @@ struct Slot {
   // all_to_all_strided only.
   BlockShape shape;
   BlockStrides send_strides, recv_strides;
+  // all_to_all_v only: the blocks, and where the call's accounting goes.
+  const BlockList* send_blocks = nullptr;
+  const BlockList* recv_blocks = nullptr;
+  CollectiveCost* cost = nullptr;
 };
+
+std::string shape_text(const BlockShape& s) {
+  return std::to_string(s.outer) + "x" + std::to_string(s.inner) + " rows of " + std::to_string(s.row);
+}
 
 Slot make_slot(Call call, const void* send, void* recv, std::int64_t count, CommDType dtype,
                const std::vector<int>* dest = nullptr, ReduceOp op = ReduceOp::sum) {
@@ -67,8 +86,7 @@ std::string describe(const Slot& s) {
       std::string(call_name(s.call)) + "(count=" + std::to_string(s.count) + ", " + to_string(s.dtype);
   if (s.call == Call::all_reduce) d += ", op " + std::to_string(static_cast<int>(s.op));
   if (s.call == Call::all_to_all_strided) {
-    d += ", block " + std::to_string(s.shape.outer) + "x" + std::to_string(s.shape.inner) + " rows of " +
-         std::to_string(s.shape.row);
+    d += ", block " + shape_text(s.shape);
   }
   return d + ")";
 }
@@ -160,6 +178,18 @@ class InProcessCommunicator final : public Communicator {
     state_.collective(rank_, slot);
     this->count(CollectiveKind::all_to_all, shape.count(), dtype);
   }
+  void all_to_all_v(const void* send, const BlockList& send_blocks, void* recv, const BlockList& recv_blocks,
+                    CommDType dtype) override {
+    check_block_list(send_blocks, size(), "send");
+    check_block_list(recv_blocks, size(), "recv");
+    Slot slot = make_slot(Call::all_to_all_v, send, recv, 0, dtype);
+    CollectiveCost cost;
+    slot.send_blocks = &send_blocks;
+    slot.recv_blocks = &recv_blocks;
+    slot.cost = &cost;
+    state_.collective(rank_, slot);
+    count_cost(CollectiveKind::all_to_all, cost);
+  }
   void all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
     state_.collective(rank_, make_slot(Call::all_gather, send, recv, count, dtype));
     this->count(CollectiveKind::all_gather, count, dtype);
@@ -197,6 +227,27 @@ void sum_blocks(const std::vector<Slot>& slots, int rank, std::int64_t count, Co
   detail::sum_rank_blocks(blocks, count, dtype, out);
 }
 
+// all_to_all_v: what each rank sends each peer must be what the peer expects, checked over every pair so
+// that every rank reaches the same verdict; then the call's accounting.
+CollectiveCost check_variable_blocks(const std::vector<Slot>& slots, int rank) {
+  const int n = static_cast<int>(slots.size());
+  std::vector<std::vector<std::int64_t>> sent(static_cast<std::size_t>(n));
+  for (int p = 0; p < n; ++p) {
+    for (int q = 0; q < n; ++q) {
+      const BlockShape& out = slots[p].send_blocks->shape[q];
+      const BlockShape& in = slots[q].recv_blocks->shape[p];
+      if (!(out == in)) {
+        throw Error(ErrorKind::communication, "collective", "all_to_all_v",
+                    "collective mismatch (seen by rank " + std::to_string(rank) + "): in all_to_all_v rank " +
+                        std::to_string(p) + " sends rank " + std::to_string(q) + " a block of " +
+                        shape_text(out) + " but rank " + std::to_string(q) + " expects " + shape_text(in));
+      }
+      sent[p].push_back(out.count());
+    }
+  }
+  return all_to_all_v_cost(sent, comm_dtype_size(slots[rank].dtype));
+}
+
 }  // namespace
 
 void InProcessGroup::State::collective(int rank, const Slot& mine) {
@@ -224,7 +275,8 @@ void InProcessGroup::State::collective(int rank, const Slot& mine) {
   auto* recv = static_cast<unsigned char*>(mine.recv);
   // Empty collectives still rendezvous (every rank made the call), but move nothing: their buffers may be
   // null.
-  const bool empty = block == 0 && mine.call != Call::all_reduce && mine.call != Call::barrier;
+  const bool empty = block == 0 && mine.call != Call::all_reduce && mine.call != Call::barrier &&
+                     mine.call != Call::all_to_all_v;
   switch (empty ? Call::barrier : mine.call) {
     case Call::all_to_all:
       for (int p = 0; p < size; ++p) {
@@ -239,6 +291,18 @@ void InProcessGroup::State::collective(int rank, const Slot& mine) {
         copy_block(src, slots[p].send_strides,
                    recv + static_cast<std::size_t>(p * mine.recv_strides.block) * e, mine.recv_strides,
                    mine.shape, e);
+      }
+      break;
+    case Call::all_to_all_v:
+      *mine.cost = check_variable_blocks(slots, rank);
+      // Block `rank` of each peer's send list, straight into block p of this rank's receive list.
+      for (int p = 0; p < size; ++p) {
+        const BlockList& from = *slots[p].send_blocks;
+        const BlockList& to = *mine.recv_blocks;
+        copy_block(static_cast<const unsigned char*>(slots[p].send) +
+                       static_cast<std::size_t>(from.offset[rank]) * e,
+                   {0, from.outer, from.inner}, recv + static_cast<std::size_t>(to.offset[p]) * e,
+                   {0, to.outer, to.inner}, to.shape[p], e);
       }
       break;
     case Call::all_gather:

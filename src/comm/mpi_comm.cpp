@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -54,6 +55,28 @@ MPI_Datatype block_type(const BlockShape& shape, const BlockStrides& st, CommDTy
   MPI_Type_free(&inner);
   MPI_Type_free(&row);
   return outer;
+}
+
+// Whether MPI_Alltoallw's int byte displacements and int counts can describe these blocks.
+bool fits_alltoallw(const BlockList& send_blocks, const BlockList& recv_blocks, std::int64_t e) {
+  bool fits = true;
+  for (std::size_t p = 0; p < send_blocks.shape.size(); ++p) {
+    for (const BlockList* l : {&send_blocks, &recv_blocks}) {
+      const BlockShape& s = l->shape[p];
+      fits = fits && l->offset[p] * e <= INT_MAX && s.outer <= INT_MAX && s.inner <= INT_MAX &&
+             s.row <= INT_MAX && l->outer * e <= INT_MAX && l->inner * e <= INT_MAX;
+    }
+  }
+  return fits;
+}
+
+// CPATTN_MPI_PACKED_ALLTOALLV=1: all_to_all_v always takes its packed path (the tests run both paths).
+bool force_packed_alltoallv() {
+  static const bool forced = [] {
+    const char* v = std::getenv("CPATTN_MPI_PACKED_ALLTOALLV");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return forced;
 }
 
 }  // namespace
@@ -111,6 +134,122 @@ void MpiCommunicator::all_to_all_strided(const void* send, const BlockStrides& s
   MPI_Type_free(&recv_type);
   check(rc, "MPI_Alltoallw", rank_);
   this->count(CollectiveKind::all_to_all, shape.count(), dtype);
+}
+
+// Before any data moves: every rank hands each peer the shape it will send (an uncounted control exchange),
+// compares it with the shape it expects, and the verdict, the accounting's two maxima and the path (`packed`:
+// in, whether this rank needs the packed one; out, whether any rank does) are agreed by an all_reduce, so
+// that a disagreement is an error on every rank, not a truncated or short receive, and every rank takes one
+// path.
+CollectiveCost MpiCommunicator::agree_on_blocks(const BlockList& send_blocks, const BlockList& recv_blocks,
+                                                CommDType dtype, bool& packed) {
+  const auto n = static_cast<std::size_t>(size_);
+  std::vector<std::int64_t> mine(3 * n), theirs(3 * n);
+  std::int64_t operand = 0;
+  for (std::size_t p = 0; p < n; ++p) {
+    const BlockShape& s = send_blocks.shape[p];
+    mine[3 * p] = s.outer;
+    mine[3 * p + 1] = s.inner;
+    mine[3 * p + 2] = s.row;
+    operand += s.count();
+  }
+  check(MPI_Alltoall(mine.data(), 3, MPI_INT64_T, theirs.data(), 3, MPI_INT64_T, comm_), "MPI_Alltoall",
+        rank_);
+  std::string disagreement;
+  for (std::size_t p = 0; p < n && disagreement.empty(); ++p) {
+    const BlockShape got{theirs[3 * p], theirs[3 * p + 1], theirs[3 * p + 2]};
+    if (!(got == recv_blocks.shape[p])) {
+      disagreement = "rank " + std::to_string(p) + " sends rank " + std::to_string(rank_) + " a block of " +
+                     std::to_string(got.outer) + "x" + std::to_string(got.inner) + " rows of " +
+                     std::to_string(got.row) + " but rank " + std::to_string(rank_) + " expects " +
+                     std::to_string(recv_blocks.shape[p].outer) + "x" +
+                     std::to_string(recv_blocks.shape[p].inner) + " rows of " +
+                     std::to_string(recv_blocks.shape[p].row);
+    }
+  }
+  const std::int64_t e = static_cast<std::int64_t>(comm_dtype_size(dtype));
+  std::int64_t agreed[4] = {disagreement.empty() ? 0 : 1, operand * e,
+                            (operand - send_blocks.shape[rank_].count()) * e, packed ? 1 : 0};
+  all_reduce(agreed, 4, ReduceOp::max);
+  packed = agreed[3] != 0;
+  if (agreed[0] != 0) {
+    throw Error(ErrorKind::communication, "collective", "all_to_all_v",
+                "collective mismatch in all_to_all_v (rank " + std::to_string(rank_) + "): " +
+                    (disagreement.empty() ? std::string("another rank found block shapes that disagree")
+                                          : disagreement));
+  }
+  return {agreed[1], agreed[2]};
+}
+
+void MpiCommunicator::all_to_all_v(const void* send, const BlockList& send_blocks, void* recv,
+                                   const BlockList& recv_blocks, CommDType dtype) {
+  check_block_list(send_blocks, size_, "send");
+  check_block_list(recv_blocks, size_, "recv");
+  const auto e = static_cast<std::int64_t>(comm_dtype_size(dtype));
+  const auto n = static_cast<std::size_t>(size_);
+  // One derived datatype per block around MPI_Alltoallw when its int arguments can describe the blocks; else
+  // (or when CPATTN_MPI_PACKED_ALLTOALLV=1 forces it, for the tests) the blocks packed into contiguous
+  // buffers around MPI_Alltoallv.
+  bool packed = force_packed_alltoallv() || !fits_alltoallw(send_blocks, recv_blocks, e);
+  const CollectiveCost cost = agree_on_blocks(send_blocks, recv_blocks, dtype, packed);
+  if (!packed) {
+    std::vector<int> scounts(n), rcounts(n), sdispls(n), rdispls(n);
+    std::vector<MPI_Datatype> stypes(n, MPI_BYTE), rtypes(n, MPI_BYTE);
+    for (std::size_t p = 0; p < n; ++p) {
+      if (send_blocks.shape[p].count() > 0) {
+        stypes[p] = block_type(send_blocks.shape[p], {0, send_blocks.outer, send_blocks.inner}, dtype);
+        scounts[p] = 1;
+        sdispls[p] = static_cast<int>(send_blocks.offset[p] * e);
+      }
+      if (recv_blocks.shape[p].count() > 0) {
+        rtypes[p] = block_type(recv_blocks.shape[p], {0, recv_blocks.outer, recv_blocks.inner}, dtype);
+        rcounts[p] = 1;
+        rdispls[p] = static_cast<int>(recv_blocks.offset[p] * e);
+      }
+    }
+    const int rc = MPI_Alltoallw(send, scounts.data(), sdispls.data(), stypes.data(), recv, rcounts.data(),
+                                 rdispls.data(), rtypes.data(), comm_);
+    for (std::size_t p = 0; p < n; ++p) {
+      if (scounts[p] > 0) MPI_Type_free(&stypes[p]);
+      if (rcounts[p] > 0) MPI_Type_free(&rtypes[p]);
+    }
+    check(rc, "MPI_Alltoallw", rank_);
+  } else {
+    exchange_packed(send, send_blocks, recv, recv_blocks, dtype);
+  }
+  count_cost(CollectiveKind::all_to_all, cost);
+}
+
+void MpiCommunicator::exchange_packed(const void* send, const BlockList& send_blocks, void* recv,
+                                      const BlockList& recv_blocks, CommDType dtype) {
+  const auto e = static_cast<std::int64_t>(comm_dtype_size(dtype));
+  const auto n = static_cast<std::size_t>(size_);
+  std::vector<int> scounts(n), rcounts(n), sdispls(n), rdispls(n);
+  std::int64_t stotal = 0, rtotal = 0;
+  for (std::size_t p = 0; p < n; ++p) {
+    sdispls[p] = as_int(stotal, "all_to_all_v");
+    rdispls[p] = as_int(rtotal, "all_to_all_v");
+    scounts[p] = as_int(send_blocks.shape[p].count(), "all_to_all_v");
+    rcounts[p] = as_int(recv_blocks.shape[p].count(), "all_to_all_v");
+    stotal += scounts[p];
+    rtotal += rcounts[p];
+  }
+  std::vector<unsigned char> a(static_cast<std::size_t>(stotal * e)), b(static_cast<std::size_t>(rtotal * e));
+  for (std::size_t p = 0; p < n; ++p) {
+    const BlockShape& s = send_blocks.shape[p];
+    copy_block(static_cast<const unsigned char*>(send) + send_blocks.offset[p] * e,
+               {0, send_blocks.outer, send_blocks.inner}, a.data() + sdispls[p] * e,
+               {0, s.inner * s.row, s.row}, s, static_cast<std::size_t>(e));
+  }
+  check(MPI_Alltoallv(a.data(), scounts.data(), sdispls.data(), mpi_type(dtype), b.data(), rcounts.data(),
+                      rdispls.data(), mpi_type(dtype), comm_),
+        "MPI_Alltoallv", rank_);
+  for (std::size_t p = 0; p < n; ++p) {
+    const BlockShape& s = recv_blocks.shape[p];
+    copy_block(b.data() + rdispls[p] * e, {0, s.inner * s.row, s.row},
+               static_cast<unsigned char*>(recv) + recv_blocks.offset[p] * e,
+               {0, recv_blocks.outer, recv_blocks.inner}, s, static_cast<std::size_t>(e));
+  }
 }
 
 void MpiCommunicator::all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) {

@@ -1,5 +1,6 @@
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "cpattn/comm.hpp"
@@ -26,6 +27,26 @@ void check_block_layout(const BlockShape& shape, const BlockStrides& send, const
         ErrorKind::invalid_input, "shape",
         std::to_string(shape.outer) + "x" + std::to_string(shape.inner) + "x" + std::to_string(shape.row),
         "all_to_all_strided: the block's element count overflows int64");
+  }
+}
+
+void check_block_list(const BlockList& list, int ranks, const char* side) {
+  const std::string where = std::string("all_to_all_v: ") + side;
+  if (static_cast<int>(list.shape.size()) != ranks || static_cast<int>(list.offset.size()) != ranks) {
+    throw Error(ErrorKind::invalid_input, std::string(side) + ".shape",
+                std::to_string(list.shape.size()) + "," + std::to_string(list.offset.size()),
+                where + " lists " + std::to_string(list.shape.size()) + " shapes and " +
+                    std::to_string(list.offset.size()) + " offsets; expected one of each per rank (" +
+                    std::to_string(ranks) + ")");
+  }
+  const BlockStrides strides{0, list.outer, list.inner};
+  for (int p = 0; p < ranks; ++p) {
+    check_block_layout(list.shape[p], strides, strides);
+    if (list.offset[p] < 0) {
+      throw Error(ErrorKind::invalid_input, std::string(side) + ".offset", std::to_string(list.offset[p]),
+                  where + " offset of block " + std::to_string(p) + " = " + std::to_string(list.offset[p]) +
+                      " is negative (valid: >= 0)");
+    }
   }
 }
 

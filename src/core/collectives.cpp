@@ -1,5 +1,6 @@
 #include "cpattn/collectives.hpp"
 
+#include <algorithm>
 #include <mutex>
 
 namespace cpattn {
@@ -48,6 +49,20 @@ CollectiveCost collective_cost(CollectiveKind kind, std::int64_t count, std::siz
     any_moves = any_moves || ((*dest)[p] >= 0 && (*dest)[p] != static_cast<int>(p));
   }
   return {bytes, any_moves ? bytes : 0};
+}
+
+CollectiveCost all_to_all_v_cost(const std::vector<std::vector<std::int64_t>>& sent,
+                                 std::size_t element_size) {
+  const std::int64_t e = static_cast<std::int64_t>(element_size);
+  CollectiveCost cost;
+  for (std::size_t r = 0; r < sent.size(); ++r) {
+    std::int64_t operand = 0;
+    for (const std::int64_t n : sent[r]) operand += n;
+    const std::int64_t own = r < sent[r].size() ? sent[r][r] : 0;
+    cost.bytes = std::max(cost.bytes, operand * e);
+    cost.bytes_sent_per_rank = std::max(cost.bytes_sent_per_rank, (operand - own) * e);
+  }
+  return cost;
 }
 
 void add_to_records(std::vector<CollectiveRecord>& records, CollectiveKind kind, const std::string& phase,

@@ -158,17 +158,15 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
   if (ulysses && tp_divides) {
     // With tensor parallelism the ulysses rules apply to the heads one tp rank holds.
     const std::int64_t hq = a.num_q_heads / p.tp;
-    const std::int64_t hkv = a.num_kv_heads / p.tp;
     const std::string local = p.tp > 1 ? " per tp rank (heads / tp, tp=" + str(p.tp) + ")" : "";
-    if (hq % p.cp != 0) {
-      rules.add({"num_q_heads", "cp"}, str(hq),
-                "ulysses needs num_q_heads" + local + " (" + str(hq) + ") to be divisible by cp (" +
-                    str(p.cp) + ")");
-    }
-    if (hkv % p.cp != 0 && p.cp % hkv != 0) {
-      rules.add({"num_kv_heads", "cp"}, str(hkv),
-                "ulysses needs num_kv_heads" + local + " (" + str(hkv) + ") to divide cp (" + str(p.cp) +
-                    ") or be divisible by it");
+    // Any head counts (docs/design.md, "Head placement"): the q heads are split unevenly when
+    // cp does not divide them and each rank receives the kv heads its q heads read; a rank needs a q head.
+    if (p.cp > hq) {
+      rules.add(
+          {"cp", "num_q_heads"}, str(p.cp),
+          "ulysses needs cp (" + str(p.cp) + ") <= num_q_heads" + local + " (" + str(hq) +
+              "): every rank holds at least one q head; more ranks than q heads need the hybrid strategy "
+              "(ulysses inside a ring; planned, docs/design.md) or all_gather");
     }
   }
   return rules.take();

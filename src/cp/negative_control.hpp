@@ -9,9 +9,12 @@ namespace cpattn {
 
 enum class NegativeControl {
   none,
-  tiled_kv_order,         // ulysses: [kv0, kv1, kv0, kv1] instead of grouped
-  scaled_kv_grad_sum,     // ulysses: replica gradients summed and scaled by 1/rep
-  first_kv_replica_only,  // ulysses: one replica's gradient taken instead of the sum
+  tiled_kv_order,                  // ulysses: [kv0, kv1, kv0, kv1] instead of grouped
+  scaled_kv_grad_sum,              // ulysses: a kv head's contributions summed and scaled by 1/their number
+  first_kv_replica_only,           // ulysses: one rank's contribution taken instead of the sum
+  shifted_kv_set,                  // ulysses: a rank starting a q group receives the kv heads one on
+  extra_q_heads_on_highest_ranks,  // ulysses: the extra q heads on the highest ranks, the kv sets as if
+                                   // lowest
 };
 
 class ContextParallelInternals {

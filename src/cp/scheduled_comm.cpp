@@ -7,29 +7,52 @@ namespace cpattn::cp {
 void ScheduledCommunicator::expect(std::vector<ScheduledCollective> calls) {
   calls_ = std::move(calls);
   next_ = 0;
+  checking_ = true;
+}
+
+void ScheduledCommunicator::expect_anything() {
+  calls_.clear();
+  next_ = 0;
+  checking_ = false;
 }
 
 void ScheduledCommunicator::finish() {
-  if (next_ != calls_.size()) {
+  if (checking_ && next_ != calls_.size()) {
     throw Error(ErrorKind::internal, "schedule", calls_[next_].tensor,
                 "the strategy skipped its scheduled " + std::string(to_string(calls_[next_].kind)) + " of " +
                     calls_[next_].tensor + " (" + calls_[next_].phase + ")");
   }
 }
 
-void ScheduledCommunicator::check_next(CollectiveKind kind, std::int64_t count, CommDType dtype) {
+namespace {
+std::string list_text(const std::vector<std::int64_t>& v) {
+  std::string t = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + std::to_string(v[i]);
+  return t + "]";
+}
+}  // namespace
+
+void ScheduledCommunicator::check_next(CollectiveKind kind, std::int64_t count, CommDType dtype,
+                                       const std::vector<std::int64_t>* sends) {
+  if (!checking_) return;
   const std::string phase = group_.counters().phase();
-  const std::string issued = std::string(to_string(kind)) + " of " + std::to_string(count) + " " +
-                             to_string(dtype) + " (" + phase + ")";
+  const std::string amount = sends ? list_text(*sends) + " per rank" : std::to_string(count);
+  const std::string issued =
+      std::string(to_string(kind)) + " of " + amount + " " + to_string(dtype) + " (" + phase + ")";
   if (next_ >= calls_.size()) {
     throw Error(ErrorKind::internal, "schedule", issued, "the strategy issued an unscheduled " + issued);
   }
   const ScheduledCollective& want = calls_[next_];
-  if (want.kind != kind || want.count != count || want.dtype != dtype || want.phase != phase) {
+  const bool variable = !want.blocks.empty();
+  const bool same_amount = sends ? variable && want.blocks[static_cast<std::size_t>(rank())] == *sends
+                                 : !variable && want.count == count;
+  if (want.kind != kind || !same_amount || want.dtype != dtype || want.phase != phase) {
+    const std::string wanted = variable
+                                   ? list_text(want.blocks[static_cast<std::size_t>(rank())]) + " per rank"
+                                   : std::to_string(want.count);
     throw Error(ErrorKind::internal, "schedule", issued,
                 "the strategy issued " + issued + " where its schedule has " + to_string(want.kind) + " of " +
-                    want.tensor + ": " + std::to_string(want.count) + " " + to_string(want.dtype) + " (" +
-                    want.phase + ")");
+                    want.tensor + ": " + wanted + " " + to_string(want.dtype) + " (" + want.phase + ")");
   }
   ++next_;
 }
@@ -44,6 +67,14 @@ void ScheduledCommunicator::all_to_all_strided(const void* send, const BlockStri
                                                CommDType dtype) {
   check_next(CollectiveKind::all_to_all, shape.count(), dtype);
   group_.all_to_all_strided(send, send_strides, recv, recv_strides, shape, dtype);
+}
+
+void ScheduledCommunicator::all_to_all_v(const void* send, const BlockList& send_blocks, void* recv,
+                                         const BlockList& recv_blocks, CommDType dtype) {
+  std::vector<std::int64_t> sends;
+  for (const BlockShape& s : send_blocks.shape) sends.push_back(s.count());
+  check_next(CollectiveKind::all_to_all, 0, dtype, &sends);
+  group_.all_to_all_v(send, send_blocks, recv, recv_blocks, dtype);
 }
 
 void ScheduledCommunicator::all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) {

@@ -23,46 +23,68 @@ const unsigned char* row_ptr(const Tensor& t, std::int64_t b, std::int64_t s, st
 
 }  // namespace
 
-Tensor all_to_all_sequence_to_heads(Communicator& comm, const Tensor& x) {
+Tensor all_to_all_sequence_to_heads(Communicator& comm, const Tensor& x,
+                                    const std::vector<HeadRange>& heads) {
   const int cp = comm.size();
   const Shape4 s = x.shape();  // [B, S/cp, H, D]
-  CPATTN_ASSERT(s.h % cp == 0);
-  const std::int64_t hl = s.h / cp;
-  Tensor y(x.dtype(), {s.b, s.s * cp, hl, s.d});
-  // Block p of x: the heads of rank p, every token; block p of y: rank p's tokens, which are positions
-  // [p*S/cp, (p+1)*S/cp) (contiguous layout). One row = one token's hl heads.
-  const BlockShape shape{s.b, s.s, hl * s.d};
-  const BlockStrides from{hl * s.d, s.s * s.h * s.d, s.h * s.d};
-  const BlockStrides to{s.s * hl * s.d, s.s * cp * hl * s.d, hl * s.d};
-  comm.all_to_all_strided(x.raw(), from, y.raw(), to, shape, comm_dtype(x.dtype()));
+  const std::int64_t mine = heads[comm.rank()].size();
+  Tensor y(x.dtype(), {s.b, s.s * cp, mine, s.d});
+  // Send block p: rank p's heads of every local token; receive block p: this rank's heads of rank p's tokens,
+  // positions [p*S/cp, (p+1)*S/cp) (contiguous layout). One row = one token's heads.
+  BlockList from{{}, {}, s.s * s.h * s.d, s.h * s.d};
+  BlockList to{{}, {}, s.s * cp * mine * s.d, mine * s.d};
+  for (int p = 0; p < cp; ++p) {
+    from.shape.push_back({s.b, s.s, heads[p].size() * s.d});
+    from.offset.push_back(heads[p].begin * s.d);
+    to.shape.push_back({s.b, s.s, mine * s.d});
+    to.offset.push_back(p * s.s * mine * s.d);
+  }
+  comm.all_to_all_v(x.raw(), from, y.raw(), to, comm_dtype(x.dtype()));
   return y;
 }
 
-Tensor all_to_all_heads_to_sequence(Communicator& comm, const Tensor& y) {
+Tensor all_to_all_heads_to_sequence(Communicator& comm, const Tensor& y,
+                                    const std::vector<HeadRange>& heads) {
   const int cp = comm.size();
-  const Shape4 s = y.shape();  // [B, S, H/cp, D]
-  CPATTN_ASSERT(s.s % cp == 0);
+  const Shape4 s = y.shape();  // [B, S, n_r, D]
   const std::int64_t sl = s.s / cp;
-  Tensor x(y.dtype(), {s.b, sl, s.h * cp, s.d});
-  // Block p of y: rank p's tokens; block p of x: the heads that came from rank p.
-  const BlockShape shape{s.b, sl, s.h * s.d};
-  const BlockStrides from{sl * s.h * s.d, s.s * s.h * s.d, s.h * s.d};
-  const BlockStrides to{s.h * s.d, sl * s.h * cp * s.d, s.h * cp * s.d};
-  comm.all_to_all_strided(y.raw(), from, x.raw(), to, shape, comm_dtype(y.dtype()));
+  std::int64_t slots = 0;
+  for (const HeadRange& h : heads) slots += h.size();
+  Tensor x(y.dtype(), {s.b, sl, slots, s.d});
+  // Send block p: this rank's heads of rank p's tokens; receive block p: rank p's heads, at slots
+  // [sum_{v<p} n_v, ...) of every local token.
+  BlockList from{{}, {}, s.s * s.h * s.d, s.h * s.d};
+  BlockList to{{}, {}, sl * slots * s.d, slots * s.d};
+  std::int64_t slot = 0;
+  for (int p = 0; p < cp; ++p) {
+    from.shape.push_back({s.b, sl, s.h * s.d});
+    from.offset.push_back(p * sl * s.h * s.d);
+    to.shape.push_back({s.b, sl, heads[p].size() * s.d});
+    to.offset.push_back(slot * s.d);
+    slot += heads[p].size();
+  }
+  comm.all_to_all_v(y.raw(), from, x.raw(), to, comm_dtype(y.dtype()));
   return x;
 }
 
 std::vector<float> all_to_all_lse_heads_to_sequence(Communicator& comm, const std::vector<float>& lse,
-                                                    std::int64_t batch, std::int64_t local_heads,
-                                                    std::int64_t seq) {
+                                                    std::int64_t batch, std::int64_t seq,
+                                                    const std::vector<HeadRange>& heads) {
   const int cp = comm.size();
-  const std::int64_t sl = seq / cp;
-  std::vector<float> out(static_cast<std::size_t>(batch * local_heads * seq));
-  // lse: [B, H/cp, S] -> out: [B, H, S/cp]; one row = one head's sl positions.
-  const BlockShape shape{batch, local_heads, sl};
-  const BlockStrides from{sl, local_heads * seq, seq};
-  const BlockStrides to{local_heads * sl, local_heads * cp * sl, sl};
-  comm.all_to_all_strided(lse.data(), from, out.data(), to, shape, CommDType::f32);
+  const std::int64_t sl = seq / cp, mine = heads[comm.rank()].size();
+  std::int64_t total = 0;
+  for (const HeadRange& h : heads) total += h.size();
+  std::vector<float> out(static_cast<std::size_t>(batch * total * sl));
+  // lse: [B, n_r, S] -> out: [B, H, S/cp]; one row = one head's sl positions.
+  BlockList from{{}, {}, mine * seq, seq};
+  BlockList to{{}, {}, total * sl, sl};
+  for (int p = 0; p < cp; ++p) {
+    from.shape.push_back({batch, mine, sl});
+    from.offset.push_back(p * sl);
+    to.shape.push_back({batch, heads[p].size(), sl});
+    to.offset.push_back(heads[p].begin * sl);
+  }
+  comm.all_to_all_v(lse.data(), from, out.data(), to, CommDType::f32);
   return out;
 }
 

@@ -6,19 +6,22 @@
 #include <vector>
 
 #include "cpattn/comm.hpp"
+#include "cpattn/placement.hpp"
 #include "cpattn/sequence_layout.hpp"
 #include "cpattn/tensor.hpp"
 
 namespace cpattn::cp {
 
-// x: [B, S/cp, H, D] contiguous shard -> [B, S, H/cp, D]: this rank's heads for the whole sequence.
-Tensor all_to_all_sequence_to_heads(Communicator& comm, const Tensor& x);
-// y: [B, S, H/cp, D] -> [B, S/cp, H, D]: every head for this rank's tokens.
-Tensor all_to_all_heads_to_sequence(Communicator& comm, const Tensor& y);
-// lse: [B, H/cp, S] -> [B, H, S/cp].
+// The ulysses swaps over any head placement (placement.hpp); heads[p] is rank p's contiguous range.
+// x: [B, S/cp, H, D] contiguous shard -> [B, S, n_r, D]: this rank's heads heads[r] for the whole sequence.
+Tensor all_to_all_sequence_to_heads(Communicator& comm, const Tensor& x, const std::vector<HeadRange>& heads);
+// y: [B, S, n_r, D] -> [B, S/cp, sum_p n_p, D]: every rank's heads for this rank's tokens, rank p's at slots
+// [sum_{v<p} n_v, ...). For ranges that tile [0, H) in order that is [B, S/cp, H, D].
+Tensor all_to_all_heads_to_sequence(Communicator& comm, const Tensor& y, const std::vector<HeadRange>& heads);
+// lse: [B, n_r, S] -> [B, H, S/cp], for ranges that tile [0, H) in order.
 std::vector<float> all_to_all_lse_heads_to_sequence(Communicator& comm, const std::vector<float>& lse,
-                                                    std::int64_t batch, std::int64_t local_heads,
-                                                    std::int64_t seq);
+                                                    std::int64_t batch, std::int64_t seq,
+                                                    const std::vector<HeadRange>& heads);
 
 // x: [B, S/cp, H, D] -> [B, S, H, D] in natural (global position) order.
 Tensor all_gather_sequence(Communicator& comm, const Tensor& x, const RankPositions& positions);

@@ -1,10 +1,11 @@
-// ulysses: all-to-all from sequence shards [B, S/cp, H, D] to head shards [B, S, H/cp, D]; the kernel runs
-// locally over the whole sequence; O and LSE come back by the reverse all-to-all. When Hkv < cp the kv heads
-// are first repeated rep = cp/Hkv times in grouped order ([kv0, kv0, kv1, kv1] at Hkv=2, cp=4), so rank r
-// holds kv head r/rep: exactly the one its q heads [r*Hq/cp, (r+1)*Hq/cp) read. In backward each replica's
-// gradient holds its own q heads' contribution; the rep replicas are summed back onto their head (the
-// transpose of the repeat; no 1/rep factor).
-#include <cstring>
+// ulysses for any head counts (docs/design.md, "Head placement"): variable all-to-alls from
+// sequence shards [B, S/cp, H, D] to head shards [B, S, n_r, D], rank r holding its q heads q[r] and exactly
+// the kv heads they read, kv[r] (placement.hpp; at Hq=32, Hkv=2, cp=4 that is the seed's grouped replication
+// [kv0, kv0, kv1, kv1]). The kernel runs locally over the whole sequence; O and LSE come back by the reverse
+// all-to-all. In backward each rank's dK/dV of kv[r] holds its own q heads' contribution; they travel back as
+// fp32 and each kv head's contributions are summed on arrival in rank order (the transpose of the fan-out; no
+// 1/replication factor).
+#include <algorithm>
 
 #include "context_parallel_impl.hpp"
 #include "cpattn/placement.hpp"
@@ -14,26 +15,78 @@ namespace cpattn {
 
 namespace {
 
-// x: [B, S/cp, Hkv, D] -> [B, S/cp, Hkv*rep, D], slot s holding kv head order[s].
-Tensor repeat_heads(const Tensor& x, const std::vector<std::int64_t>& order) {
-  const Shape4 s = x.shape();
-  const std::int64_t slots = static_cast<std::int64_t>(order.size());
-  Tensor y(x.dtype(), {s.b, s.s, slots, s.d});
-  const std::size_t run = static_cast<std::size_t>(s.d) * dtype_size(x.dtype());
-  const auto* src = static_cast<const unsigned char*>(x.raw());
-  auto* dst = static_cast<unsigned char*>(y.raw());
-  for (std::int64_t bt = 0; bt < s.b * s.s; ++bt) {
-    for (std::int64_t slot = 0; slot < slots; ++slot) {
-      std::memcpy(dst + (bt * slots + slot) * run, src + (bt * s.h + order[slot]) * run, run);
+// The placement a run uses: ulysses_heads, or one of the negative controls' wrong ones.
+UlyssesHeads run_placement(std::int64_t hq, std::int64_t hkv, std::int64_t cp, NegativeControl control) {
+  UlyssesHeads u = ulysses_heads(hq, hkv, cp);
+  const std::int64_t group = hq / hkv;
+  switch (control) {
+    case NegativeControl::tiled_kv_order:  // slot r of [kv0, kv1, kv0, kv1] where each rank has one kv head
+      if (std::all_of(u.kv.begin(), u.kv.end(), [](const HeadRange& r) { return r.size() == 1; })) {
+        for (std::int64_t r = 0; r < cp; ++r) u.kv[r] = {r % hkv, r % hkv + 1};
+      }
+      break;
+    case NegativeControl::shifted_kv_set:  // a rank starting a q group receives the kv set one head on
+      for (std::int64_t r = 0; r < cp; ++r) {
+        if (u.q[r].begin % group == 0 && u.kv[r].end < hkv) u.kv[r] = {u.kv[r].begin + 1, u.kv[r].end + 1};
+      }
+      break;
+    case NegativeControl::extra_q_heads_on_highest_ranks: {  // q ranges reversed, kv sets as computed
+      const std::vector<HeadRange> computed = u.q;
+      std::int64_t begin = 0;
+      for (std::int64_t r = 0; r < cp; ++r) {
+        const std::int64_t n = computed[cp - 1 - r].size();
+        u.q[r] = {begin, begin + n};
+        begin += n;
+      }
+      break;
     }
+    default:
+      break;
   }
-  return y;
+  return u;
 }
 
-// g: [B, S/cp, slots, D] fp32 replica gradients -> [B, S/cp, Hkv, D]: for each head the sum over its slots in
-// slot order (the transpose of repeat_heads), or one of the wrong variants kept as negative controls.
-Tensor sum_replicas(const Tensor& g, const std::vector<std::int64_t>& order, std::int64_t hkv,
-                    std::int64_t rep, NegativeControl control) {
+// Local q heads [q0, q0 + nq) against local kv heads [kv0, kv0 + nkv) in one kernel call.
+struct KernelCall {
+  std::int64_t q0, nq, kv0, nkv;
+};
+
+// q head h reads local kv slot h / G - first(kv) (clamped, so that a wrong placement reads a wrong head
+// rather than out of bounds). One call when the local q heads map onto the local kv heads uniformly (the
+// kernel's own GQA map); otherwise one call per local kv head with the run of q heads that read it (Hq=24,
+// Hkv=3, cp=4: rank 1 has q heads 6..11, two on kv 0 and four on kv 1). Either keeps each row's arithmetic.
+std::vector<KernelCall> kernel_calls(const HeadRange& q, const HeadRange& kv, std::int64_t group) {
+  const std::int64_t n = q.size(), nkv = kv.size();
+  auto slot = [&](std::int64_t i) {
+    return std::clamp((q.begin + i) / group - kv.begin, std::int64_t{0}, nkv - 1);
+  };
+  bool uniform = n % nkv == 0;
+  for (std::int64_t i = 0; i < n && uniform; ++i) uniform = slot(i) == i / (n / nkv);
+  if (uniform) return {{0, n, 0, nkv}};
+  std::vector<KernelCall> calls;
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (calls.empty() || calls.back().kv0 != slot(i)) {
+      calls.push_back({i, 0, slot(i), 1});
+    }
+    ++calls.back().nq;
+  }
+  return calls;
+}
+
+// lse rows [B, n, S] <-> a call's [B, nq, S] (from q0 on).
+void copy_lse_rows(const float* from, std::int64_t from_heads, std::int64_t from_h0, float* to,
+                   std::int64_t to_heads, std::int64_t to_h0, std::int64_t batch, std::int64_t heads,
+                   std::int64_t seq) {
+  for (std::int64_t b = 0; b < batch; ++b) {
+    std::copy_n(from + (b * from_heads + from_h0) * seq, heads * seq, to + (b * to_heads + to_h0) * seq);
+  }
+}
+
+// g: [B, S/cp, slots, D] fp32, slot s holding a contribution to kv head order[s] -> [B, S/cp, Hkv, D]: for
+// each head the sum of its contributions in slot (= rank) order, or one of the wrong variants kept as
+// negative controls.
+Tensor sum_contributions(const Tensor& g, const std::vector<std::int64_t>& order, std::int64_t hkv,
+                         NegativeControl control) {
   const Shape4 s = g.shape();
   Tensor out(DType::f32, {s.b, s.s, hkv, s.d});
   const float* src = g.data<float>();
@@ -43,35 +96,51 @@ Tensor sum_replicas(const Tensor& g, const std::vector<std::int64_t>& order, std
     std::fill(taken.begin(), taken.end(), 0);
     for (std::int64_t slot = 0; slot < s.h; ++slot) {
       const std::int64_t h = order[slot];
-      if (control == NegativeControl::first_kv_replica_only && taken[h]++ > 0) continue;
+      if (control == NegativeControl::first_kv_replica_only && taken[h] > 0) continue;
+      ++taken[h];
       float* o = dst + (bt * hkv + h) * s.d;
       const float* i = src + (bt * s.h + slot) * s.d;
       for (std::int64_t d = 0; d < s.d; ++d) o[d] += i[d];
     }
-  }
-  if (control == NegativeControl::scaled_kv_grad_sum) {
-    const float f = 1.0f / static_cast<float>(rep);
-    for (std::int64_t i = 0; i < out.numel(); ++i) dst[i] *= f;
+    if (control == NegativeControl::scaled_kv_grad_sum) {
+      for (std::int64_t h = 0; h < hkv; ++h) {
+        float* o = dst + (bt * hkv + h) * s.d;
+        for (std::int64_t d = 0; d < s.d; ++d) o[d] *= 1.0f / static_cast<float>(std::max(taken[h], 1));
+      }
+    }
   }
   return out;
 }
 
-}  // namespace
-
-namespace {
+bool is_identity(const std::vector<std::int64_t>& order) {
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    if (order[i] != static_cast<std::int64_t>(i)) return false;
+  }
+  return true;
+}
 
 struct HeadSharded {
-  Tensor q, k, v;  // [B, S, Hq/cp, D], [B, S, slots/cp, D]
+  Tensor q, k, v;  // [B, S, n_r, D], [B, S, nkv_r, D]
 };
 
 HeadSharded to_heads(Communicator& comm, const Tensor& q, const Tensor& k, const Tensor& v,
-                     const std::vector<std::int64_t>& order) {
-  const bool replicate = static_cast<std::int64_t>(order.size()) != k.shape().h;
+                     const UlyssesHeads& u) {
   HeadSharded h;
-  h.q = cp::all_to_all_sequence_to_heads(comm, q);
-  h.k = cp::all_to_all_sequence_to_heads(comm, replicate ? repeat_heads(k, order) : k);
-  h.v = cp::all_to_all_sequence_to_heads(comm, replicate ? repeat_heads(v, order) : v);
+  h.q = cp::all_to_all_sequence_to_heads(comm, q, u.q);
+  h.k = cp::all_to_all_sequence_to_heads(comm, k, u.kv);
+  h.v = cp::all_to_all_sequence_to_heads(comm, v, u.kv);
   return h;
+}
+
+// Adds a call's tile counts (per_head [B, nq]) into the rank's ([B, n]).
+void add_tiles(TileCounts& into, const TileCounts& call, std::int64_t batch, std::int64_t n,
+               const KernelCall& c) {
+  if (into.per_head.empty()) into.per_head.assign(static_cast<std::size_t>(batch * n), 0);
+  for (std::int64_t b = 0; b < batch; ++b) {
+    for (std::int64_t i = 0; i < c.nq; ++i) into.per_head[b * n + c.q0 + i] += call.per_head[b * c.nq + i];
+  }
+  into.full += call.full;
+  into.partial += call.partial;
 }
 
 }  // namespace
@@ -79,23 +148,35 @@ HeadSharded to_heads(Communicator& comm, const Tensor& q, const Tensor& k, const
 AttentionOutput ContextParallelAttention::Impl::ulysses_forward(const Tensor& q, const Tensor& k,
                                                                 const Tensor& v, bool forward_only) {
   const std::int64_t B = attention.batch, S = attention.seq_len;
-  const std::int64_t rep = kv_replication_factor(hkv, cp);
-  const auto order = negative_control == NegativeControl::tiled_kv_order ? tiled_repeat_heads(hkv, rep)
-                                                                         : grouped_repeat_heads(hkv, rep);
-  HeadSharded h = to_heads(comm, q, k, v, order);
+  const UlyssesHeads u = run_placement(hq, hkv, cp, negative_control);
+  HeadSharded h = to_heads(comm, q, k, v, u);
   std::vector<std::int32_t> seg_full;
   if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, B, positions);
 
   const auto pos = natural_positions(B, S);
-  const std::int64_t local_heads = hq / cp;
+  const AttentionMask m = mask(pos, pos, seg_full, seg_full);
+  const std::int64_t n = u.q[rank].size();
   Tensor o_heads(attention.dtype, h.q.shape());
-  std::vector<float> lse_heads(static_cast<std::size_t>(B * local_heads * S));
-  flash_forward(cref(h.q), cref(h.k), cref(h.v), mask(pos, pos, seg_full, seg_full), attention.scale(),
-                kernel_config(), ref(o_heads), lse_heads.data(), &tiles);
+  std::vector<float> lse_heads(static_cast<std::size_t>(B * n * S));
+  const auto calls = kernel_calls(u.q[rank], u.kv[rank], hq / hkv);
+  if (calls.size() == 1 && calls[0].nkv == u.kv[rank].size()) {  // every local head in one call
+    flash_forward(cref(h.q), cref(h.k), cref(h.v), m, attention.scale(), kernel_config(), ref(o_heads),
+                  lse_heads.data(), &tiles);
+  } else {
+    tiles = TileCounts{};
+    for (const KernelCall& c : calls) {
+      std::vector<float> lse(static_cast<std::size_t>(B * c.nq * S));
+      TileCounts t;
+      flash_forward(cref(h.q).heads(c.q0, c.nq), cref(h.k).heads(c.kv0, c.nkv), cref(h.v).heads(c.kv0, c.nkv),
+                    m, attention.scale(), kernel_config(), ref(o_heads).heads(c.q0, c.nq), lse.data(), &t);
+      copy_lse_rows(lse.data(), c.nq, 0, lse_heads.data(), n, c.q0, B, c.nq, S);
+      add_tiles(tiles, t, B, n, c);
+    }
+  }
 
   AttentionOutput out;
-  out.o = cp::all_to_all_heads_to_sequence(comm, o_heads);
-  out.lse = cp::all_to_all_lse_heads_to_sequence(comm, lse_heads, B, local_heads, S);
+  out.o = cp::all_to_all_heads_to_sequence(comm, o_heads, u.q);
+  out.lse = cp::all_to_all_lse_heads_to_sequence(comm, lse_heads, B, S, u.q);
   if (!forward_only) {
     Saved s;
     if (options.remat) {
@@ -118,35 +199,45 @@ AttentionOutput ContextParallelAttention::Impl::ulysses_forward(const Tensor& q,
 AttentionGradients ContextParallelAttention::Impl::ulysses_backward(const Tensor& d_out) {
   Saved& s = *saved;
   const std::int64_t B = attention.batch, S = attention.seq_len;
-  const std::int64_t rep = kv_replication_factor(hkv, cp);
-  const auto order = negative_control == NegativeControl::tiled_kv_order ? tiled_repeat_heads(hkv, rep)
-                                                                         : grouped_repeat_heads(hkv, rep);
-  Tensor do_heads = cp::all_to_all_sequence_to_heads(comm, d_out);
+  const UlyssesHeads u = run_placement(hq, hkv, cp, negative_control);
+  Tensor do_heads = cp::all_to_all_sequence_to_heads(comm, d_out, u.q);
   HeadSharded h;
   if (options.remat) {
     CollectiveCounters::PhaseScope phase(group.counters(), "remat");
-    h = to_heads(comm, s.q, s.k, s.v, order);
+    h = to_heads(comm, s.q, s.k, s.v, u);
   }
   const Tensor& q = options.remat ? h.q : s.q;
   const Tensor& k = options.remat ? h.k : s.k;
   const Tensor& v = options.remat ? h.v : s.v;
 
   const auto pos = natural_positions(B, S);
+  const AttentionMask m = mask(pos, pos, s.seg_full, s.seg_full);
+  const std::int64_t n = u.q[rank].size();
   Tensor dq_heads(attention.dtype, q.shape());
   Tensor dk_heads(DType::f32, k.shape()), dv_heads(DType::f32, v.shape());
-  flash_backward(cref(q), cref(k), cref(v), cref(s.o), s.lse.data(), cref(do_heads),
-                 mask(pos, pos, s.seg_full, s.seg_full), attention.scale(), kernel_config(), ref(dq_heads),
-                 ref(dk_heads), ref(dv_heads));
+  for (const KernelCall& c : kernel_calls(u.q[rank], u.kv[rank], hq / hkv)) {
+    const bool all = c.nq == n;
+    std::vector<float> lse;
+    if (!all) {
+      lse.resize(static_cast<std::size_t>(B * c.nq * S));
+      copy_lse_rows(s.lse.data(), n, c.q0, lse.data(), c.nq, 0, B, c.nq, S);
+    }
+    flash_backward(cref(q).heads(c.q0, c.nq), cref(k).heads(c.kv0, c.nkv), cref(v).heads(c.kv0, c.nkv),
+                   cref(s.o).heads(c.q0, c.nq), all ? s.lse.data() : lse.data(),
+                   cref(do_heads).heads(c.q0, c.nq), m, attention.scale(), kernel_config(),
+                   ref(dq_heads).heads(c.q0, c.nq), ref(dk_heads).heads(c.kv0, c.nkv),
+                   ref(dv_heads).heads(c.kv0, c.nkv));
+  }
 
   AttentionGradients g;
-  g.dq = cp::all_to_all_heads_to_sequence(comm, dq_heads);
-  // [B, S, slots/cp, D] fp32 -> [B, S/cp, slots, D] -> [B, S/cp, Hkv, D]
-  const Tensor dk_rep = cp::all_to_all_heads_to_sequence(comm, dk_heads);
-  const Tensor dv_rep = cp::all_to_all_heads_to_sequence(comm, dv_heads);
-  const bool replicated = static_cast<std::int64_t>(order.size()) != hkv;
-  const NegativeControl control = negative_control;
-  g.dk = (replicated ? sum_replicas(dk_rep, order, hkv, rep, control) : dk_rep).to(attention.dtype);
-  g.dv = (replicated ? sum_replicas(dv_rep, order, hkv, rep, control) : dv_rep).to(attention.dtype);
+  g.dq = cp::all_to_all_heads_to_sequence(comm, dq_heads, u.q);
+  // [B, S, nkv_r, D] fp32 -> [B, S/cp, sum_r nkv_r, D] -> [B, S/cp, Hkv, D]
+  const Tensor dk_all = cp::all_to_all_heads_to_sequence(comm, dk_heads, u.kv);
+  const Tensor dv_all = cp::all_to_all_heads_to_sequence(comm, dv_heads, u.kv);
+  const std::vector<std::int64_t> order = u.kv_head_order();
+  const bool shared = !is_identity(order) || static_cast<std::int64_t>(order.size()) != hkv;
+  g.dk = (shared ? sum_contributions(dk_all, order, hkv, negative_control) : dk_all).to(attention.dtype);
+  g.dv = (shared ? sum_contributions(dv_all, order, hkv, negative_control) : dv_all).to(attention.dtype);
   return g;
 }
 

@@ -6,33 +6,52 @@ namespace cpattn {
 
 namespace {
 
-// q: [B, S/cp, Hq, D] <-> [B, S, Hq/cp, D]; k, v: [B, S/cp, Hkv*rep, D] <-> [B, S, Hkv*rep/cp, D] (grouped
-// replication when Hkv < cp); the all_to_all's block is what one rank sends one peer.
+// The all_to_all_v of a ulysses swap: rank r sends rank p `elements(r, p)`.
+template <class F>
+ScheduledCollective variable(const char* phase, const char* tensor, CommDType dtype, std::int64_t cp,
+                             F elements) {
+  ScheduledCollective c{CollectiveKind::all_to_all, phase, tensor, 0, dtype, {}};
+  for (std::int64_t r = 0; r < cp; ++r) {
+    c.blocks.emplace_back();
+    for (std::int64_t p = 0; p < cp; ++p) c.blocks.back().push_back(elements(r, p));
+  }
+  return c;
+}
+
+// Any head counts (placement.hpp): q, d_out: [B, S/cp, Hq, D] -> [B, S, n_u, D], rank r sending rank p the
+// p's q heads of its tokens; k, v: [B, S/cp, Hkv, D] -> [B, S, nkv_u, D] likewise with KV(p); o, dq (and the
+// lse [B, n_u, S] -> [B, Hq, S/cp]) back, rank r sending its own heads of p's tokens; dk, dv: fp32
+// [B, S, nkv_u, D] -> [B, S/cp, sum_u nkv_u, D], each kv head's contributions summed on arrival.
 StrategySchedule ulysses_schedule(const AttentionSpec& a, const ParallelSpec& p, const ScheduleOptions& o) {
   const std::int64_t cp = p.cp, B = a.batch, D = a.head_dim, sl = a.seq_len / cp;
-  const std::int64_t hq = a.num_q_heads / p.tp, hkv = a.num_kv_heads / p.tp;
-  const std::int64_t slots = hkv * kv_replication_factor(hkv, cp);
-  const std::int64_t q = B * sl * (hq / cp) * D, kv = B * sl * (slots / cp) * D;
-  const CommDType e = comm_dtype(a.dtype);
-  using K = CollectiveKind;
+  const UlyssesHeads u = ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, cp);
+  const CommDType e = comm_dtype(a.dtype), f32 = CommDType::f32;
+  auto to_heads = [&](const char* phase, const char* tensor, CommDType t, const std::vector<HeadRange>& h) {
+    return variable(phase, tensor, t, cp,
+                    [&](std::int64_t, std::int64_t q) { return B * sl * h[q].size() * D; });
+  };
+  auto to_sequence = [&](const char* phase, const char* tensor, CommDType t, const std::vector<HeadRange>& h,
+                         std::int64_t row) {
+    return variable(phase, tensor, t, cp,
+                    [&](std::int64_t r, std::int64_t) { return B * sl * h[r].size() * row; });
+  };
   StrategySchedule s;
-  s.forward = {{K::all_to_all, "forward", "q", q, e},
-               {K::all_to_all, "forward", "k", kv, e},
-               {K::all_to_all, "forward", "v", kv, e}};
-  if (o.packed) s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32});
-  s.forward.push_back({K::all_to_all, "forward", "o", q, e});
-  s.forward.push_back({K::all_to_all, "forward", "lse", B * (hq / cp) * sl, CommDType::f32});
+  s.forward = {to_heads("forward", "q", e, u.q), to_heads("forward", "k", e, u.kv),
+               to_heads("forward", "v", e, u.kv)};
+  if (o.packed)
+    s.forward.push_back({CollectiveKind::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}});
+  s.forward.push_back(to_sequence("forward", "o", e, u.q, D));
+  s.forward.push_back(to_sequence("forward", "lse", f32, u.q, 1));
 
-  s.backward = {{K::all_to_all, "backward", "d_out", q, e}};
+  s.backward = {to_heads("backward", "d_out", e, u.q)};
   if (o.remat) {
-    s.backward.push_back({K::all_to_all, "remat", "q", q, e});
-    s.backward.push_back({K::all_to_all, "remat", "k", kv, e});
-    s.backward.push_back({K::all_to_all, "remat", "v", kv, e});
+    s.backward.push_back(to_heads("remat", "q", e, u.q));
+    s.backward.push_back(to_heads("remat", "k", e, u.kv));
+    s.backward.push_back(to_heads("remat", "v", e, u.kv));
   }
-  // dK/dV travel as fp32 replica gradients, summed on their owner.
-  s.backward.push_back({K::all_to_all, "backward", "dq", q, e});
-  s.backward.push_back({K::all_to_all, "backward", "dk", kv, CommDType::f32});
-  s.backward.push_back({K::all_to_all, "backward", "dv", kv, CommDType::f32});
+  s.backward.push_back(to_sequence("backward", "dq", e, u.q, D));
+  s.backward.push_back(to_sequence("backward", "dk", f32, u.kv, D));
+  s.backward.push_back(to_sequence("backward", "dv", f32, u.kv, D));
   return s;
 }
 
@@ -44,14 +63,14 @@ StrategySchedule all_gather_schedule(const AttentionSpec& a, const ParallelSpec&
   const CommDType e = comm_dtype(a.dtype);
   using K = CollectiveKind;
   StrategySchedule s;
-  s.forward = {{K::all_gather, "forward", "k", kv, e}, {K::all_gather, "forward", "v", kv, e}};
-  if (o.packed) s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32});
+  s.forward = {{K::all_gather, "forward", "k", kv, e, {}}, {K::all_gather, "forward", "v", kv, e, {}}};
+  if (o.packed) s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}});
   if (o.remat) {
-    s.backward.push_back({K::all_gather, "remat", "k", kv, e});
-    s.backward.push_back({K::all_gather, "remat", "v", kv, e});
+    s.backward.push_back({K::all_gather, "remat", "k", kv, e, {}});
+    s.backward.push_back({K::all_gather, "remat", "v", kv, e, {}});
   }
-  s.backward.push_back({K::reduce_scatter, "backward", "dk", kv, CommDType::f32});
-  s.backward.push_back({K::reduce_scatter, "backward", "dv", kv, CommDType::f32});
+  s.backward.push_back({K::reduce_scatter, "backward", "dk", kv, CommDType::f32, {}});
+  s.backward.push_back({K::reduce_scatter, "backward", "dv", kv, CommDType::f32, {}});
   return s;
 }
 
@@ -72,8 +91,10 @@ std::vector<CollectiveRecord> scheduled_records(const StrategySchedule& schedule
   std::vector<CollectiveRecord> records;
   for (const auto* calls : {&schedule.forward, &schedule.backward}) {
     for (const ScheduledCollective& c : *calls) {
+      const std::size_t e = comm_dtype_size(c.dtype);
       add_to_records(records, c.kind, c.phase,
-                     collective_cost(c.kind, c.count, comm_dtype_size(c.dtype), static_cast<int>(cp)));
+                     c.blocks.empty() ? collective_cost(c.kind, c.count, e, static_cast<int>(cp))
+                                      : all_to_all_v_cost(c.blocks, e));
     }
   }
   return records;

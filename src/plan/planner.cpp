@@ -17,6 +17,12 @@ const std::vector<ModelPreset>& model_presets() {
       {{"qwen3.5-397b-a17b", 4096, 60, 4}, 32, 2, 256},
       {{"qwen3-next-80b-a3b", 2048, 48, 4}, 16, 2, 256},
       {{"llama3-70b", 8192, 80, 1}, 64, 8, 128},
+      // Their config.json (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head
+      // dim): head counts that cp = 8 or 16 does not divide, which ulysses takes unevenly.
+      {{"qwen2.5-7b", 3584, 28, 1}, 28, 4, 128},
+      {{"qwen2.5-32b", 5120, 64, 1}, 40, 8, 128},
+      {{"phi-3-medium", 5120, 40, 1}, 40, 10, 128},
+      {{"llama3-8b", 4096, 32, 1}, 32, 8, 128},
   };
   return presets;
 }
@@ -126,8 +132,10 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   // Tiles on the block grid, with the kernel's classification.
   const std::vector<std::int32_t> natural = natural_positions(1, S);
   const std::vector<std::int32_t> segments = segment_ids_from_lengths(1, req.segments);
-  const std::int64_t local_heads = strategy == Strategy::ulysses ? hq / cp : hq;
+  // ulysses: rank r computes its n_r q heads over the whole sequence (uneven when cp does not divide Hq).
+  const UlyssesHeads heads = strategy == Strategy::ulysses ? ulysses_heads(hq, hkv, cp) : UlyssesHeads{};
   for (std::int64_t r = 0; r < cp; ++r) {
+    const std::int64_t local_heads = strategy == Strategy::ulysses ? heads.q[r].size() : hq;
     std::int64_t per_head;
     if (strategy == Strategy::ulysses) {
       per_head = count_tiles(natural, segments, natural, segments, a.causal, req.block);
@@ -149,11 +157,15 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   // Memory: what forward keeps for backward, and the K/V the kernel reads.
   const std::int64_t seg_bytes = packed ? B * sl * 4 + B * S * 4 : 0;
   if (strategy == Strategy::ulysses) {
-    const std::int64_t slots = hkv * kv_replication_factor(hkv, cp);
-    const std::int64_t q_heads = B * S * (hq / cp) * D * E, kv_heads = 2 * B * S * (slots / cp) * D * E;
-    const std::int64_t inputs = req.remat ? B * sl * (hq + 2 * hkv) * D * E : q_heads + kv_heads;
-    s.memory_bytes_per_rank = inputs + q_heads /* O */ + B * (hq / cp) * S * 4 + (packed ? B * S * 4 : 0);
-    s.kv_buffer_bytes_per_rank = kv_heads;
+    // Per rank (n_q q heads, n_kv kv heads; uneven when cp does not divide Hq): the largest.
+    for (std::int64_t r = 0; r < cp; ++r) {
+      const std::int64_t n_q = heads.q[r].size(), n_kv = heads.kv[r].size();
+      const std::int64_t q_heads = B * S * n_q * D * E, kv_heads = 2 * B * S * n_kv * D * E;
+      const std::int64_t inputs = req.remat ? B * sl * (hq + 2 * hkv) * D * E : q_heads + kv_heads;
+      s.memory_bytes_per_rank = std::max(
+          s.memory_bytes_per_rank, inputs + q_heads /* O */ + B * n_q * S * 4 + (packed ? B * S * 4 : 0));
+      s.kv_buffer_bytes_per_rank = std::max(s.kv_buffer_bytes_per_rank, kv_heads);
+    }
   } else {
     const std::int64_t kv_full = 2 * B * S * hkv * D * E;
     s.memory_bytes_per_rank = 2 * B * sl * hq * D * E /* q, O */ + B * hq * sl * 4 +

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -79,20 +80,47 @@ TEST(CliValidate, SeedUlyssesCp8Json) {
   }
 }
 
+// Any head counts: 24 q heads on 3 kv heads over 4 ranks share kv heads between ranks; 28 q heads over 8
+// split 4,4,4,4,3,3,3,3.
+TEST(CliValidate, UnevenHeadsGiveThePlacementTheReplicationAndTheSkew) {
+  Result r =
+      run("validate --json --strategy ulysses --cp 4 --q-heads 24 --kv-heads 3 --head-dim 64 --seq 1024");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["kv_head_order"], (std::vector<int>{0, 0, 1, 1, 2, 2}));
+  EXPECT_EQ(j["replication"], 2);
+  EXPECT_EQ(j["work_skew"].get<double>(), 1.0);
+  EXPECT_EQ(j["ranks"][1]["q_heads"], (std::vector<int>{6, 7, 8, 9, 10, 11}));
+  EXPECT_EQ(j["ranks"][1]["kv_heads"], (std::vector<int>{0, 1}));
+  r = run("validate --json --strategy ulysses --cp 8 --q-heads 28 --kv-heads 4 --head-dim 128 --seq 1024");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  j = nlohmann::json::parse(r.out);
+  EXPECT_DOUBLE_EQ(j["work_skew"].get<double>(), 4.0 / 3.0);
+  EXPECT_EQ(j["ranks"][4]["q_heads"], (std::vector<int>{16, 17, 18}));
+  EXPECT_EQ(j["ranks"][4]["kv_heads"], (std::vector<int>{2}));
+  EXPECT_EQ(j["ranks"][5]["kv_heads"], (std::vector<int>{2, 3}));
+  r = run("validate --strategy ulysses --cp 8 --q-heads 28 --kv-heads 4 --head-dim 128 --seq 1024");
+  EXPECT_NE(r.out.find("rank 5 -> q heads 19..21, kv heads 2,3"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("work skew: 1.33"), std::string::npos) << r.out;
+  r = run("validate --strategy ulysses --cp 8 --q-heads 4 --kv-heads 4 --head-dim 64 --seq 1024");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("hybrid"), std::string::npos) << r.err;
+}
+
 TEST(CliValidate, InvalidConfigListsEveryErrorAsJsonAndExits2) {
   const Result r =
-      run("validate --json --strategy ulysses --cp 4 --q-heads 30 --kv-heads 3 --head-dim 64 --seq 1001");
+      run("validate --json --strategy ulysses --cp 4 --q-heads 2 --kv-heads 3 --head-dim 64 --seq 1001");
   EXPECT_EQ(r.exit_code, 2);
   const auto j = nlohmann::json::parse(r.out);
   EXPECT_FALSE(j["valid"].get<bool>());
-  ASSERT_EQ(j["errors"].size(), 3u);
-  EXPECT_EQ(j["errors"][0]["field"], "seq_len");
-  EXPECT_EQ(j["errors"][0]["value"], 1001);
-  EXPECT_EQ(j["errors"][2]["field"], "num_kv_heads");
-  EXPECT_EQ(j["errors"][2]["fields"], (std::vector<std::string>{"num_kv_heads", "cp"}));
-  EXPECT_NE(r.err.find("ulysses needs num_kv_heads (3) to divide cp (4) or be divisible by it"),
-            std::string::npos)
-      << r.err;
+  ASSERT_EQ(j["errors"].size(), 3u) << r.out;
+  std::map<std::string, nlohmann::json> by_field;
+  for (const auto& e : j["errors"]) by_field[e["field"].get<std::string>()] = e;
+  EXPECT_EQ(by_field["seq_len"]["value"], 1001);
+  EXPECT_EQ(by_field["num_q_heads"]["fields"], (std::vector<std::string>{"num_q_heads", "num_kv_heads"}))
+      << r.out;
+  EXPECT_EQ(by_field["cp"]["fields"], (std::vector<std::string>{"cp", "num_q_heads"}));
+  EXPECT_NE(r.err.find("ulysses needs cp (4) <= num_q_heads (2)"), std::string::npos) << r.err;
 }
 
 TEST(CliValidate, ReadsSeedYamlAndFlagsWin) {
@@ -181,8 +209,10 @@ TEST(CliRun, BadInputTableNamesTheClassAndTheFieldOrFile) {
       {"run --cp 4 --batch 99999999999999 --seq 64" + sizes, "invalid_input", "batch*seq_len*heads*head_dim"},
       {"run --cp 4 --seq 64 --q-heads 6 --kv-heads 4 --head-dim 8", "invalid_config", "num_kv_heads (4)"},
       {"run --cp 4 --seq 66" + sizes, "invalid_config", "seq_len (66) must be divisible by cp (4)"},
-      {"run --strategy ulysses --cp 4 --seq 64 --q-heads 12 --kv-heads 3 --head-dim 8", "invalid_config",
-       "num_kv_heads (3)"},
+      {"run --strategy ulysses --cp 4 --seq 64 --q-heads 12 --kv-heads 5 --head-dim 8", "invalid_config",
+       "num_kv_heads (5)"},
+      {"run --strategy ulysses --cp 8 --seq 64 --q-heads 6 --kv-heads 3 --head-dim 8", "invalid_config",
+       "cp (8) <= num_q_heads (6)"},
       {"validate --tp 3 --cp 2 --seq 64" + sizes, "invalid_config", "tp (3)"},
       {"run --strategy ulysses --load-balance --cp 4 --seq 64" + sizes, "invalid_config", "load_balance"},
       {"run --strategy ring --cp 4 --seq 64" + sizes, "invalid_config", "'ring' is not a strategy"},
@@ -317,12 +347,39 @@ TEST(CliRun, SavesOutputsAndLoadsInputsWhoseShapesWin) {
   std::filesystem::remove_all(dir);
 }
 
+// Uneven heads (14 q heads on 2 kv heads over 3 ranks: 5, 5, 4, kv 0 on ranks 0 and 1) pass the check, and
+// the saved O and LSE, whole tensors in natural token order, are the same bytes as all_gather's.
+TEST(CliRun, UlyssesAtUnevenHeadsChecksAndSavesWhatAllGatherSaves) {
+  const auto dir = std::filesystem::temp_directory_path() / "cpattn_cli_uneven";
+  std::filesystem::remove_all(dir);
+  const std::string shape =
+      "--cp 3 --q-heads 14 --kv-heads 2 --head-dim 32 --seq 192 --segments 150,42 --threads 1";
+  Result r = run("run --json --strategy ulysses --check --save " + (dir / "u").string() + " " + shape);
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_TRUE(j["check"]["pass"].get<bool>());
+  for (const char* k : {"o", "lse"}) {
+    EXPECT_EQ(j["check"]["single_device"]["max_abs_diff"][k].get<double>(), 0.0) << k;
+  }
+  r = run("run --strategy all_gather --save " + (dir / "a").string() + " " + shape);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto bytes = [](const std::filesystem::path& p) {
+    std::ifstream f(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  };
+  for (const char* f : {"o.npy", "lse.npy"}) {
+    EXPECT_FALSE(bytes(dir / "u" / f).empty()) << f;
+    EXPECT_EQ(bytes(dir / "u" / f), bytes(dir / "a" / f)) << f;
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(CliRun, BadInputExits2) {
   const std::pair<std::string, std::string> cases[] = {
       {"run --cp 4 --q-heads 8 --kv-heads 2 --head-dim 8 --seq 64 --segments 10,20", "--segments"},
       {"run --cp 4 --q-heads 8 --kv-heads 2 --head-dim 8 --seq 64 --segments 32,x", "not a positive"},
       {"run --cp 4 --q-heads 8 --kv-heads 2 --head-dim 8 --seq 64 --backend nccl", "--backend"},
-      {"run --strategy ulysses --cp 4 --q-heads 6 --kv-heads 2 --head-dim 8 --seq 64", "num_q_heads"},
+      {"run --strategy ulysses --cp 8 --q-heads 6 --kv-heads 2 --head-dim 8 --seq 64", "num_q_heads"},
       {"run --cp 2 --load /nonexistent/dir", "/nonexistent/dir/q.npy"},
   };
   expect_bad_input(cases);

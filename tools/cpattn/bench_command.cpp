@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "cpattn/inproc.hpp"
+#include "cpattn/placement.hpp"
 #include "harness/whole_problem.hpp"
 #include "problem_flags.hpp"
 
@@ -268,14 +269,21 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
       tmax = std::max(tmax, rank.tiles);
     }
     if (c.cp == 1) single = fwd + bwd;
-    out["results"].push_back(
-        {{"name", c.name},
-         {"cp", c.cp},
-         {"forward_seconds", fwd},
-         {"backward_seconds", bwd},
-         {"total_seconds", fwd + bwd},
-         {"ratio_to_single_device", (fwd + bwd) / single},
-         {"tiles_skew", static_cast<double>(tmax) / static_cast<double>(std::max<std::int64_t>(tmin, 1))}});
+    nlohmann::ordered_json result = {
+        {"name", c.name},
+        {"cp", c.cp},
+        {"forward_seconds", fwd},
+        {"backward_seconds", bwd},
+        {"total_seconds", fwd + bwd},
+        {"ratio_to_single_device", (fwd + bwd) / single},
+        {"tiles_skew", static_cast<double>(tmax) / static_cast<double>(std::max<std::int64_t>(tmin, 1))}};
+    if (c.strategy == Strategy::ulysses) {
+      // The slowest rank's share of the work against the mean: n_max / (Hq/cp) (1 when cp divides Hq).
+      const UlyssesHeads heads = ulysses_heads(a.num_q_heads, a.num_kv_heads, c.cp);
+      result["most_heads_over_mean"] = static_cast<double>(heads.max_q_heads()) * static_cast<double>(c.cp) /
+                                       static_cast<double>(a.num_q_heads);
+    }
+    out["results"].push_back(std::move(result));
   }
   if (opt.json) {
     std::cout << out.dump(2) << "\n";
@@ -295,7 +303,11 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
     std::cout << std::setprecision(3) << "forward " << std::setw(8) << r["forward_seconds"].get<double>()
               << "backward " << std::setw(8) << r["backward_seconds"].get<double>() << "x single "
               << std::setw(7) << r["ratio_to_single_device"].get<double>() << "tiles max/min "
-              << r["tiles_skew"].get<double>() << "\n";
+              << r["tiles_skew"].get<double>();
+    if (r.contains("most_heads_over_mean")) {
+      std::cout << " heads max/mean " << r["most_heads_over_mean"].get<double>();
+    }
+    std::cout << "\n";
   }
   return 0;
 }

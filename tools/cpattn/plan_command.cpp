@@ -34,15 +34,19 @@ std::string fmt_double(double x) {
   return o.str();
 }
 
+std::string preset_names() {
+  std::string names;
+  for (const auto& x : model_presets()) names += (names.empty() ? "" : ", ") + x.model.name;
+  return names;
+}
+
 int run_plan(const CLI::App& app, const PlanOptions& opt) {
   ConfigValues values;
   if (!opt.preset.empty()) {
     const ModelPreset* p = find_preset(opt.preset);
     if (p == nullptr) {
-      std::string names;
-      for (const auto& x : model_presets()) names += (names.empty() ? "" : ", ") + x.model.name;
       throw Error(ErrorKind::invalid_input, "--preset", opt.preset,
-                  "--preset '" + opt.preset + "' is not a preset; valid: " + names);
+                  "--preset '" + opt.preset + "' is not a preset; valid: " + preset_names());
     }
     values.num_q_heads = p->num_q_heads;
     values.num_kv_heads = p->num_kv_heads;
@@ -205,7 +209,7 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   auto opt = std::make_shared<PlanOptions>();
   CLI::App* sub = app.add_subcommand("plan", "plan every strategy for a model: bytes, balance, memory, time");
   opt->problem.add_to(*sub);
-  sub->add_option("--preset", opt->preset, "qwen3.5-397b-a17b, qwen3-next-80b-a3b or llama3-70b");
+  sub->add_option("--preset", opt->preset, preset_names());
   sub->add_option("--emb-dim", opt->emb_dim, "model width (the reorder moves [B, S/cp, emb_dim])");
   sub->add_option("--layers", opt->layers, "decoder layers");
   sub->add_option("--attention-every", opt->attention_every, "full attention on every N-th layer");

@@ -248,7 +248,8 @@ void print_text(const RunOptions& opt, const AttentionSpec& a, const ParallelSpe
             << " D=" << a.head_dim << (a.causal ? " causal" : " non-causal") << " " << to_string(a.dtype)
             << (opt.segments.empty() ? "" : " segments " + opt.segments) << "\n";
   if (p.strategy == Strategy::ulysses) {
-    std::cout << "placement: replication " << kv_replication_factor(a.num_kv_heads, p.cp) << ";";
+    const UlyssesHeads u = ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, p.cp);
+    std::cout << "placement: replication " << u.replication() << ";";
     for (const auto& r : head_placement(a, p)) {
       std::cout << " rank " << r.rank << " -> q " << r.q_heads.begin << ".." << r.q_heads.end - 1 << " kv "
                 << r.kv_heads.front() << (r.kv_heads.size() > 1 ? "+" : "") << ";";

@@ -32,8 +32,10 @@ int run_validate(const CLI::App& app, const ValidateOptions& opt) {
   const AttentionSpec& a = specs.attention;
   const ParallelSpec& p = specs.parallel;
   const auto placement = head_placement(a, p);
-  const std::int64_t local_kv = a.num_kv_heads / p.tp;
-  const std::int64_t rep = p.strategy == Strategy::ulysses ? kv_replication_factor(local_kv, p.cp) : 1;
+  const bool ulysses = p.strategy == Strategy::ulysses;
+  const UlyssesHeads u =
+      ulysses ? ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, p.cp) : UlyssesHeads{};
+  const std::int64_t rep = ulysses ? u.replication() : 1;
 
   if (opt.json) {
     nlohmann::json out;
@@ -44,7 +46,8 @@ int run_validate(const CLI::App& app, const ValidateOptions& opt) {
     out["load_balance"] = p.load_balance;
     out["layout"] = to_string(p.effective_layout());
     out["replication"] = rep;
-    if (p.strategy == Strategy::ulysses) out["kv_head_order"] = grouped_repeat_heads(local_kv, rep);
+    out["work_skew"] = ulysses ? u.work_skew() : 1.0;
+    if (ulysses) out["kv_head_order"] = u.kv_head_order();
     out["ranks"] = nlohmann::json::array();
     for (const auto& r : placement) {
       std::vector<std::int64_t> q;
@@ -59,11 +62,13 @@ int run_validate(const CLI::App& app, const ValidateOptions& opt) {
             << a.seq_len << ", batch " << a.batch << ", " << to_string(a.dtype)
             << (p.load_balance ? ", load balance (dual chunk swap)" : "") << "\n";
   if (p.tp > 1) std::cout << "heads below are local to one tp rank (heads / tp)\n";
-  if (p.strategy == Strategy::ulysses) {
+  if (ulysses) {
     std::cout << "replication: " << rep << " (kv head order before the all-to-all: [";
-    const auto order = grouped_repeat_heads(local_kv, rep);
+    const auto order = u.kv_head_order();
     for (std::size_t i = 0; i < order.size(); ++i) std::cout << (i ? ", " : "") << "kv" << order[i];
     std::cout << "])\n";
+    std::cout << "work skew: " << u.work_skew() << " (most q heads on a rank over the fewest"
+              << (u.work_skew() > 1.0 ? "; the ranks with more q heads set the time" : "") << ")\n";
   } else {
     std::cout << "replication: 1 (all_gather: every rank holds every head for its sequence shard)\n";
   }
