@@ -407,6 +407,34 @@ TEST(CliPlan, SeedPresetJsonHasEveryStrategy) {
   EXPECT_TRUE(j["recommendation"].is_string());
 }
 
+// The presets whose head counts cp does not divide: ulysses is possible, its skew the heads' (most over
+// fewest), and its largest q-head operand is what the extra head costs.
+TEST(CliPlan, UnevenHeadPresetsPlanUlyssesWithItsSkew) {
+  const struct {
+    const char* preset;
+    int cp, q_heads, kv_heads, layers;
+    double skew;
+  } cases[] = {{"qwen2.5-7b", 8, 28, 4, 28, 4.0 / 3.0},
+               {"qwen2.5-32b", 16, 40, 8, 64, 3.0 / 2.0},
+               {"phi-3-medium", 4, 40, 10, 40, 1.0},
+               {"phi-3-medium", 16, 40, 10, 40, 3.0 / 2.0},
+               {"llama3-8b", 16, 32, 8, 32, 1.0}};
+  for (const auto& c : cases) {
+    const Result r = run(std::string("plan --json --preset ") + c.preset + " --seq 65536 --dtype bf16 --cp " +
+                         std::to_string(c.cp));
+    ASSERT_EQ(r.exit_code, 0) << c.preset << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["problem"]["q_heads"], c.q_heads) << c.preset;
+    EXPECT_EQ(j["problem"]["kv_heads"], c.kv_heads) << c.preset;
+    EXPECT_EQ(j["problem"]["layers"], c.layers) << c.preset;
+    EXPECT_EQ(j["problem"]["head_dim"], 128) << c.preset;
+    const auto& u = j["strategies"][2];
+    ASSERT_EQ(u["name"], "ulysses");
+    EXPECT_TRUE(u["possible"].get<bool>()) << c.preset << " cp " << c.cp;
+    EXPECT_DOUBLE_EQ(u["tiles_skew"].get<double>(), c.skew) << c.preset << " cp " << c.cp;
+  }
+}
+
 TEST(CliPlan, BadInputExits2) {
   const std::pair<std::string, std::string> cases[] = {
       {"plan --preset gpt5 --seq 1024", "--preset 'gpt5'"},
