@@ -281,8 +281,8 @@ TEST(CliBench, CommJsonHasEveryCollectiveWithItsKeys) {
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
   const auto j = nlohmann::json::parse(r.out);
   EXPECT_GT(j["memcpy_gbps"].get<double>(), 0.0);
-  // 2 group sizes x 4 collectives x 2 sizes (64 KiB, 256 KiB).
-  ASSERT_EQ(j["results"].size(), 16u);
+  // 2 group sizes x 5 collectives x 2 sizes (64 KiB, 256 KiB).
+  ASSERT_EQ(j["results"].size(), 20u);
   for (const auto& row : j["results"]) {
     EXPECT_EQ(row["backend"], "inproc");
     for (const char* k :
@@ -292,6 +292,7 @@ TEST(CliBench, CommJsonHasEveryCollectiveWithItsKeys) {
     EXPECT_NEAR(row["busbw_gbps"].get<double>(), row["algbw_gbps"].get<double>() * (n - 1) / n, 1e-9);
   }
   EXPECT_EQ(j["results"][2]["collective"], "all_to_all_strided");
+  EXPECT_EQ(j["results"][4]["collective"], "all_to_all_v");
 }
 
 TEST(CliBench, KernelJsonNamesItsPathAndTarget) {

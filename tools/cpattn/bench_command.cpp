@@ -51,7 +51,8 @@ struct Timing {
 // Times one collective on this rank; `bytes` is the per-device size (HLO convention: all_to_all operand,
 // all_gather output, reduce_scatter input). kTries tries of `iters` calls each between barriers, the slowest
 // rank's time per call, best try. "all_to_all_strided" is the Ulysses swap's layout: the sender's block p is
-// the columns [p*R, (p+1)*R) of a [T][n*R] array, the receiver's block p the rows [p*T, (p+1)*T) of [n*T][R].
+// the columns [p*R, (p+1)*R) of a [T][n*R] array, the receiver's block p the rows [p*T, (p+1)*T) of [n*T][R];
+// "all_to_all_v" the same blocks as per-rank block lists.
 // kTries tries of `iters` calls of fn between barriers: the slowest rank's seconds per call, best try.
 template <class Fn>
 double best_try_seconds(Communicator& comm, int iters, Fn&& fn) {
@@ -82,6 +83,14 @@ Timing time_collective(Communicator& comm, const std::string& kind, std::int64_t
   const std::int64_t row = std::min(block, kStridedRow), rows = row > 0 ? block / row : 0;
   std::vector<float> send(static_cast<std::size_t>(kind == "all_gather" ? block : elems), 1.0f),
       recv(static_cast<std::size_t>(kind == "reduce_scatter" ? block : elems));
+  // all_to_all_v: all_to_all_strided's layout given as per-rank block lists (the ulysses swaps' call).
+  BlockList from{{}, {}, elems, n * row}, to{{}, {}, elems, row};
+  for (int p = 0; p < n; ++p) {
+    from.shape.push_back({1, rows, row});
+    from.offset.push_back(p * row);
+    to.shape.push_back({1, rows, row});
+    to.offset.push_back(p * rows * row);
+  }
   auto once = [&] {
 #ifdef CPATTN_WITH_MPI
     if (raw_mpi) {
@@ -98,6 +107,7 @@ Timing time_collective(Communicator& comm, const std::string& kind, std::int64_t
       comm.all_to_all_strided(send.data(), {row, 0, n * row}, recv.data(), {rows * row, 0, row},
                               {1, rows, row}, CommDType::f32);
     }
+    if (kind == "all_to_all_v") comm.all_to_all_v(send.data(), from, recv.data(), to, CommDType::f32);
     if (kind == "all_gather") comm.all_gather(send.data(), recv.data(), block, CommDType::f32);
     if (kind == "reduce_scatter") comm.reduce_scatter_sum(send.data(), recv.data(), block, CommDType::f32);
   };
@@ -116,7 +126,8 @@ Timing time_collective(Communicator& comm, const std::string& kind, std::int64_t
 int bench_comm(const CommOptions& opt) {
   nlohmann::ordered_json out;
   out["results"] = nlohmann::ordered_json::array();
-  const std::vector<std::string> kinds = {"all_to_all", "all_to_all_strided", "all_gather", "reduce_scatter"};
+  const std::vector<std::string> kinds = {"all_to_all", "all_to_all_strided", "all_to_all_v", "all_gather",
+                                          "reduce_scatter"};
   bool print = true;
   double memcpy_gbps = 0;
   // On every rank: the collective, then the memcpy baselines with as many calls per try.
@@ -172,7 +183,7 @@ int bench_comm(const CommOptions& opt) {
     MpiCommunicator comm;
     print = comm.rank() == 0;
     for (const std::string kind :
-         {"all_to_all", "raw_MPI_Alltoall", "all_to_all_strided", "all_gather", "reduce_scatter"}) {
+         {"all_to_all", "raw_MPI_Alltoall", "all_to_all_strided", "all_to_all_v", "all_gather", "reduce_scatter"}) {
       for (std::int64_t bytes = opt.min_bytes; bytes <= opt.max_bytes; bytes *= 4) {
         const bool raw = kind == "raw_MPI_Alltoall";
         const Measured t = measure(comm, raw ? "all_to_all" : kind, bytes, raw);
