@@ -182,8 +182,8 @@ int bench_comm(const CommOptions& opt) {
     if (!initialized) MPI_Init(nullptr, nullptr);
     MpiCommunicator comm;
     print = comm.rank() == 0;
-    for (const std::string kind :
-         {"all_to_all", "raw_MPI_Alltoall", "all_to_all_strided", "all_to_all_v", "all_gather", "reduce_scatter"}) {
+    for (const std::string kind : {"all_to_all", "raw_MPI_Alltoall", "all_to_all_strided", "all_to_all_v",
+                                   "all_gather", "reduce_scatter"}) {
       for (std::int64_t bytes = opt.min_bytes; bytes <= opt.max_bytes; bytes *= 4) {
         const bool raw = kind == "raw_MPI_Alltoall";
         const Measured t = measure(comm, raw ? "all_to_all" : kind, bytes, raw);
