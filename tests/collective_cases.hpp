@@ -118,6 +118,32 @@ inline std::int64_t wrong_all_to_all_v(Communicator& c, std::int64_t outer, std:
   return wrong;
 }
 
+// An all_to_all_v whose rank r sends every rank r + 1 rows of 2 floats, where rank 1 expects no row from rank
+// 0 when `disagree`: returns the error this rank got ("" when none). Every rank must get one naming the pair.
+inline std::string all_to_all_v_error(Communicator& c, bool disagree) {
+  const int n = c.size(), r = c.rank();
+  BlockList from{{}, {}, 0, 2}, to{{}, {}, 0, 2};
+  std::int64_t sent = 0, received = 0;
+  for (int p = 0; p < n; ++p) {
+    from.shape.push_back({1, r + 1, 2});
+    from.offset.push_back(sent);
+    sent += (r + 1) * 2;
+    const std::int64_t rows = disagree && r == 1 && p == 0 ? 0 : p + 1;
+    to.shape.push_back({1, rows, 2});
+    to.offset.push_back(received);
+    received += rows * 2;
+  }
+  from.outer = sent;
+  to.outer = received;
+  std::vector<float> send(static_cast<std::size_t>(sent), 1.0f), recv(static_cast<std::size_t>(received) + 1);
+  try {
+    c.all_to_all_v(send.data(), from, recv.data(), to, CommDType::f32);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
 inline std::int64_t wrong_all_gather(Communicator& c, std::int64_t count) {
   const int n = c.size(), r = c.rank();
   std::vector<std::int32_t> send(static_cast<std::size_t>(count)),

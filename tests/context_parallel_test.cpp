@@ -82,17 +82,17 @@ TEST(ContextParallel, UlyssesMatchesReferenceWhenKvHeadsFewerThanRanks) {
 }
 
 // Ulysses at any head counts (docs/design.md, "Head placement"): each shape of kAnyHeadCounts
-// twice, on rows of a two-level orthogonal array (every pair of the six factors meets in all four
-// combinations), the second run of a shape the complement of its first.
+// twice: on its row of a two-level orthogonal array (over the eight rows every pair of the six factors meets
+// in all four combinations) and on that row's complement, so each factor takes both values on every shape.
 TEST(ContextParallel, UlyssesAtAnyHeadCountsMatchesTheSingleDeviceKernelOverACoveringSet) {
   // L8: columns causal, packed, bf16, batch 2, head dim 80, remat.
   constexpr int kRows[8][6] = {{0, 0, 0, 0, 0, 0}, {0, 0, 0, 1, 1, 1}, {0, 1, 1, 0, 0, 1},
                                {0, 1, 1, 1, 1, 0}, {1, 0, 1, 0, 1, 0}, {1, 0, 1, 1, 0, 1},
                                {1, 1, 0, 0, 1, 1}, {1, 1, 0, 1, 0, 0}};
-  int i = 0;
+  int shape = 0;
   for (const testing::HeadCounts& h : testing::kAnyHeadCounts) {
+    const int* row = kRows[shape++ % 8];
     for (const bool complement : {false, true}) {
-      const int* row = kRows[i++ % 8];
       auto on = [&](int column) { return (row[column] != 0) != complement; };
       CpCase c;
       c.hq = h.hq;
@@ -268,6 +268,34 @@ TEST(ContextParallel, CountedCollectivesFollowTheDesignTable) {
     EXPECT_EQ(sum_bytes(recs, CollectiveKind::reduce_scatter, "backward", &n, &sent), 2 * B * S * 2 * D * 4);
     EXPECT_EQ(n, 2);
     EXPECT_EQ(sent, 2 * B * S * 2 * D * 4 * (cp - 1) / cp);
+  }
+}
+
+// The table's any-head-count rows: 7 q heads on 7 kv heads over 4 ranks (2, 2, 2, 1 heads), fp32, S = 64, D
+// = 8.
+TEST(ContextParallel, CountedCollectivesFollowTheDesignTableAtUnevenHeads) {
+  CpCase c;
+  c.hq = 7;
+  c.hkv = 7;
+  c.dim = 8;
+  c.seq = 64;
+  const std::int64_t B = 1, S = 64, cp = 4, D = 8, E = 4, n_max = 2, h_own_min = 1;
+  const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 5));
+  const std::int64_t in = B * S / cp * 7 * D * E;   // q, k, v, d_out: the whole shard
+  const std::int64_t back = B * S * n_max * D * E;  // o, dq, dk, dv: the rank with the most heads
+  const std::int64_t lse = B * n_max * S * 4;       // lse: likewise
+  const std::int64_t in_sent = B * S / cp * (7 - h_own_min) * D * E;
+  const std::int64_t back_sent = B * S / cp * n_max * (cp - 1) * D * E;
+  const std::int64_t lse_sent = B * n_max * S / cp * (cp - 1) * 4;
+  for (const auto& recs : run.records) {
+    std::int64_t n = 0, sent = 0;
+    EXPECT_EQ(sum_bytes(recs, CollectiveKind::all_to_all, "forward", &n, &sent), 3 * in + back + lse);
+    EXPECT_EQ(n, 5);
+    EXPECT_EQ(sent, 3 * in_sent + back_sent + lse_sent);
+    n = sent = 0;
+    EXPECT_EQ(sum_bytes(recs, CollectiveKind::all_to_all, "backward", &n, &sent), in + 3 * back);
+    EXPECT_EQ(n, 4);
+    EXPECT_EQ(sent, in_sent + 3 * back_sent);
   }
 }
 

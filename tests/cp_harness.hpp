@@ -54,8 +54,8 @@ struct CpCase {
   }
 };
 
-// The (Hq, Hkv, cp) shapes ulysses takes unevenly or with kv sets shared between ranks (docs/design.md, "Any
-// head counts under ulysses"): Qwen2.5-7B's heads at cp 8, Phi-3-medium's at cp 4, 3 kv heads over 4 ranks,
+// The (Hq, Hkv, cp) shapes ulysses takes unevenly or with kv sets shared between ranks (docs/design.md, "Head
+// placement"): Qwen2.5-7B's heads at cp 8, Phi-3-medium's at cp 4, 3 kv heads over 4 ranks,
 // 7 MHA heads, a group of 4 over 8 ranks, MQA at 6 heads, the seed's, Qwen2.5-32B's at cp 16.
 struct HeadCounts {
   std::int64_t hq, hkv, cp;

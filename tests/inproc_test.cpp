@@ -238,6 +238,38 @@ TEST(InProcessGroup, StridedAllToAllWithDifferentBlockShapesIsAMismatch) {
   }
 }
 
+TEST(InProcessGroup, AllToAllVWithBlocksThatDisagreeIsAMismatchOnEveryRank) {
+  InProcessGroup group(3);
+  std::vector<std::string> messages(3);
+  group.run([&](Communicator& c) {
+    EXPECT_EQ(testing::all_to_all_v_error(c, false), "");
+    messages[c.rank()] = testing::all_to_all_v_error(c, true);
+  });
+  for (const auto& m : messages) {
+    EXPECT_NE(m.find("collective mismatch"), std::string::npos) << m;
+    EXPECT_NE(m.find("rank 0 sends rank 1 a block of 1x1 rows of 2 but rank 1 expects 1x0 rows of 2"),
+              std::string::npos)
+        << m;
+  }
+}
+
+// all_to_all_v counts as all_to_all: bytes = the largest operand over ranks, sent = the largest operand less
+// the own block. Rank r sends every rank r + 1 rows of 2 floats: operands 8r + 8 bytes per peer.
+TEST(InProcessGroup, AllToAllVCountsTheLargestOperandAndTheLargestSent) {
+  InProcessGroup group(3);
+  std::vector<std::vector<CollectiveRecord>> records(3);
+  group.run([&](Communicator& c) {
+    CollectiveCounters::PhaseScope phase(c.counters(), "forward");
+    EXPECT_EQ(testing::all_to_all_v_error(c, false), "");
+    records[c.rank()] = c.counters().records();
+  });
+  for (const auto& r : records) {
+    ASSERT_EQ(r.size(), 1u);
+    EXPECT_EQ(r[0],
+              (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1, 3 * 3 * 2 * 4, 2 * 3 * 2 * 4}));
+  }
+}
+
 TEST(InProcessGroup, StridedAllToAllRefusesANegativeStrideAndCountsLikeAllToAll) {
   InProcessGroup group(2);
   std::string message;

@@ -143,6 +143,13 @@ TEST(Placement, TensorParallelUsesLocalHeads) {
   const auto ranks = head_placement(a, p);  // local: 16 q heads, 2 kv heads, rep 2
   EXPECT_EQ(ranks[3].q_heads, (HeadRange{12, 16}));
   EXPECT_EQ(ranks[3].kv_heads, (V{1}));
+  a.num_q_heads = 28;  // local: 14 q heads on 2 kv heads over 4 ranks: 4, 4, 3, 3
+  const auto uneven = head_placement(a, p);
+  EXPECT_EQ(uneven[1].q_heads, (HeadRange{4, 8}));
+  EXPECT_EQ(uneven[1].kv_heads, (V{0, 1}));
+  EXPECT_EQ(uneven[1].kv_slots, (HeadRange{1, 3}));
+  EXPECT_EQ(uneven[3].q_heads, (HeadRange{11, 14}));
+  EXPECT_EQ(uneven[3].kv_heads, (V{1}));
 }
 
 TEST(SequenceLayout, DualChunkSwapAtCp2On8Tokens) {

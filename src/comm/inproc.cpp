@@ -258,17 +258,30 @@ void InProcessGroup::State::collective(int rank, const Slot& mine) {
     ++calls[rank];
     arrive_and_wait(lock, rank, mine.call, true);
   }
-  // Every rank sees the same slots, so every rank reaches the same verdict on a mismatch.
-  for (int p = 0; p < size; ++p) {
-    const Slot& s = slots[p];
-    const bool same = s.call == mine.call && s.count == mine.count && s.dtype == mine.dtype &&
-                      s.op == mine.op && (mine.call != Call::permute || *s.dest == *mine.dest) &&
-                      s.shape == mine.shape;
-    if (!same) {
-      throw Error(ErrorKind::communication, "collective", describe(s),
-                  "collective mismatch: rank " + std::to_string(rank) + " called " + describe(mine) +
-                      " but rank " + std::to_string(p) + " called " + describe(s));
+  // Every rank sees the same slots, so every rank reaches the same verdict on a mismatch. The verdict is
+  // thrown only after the closing rendezvous: until then a peer may still be reading this rank's slot (its
+  // permutation, its block lists).
+  std::exception_ptr mismatch;
+  try {
+    for (int p = 0; p < size; ++p) {
+      const Slot& s = slots[p];
+      const bool same = s.call == mine.call && s.count == mine.count && s.dtype == mine.dtype &&
+                        s.op == mine.op && (mine.call != Call::permute || *s.dest == *mine.dest) &&
+                        s.shape == mine.shape;
+      if (!same) {
+        throw Error(ErrorKind::communication, "collective", describe(s),
+                    "collective mismatch: rank " + std::to_string(rank) + " called " + describe(mine) +
+                        " but rank " + std::to_string(p) + " called " + describe(s));
+      }
     }
+    if (mine.call == Call::all_to_all_v) *mine.cost = check_variable_blocks(slots, rank);
+  } catch (const Error&) {
+    mismatch = std::current_exception();
+  }
+  if (mismatch) {
+    std::unique_lock<std::mutex> lock(mutex);
+    arrive_and_wait(lock, rank, mine.call, false);
+    std::rethrow_exception(mismatch);
   }
   const std::size_t e = comm_dtype_size(mine.dtype);
   const std::size_t block = static_cast<std::size_t>(mine.count) * e;
@@ -294,11 +307,11 @@ void InProcessGroup::State::collective(int rank, const Slot& mine) {
       }
       break;
     case Call::all_to_all_v:
-      *mine.cost = check_variable_blocks(slots, rank);
       // Block `rank` of each peer's send list, straight into block p of this rank's receive list.
       for (int p = 0; p < size; ++p) {
         const BlockList& from = *slots[p].send_blocks;
         const BlockList& to = *mine.recv_blocks;
+        if (to.shape[p].count() == 0) continue;  // the buffers may be null
         copy_block(static_cast<const unsigned char*>(slots[p].send) +
                        static_cast<std::size_t>(from.offset[rank]) * e,
                    {0, from.outer, from.inner}, recv + static_cast<std::size_t>(to.offset[p]) * e,

@@ -156,9 +156,11 @@ CollectiveCost MpiCommunicator::agree_on_blocks(const BlockList& send_blocks, co
   check(MPI_Alltoall(mine.data(), 3, MPI_INT64_T, theirs.data(), 3, MPI_INT64_T, comm_), "MPI_Alltoall",
         rank_);
   std::string disagreement;
+  std::int64_t pair = 0;  // 1 + sender * n + receiver of the first disagreement this rank saw, 0 when none
   for (std::size_t p = 0; p < n && disagreement.empty(); ++p) {
     const BlockShape got{theirs[3 * p], theirs[3 * p + 1], theirs[3 * p + 2]};
     if (!(got == recv_blocks.shape[p])) {
+      pair = 1 + static_cast<std::int64_t>(p) * size_ + rank_;
       disagreement = "rank " + std::to_string(p) + " sends rank " + std::to_string(rank_) + " a block of " +
                      std::to_string(got.outer) + "x" + std::to_string(got.inner) + " rows of " +
                      std::to_string(got.row) + " but rank " + std::to_string(rank_) + " expects " +
@@ -168,14 +170,25 @@ CollectiveCost MpiCommunicator::agree_on_blocks(const BlockList& send_blocks, co
     }
   }
   const std::int64_t e = static_cast<std::int64_t>(comm_dtype_size(dtype));
-  std::int64_t agreed[4] = {disagreement.empty() ? 0 : 1, operand * e,
-                            (operand - send_blocks.shape[rank_].count()) * e, packed ? 1 : 0};
-  all_reduce(agreed, 4, ReduceOp::max);
+  std::int64_t received = 0;  // elements; with `operand`, what the packed path's int counts must hold
+  for (const BlockShape& r : recv_blocks.shape) received += r.count();
+  std::int64_t agreed[5] = {pair, operand * e, (operand - send_blocks.shape[rank_].count()) * e,
+                            packed ? 1 : 0, std::max(operand, received)};
+  all_reduce(agreed, 5, ReduceOp::max);
   packed = agreed[3] != 0;
+  if (agreed[0] == 0 && packed && agreed[4] > INT_MAX) {
+    throw Error(ErrorKind::communication, "collective", "all_to_all_v",
+                "all_to_all_v moves " + std::to_string(agreed[4]) +
+                    " elements to or from one rank; MPI_Alltoallv's int counts hold at most " +
+                    std::to_string(INT_MAX) + " (split the call)");
+  }
   if (agreed[0] != 0) {
+    const std::int64_t sender = (agreed[0] - 1) / size_, receiver = (agreed[0] - 1) % size_;
     throw Error(ErrorKind::communication, "collective", "all_to_all_v",
                 "collective mismatch in all_to_all_v (rank " + std::to_string(rank_) + "): " +
-                    (disagreement.empty() ? std::string("another rank found block shapes that disagree")
+                    (disagreement.empty() ? "the block rank " + std::to_string(sender) + " sends rank " +
+                                                std::to_string(receiver) + " is not the block rank " +
+                                                std::to_string(receiver) + " expects"
                                           : disagreement));
   }
   return {agreed[1], agreed[2]};
@@ -237,6 +250,7 @@ void MpiCommunicator::exchange_packed(const void* send, const BlockList& send_bl
   std::vector<unsigned char> a(static_cast<std::size_t>(stotal * e)), b(static_cast<std::size_t>(rtotal * e));
   for (std::size_t p = 0; p < n; ++p) {
     const BlockShape& s = send_blocks.shape[p];
+    if (s.count() == 0) continue;  // the buffer may be null
     copy_block(static_cast<const unsigned char*>(send) + send_blocks.offset[p] * e,
                {0, send_blocks.outer, send_blocks.inner}, a.data() + sdispls[p] * e,
                {0, s.inner * s.row, s.row}, s, static_cast<std::size_t>(e));
@@ -246,6 +260,7 @@ void MpiCommunicator::exchange_packed(const void* send, const BlockList& send_bl
         "MPI_Alltoallv", rank_);
   for (std::size_t p = 0; p < n; ++p) {
     const BlockShape& s = recv_blocks.shape[p];
+    if (s.count() == 0) continue;
     copy_block(b.data() + rdispls[p] * e, {0, s.inner * s.row, s.row},
                static_cast<unsigned char*>(recv) + recv_blocks.offset[p] * e,
                {0, recv_blocks.outer, recv_blocks.inner}, s, static_cast<std::size_t>(e));

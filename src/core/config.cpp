@@ -121,8 +121,8 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
   const bool ulysses = p.strategy == Strategy::ulysses;
   if (ulysses && p.load_balance) {
     rules.add({"load_balance", "strategy"}, "true",
-              "load_balance (true) is for all_gather only; ulysses gives every rank the same work, set "
-              "load_balance to false");
+              "load_balance (true) is for all_gather only; ulysses gives every rank the same work per head, "
+              "set load_balance to false");
   } else if (layout == ShardLayout::dual_chunk_swap && !p.load_balance) {
     rules.add(
         {"layout", "load_balance"}, "dual_chunk_swap",

@@ -50,7 +50,7 @@ class ContextParallelAttention::Impl {
     Tensor q, k, v;          // all_gather: local shards; ulysses: local shards (remat) or head-sharded
     Tensor k_full, v_full;   // all_gather without remat: gathered K/V, natural order
     Tensor o;                // all_gather: local O; ulysses: head-sharded O
-    std::vector<float> lse;  // all_gather: [B, Hq, S/cp]; ulysses: [B, Hq/cp, S]
+    std::vector<float> lse;  // all_gather: [B, Hq, S/cp]; ulysses: [B, n_r, S]
     std::vector<std::int32_t> seg_local, seg_full;  // [B, S/cp], [B, S] natural (empty: no segments)
   };
   std::optional<Saved> saved;

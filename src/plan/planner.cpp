@@ -18,7 +18,8 @@ const std::vector<ModelPreset>& model_presets() {
       {{"qwen3-next-80b-a3b", 2048, 48, 4}, 16, 2, 256},
       {{"llama3-70b", 8192, 80, 1}, 64, 8, 128},
       // Their config.json (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head
-      // dim): head counts that cp = 8 or 16 does not divide, which ulysses takes unevenly.
+      // dim). The first three have head counts that cp = 8 or 16 does not divide (ulysses splits them
+      // unevenly); llama3-8b's 8 kv heads are replicated at cp = 16.
       {{"qwen2.5-7b", 3584, 28, 1}, 28, 4, 128},
       {{"qwen2.5-32b", 5120, 64, 1}, 40, 8, 128},
       {{"phi-3-medium", 5120, 40, 1}, 40, 10, 128},

@@ -34,6 +34,25 @@ TEST(MpiCommunicator, CountersFollowTheAccounting) {
   EXPECT_EQ(rec[1], (CollectiveRecord{CollectiveKind::reduce_scatter, "forward", 1, 400 * n, 400 * (n - 1)}));
 }
 
+// A disagreement in an all_to_all_v's block shapes is an error on every rank, naming the pair, before any
+// data moves; the counters see only the good call (largest operand, largest sent).
+TEST(MpiCommunicator, AllToAllVWithBlocksThatDisagreeIsAMismatchOnEveryRank) {
+  MpiCommunicator comm;
+  const int n = comm.size();
+  {
+    CollectiveCounters::PhaseScope phase(comm.counters(), "forward");
+    EXPECT_EQ(testing::all_to_all_v_error(comm, false), "");
+  }
+  EXPECT_EQ(comm.counters().records().back(),
+            (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1, n * n * 2 * 4, (n - 1) * n * 2 * 4}));
+  const std::string m = testing::all_to_all_v_error(comm, true);
+  EXPECT_NE(m.find("collective mismatch"), std::string::npos) << m;
+  const std::string named =
+      comm.rank() == 1 ? "rank 0 sends rank 1 a block of 1x1 rows of 2 but rank 1 expects 1x0 rows of 2"
+                       : "the block rank 0 sends rank 1 is not the block rank 1 expects";
+  EXPECT_NE(m.find(named), std::string::npos) << m;
+}
+
 void expect_strategy_matches_single_device(testing::CpCase c) {
   SCOPED_TRACE(c.name());
   MpiCommunicator comm;

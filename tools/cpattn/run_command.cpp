@@ -252,7 +252,8 @@ void print_text(const RunOptions& opt, const AttentionSpec& a, const ParallelSpe
     std::cout << "placement: replication " << u.replication() << ";";
     for (const auto& r : head_placement(a, p)) {
       std::cout << " rank " << r.rank << " -> q " << r.q_heads.begin << ".." << r.q_heads.end - 1 << " kv "
-                << r.kv_heads.front() << (r.kv_heads.size() > 1 ? "+" : "") << ";";
+                << r.kv_heads.front()
+                << (r.kv_heads.size() > 1 ? ".." + std::to_string(r.kv_heads.back()) : std::string()) << ";";
     }
     std::cout << "\n";
   }
