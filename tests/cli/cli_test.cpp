@@ -364,6 +364,9 @@ TEST(CliRun, UlyssesAtUnevenHeadsChecksAndSavesWhatAllGatherSaves) {
   }
   r = run("run --strategy all_gather --save " + (dir / "a").string() + " " + shape);
   ASSERT_EQ(r.exit_code, 0) << r.err;
+  r = run("run --strategy ulysses --forward-only --check " + shape);
+  EXPECT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_NE(r.out.find("check: PASS"), std::string::npos) << r.out;
   auto bytes = [](const std::filesystem::path& p) {
     std::ifstream f(p, std::ios::binary);
     return std::string(std::istreambuf_iterator<char>(f), {});
