@@ -144,6 +144,27 @@ inline std::string all_to_all_v_error(Communicator& c, bool disagree) {
   return "";
 }
 
+// `steps` ring shifts of `count` elements, each started before and waited after some work of the caller's (a
+// sum over a buffer of its own), as the ring strategy does: after step k rank r holds rank (r - k)'s values.
+// Counts wrong elements.
+inline std::int64_t wrong_shifts(Communicator& c, std::int64_t count, int steps) {
+  const int n = c.size(), r = c.rank();
+  std::vector<float> a(static_cast<std::size_t>(count)), b(a.size());
+  for (std::int64_t i = 0; i < count; ++i) a[i] = value_of(r, i);
+  std::int64_t wrong = 0;
+  std::vector<float> work(4096, 1.0f);
+  float sink = 0;
+  for (int k = 1; k <= steps; ++k) {
+    auto shift = c.start_shift(a.data(), b.data(), count, CommDType::f32);
+    for (float x : work) sink += x;  // the step's compute, while the transfer runs
+    shift->wait();
+    const int from = ((r - k) % n + n) % n;
+    for (std::int64_t i = 0; i < count; ++i) wrong += b[i] != value_of(from, i);
+    std::swap(a, b);
+  }
+  return wrong + (sink < 0 ? 1 : 0);
+}
+
 inline std::int64_t wrong_all_gather(Communicator& c, std::int64_t count) {
   const int n = c.size(), r = c.rank();
   std::vector<std::int32_t> send(static_cast<std::size_t>(count)),
@@ -262,6 +283,8 @@ inline std::int64_t wrong_in_all_cases(Communicator& c) {
     wrong += wrong_all_to_all_v(c, 1, k, 3);
   }
   wrong += wrong_all_to_all_v(c, 0, 1, 2);  // every block empty
+  wrong += wrong_shifts(c, 1000, c.size() + 1);
+  wrong += wrong_shifts(c, 0, 2);
   wrong += wrong_all_reduce(c);
   c.barrier();
   return wrong;

@@ -270,6 +270,66 @@ TEST(InProcessGroup, AllToAllVCountsTheLargestOperandAndTheLargestSent) {
   }
 }
 
+// Shifts: counted as a collective_permute to rank + 1; a rank that fails between start and wait (its handle
+// dies unwaited) makes every other rank's wait fail naming it, promptly, and a new group works; a count that
+// disagrees with the neighbour's is an error on every rank naming both.
+TEST(InProcessGroup, ShiftsCountAsAPermuteAndAFailureMidShiftIsAnErrorOnEveryRank) {
+  {
+    InProcessGroup group(3);
+    std::vector<std::vector<CollectiveRecord>> records(3);
+    group.run([&](Communicator& c) {
+      CollectiveCounters::PhaseScope phase(c.counters(), "forward");
+      EXPECT_EQ(testing::wrong_shifts(c, 10, 2), 0);
+      records[c.rank()] = c.counters().records();
+    });
+    for (const auto& r : records) {
+      ASSERT_EQ(r.size(), 1u);
+      EXPECT_EQ(r[0], (CollectiveRecord{CollectiveKind::collective_permute, "forward", 2, 2 * 40, 2 * 40}));
+    }
+  }
+  std::vector<std::string> messages(4);
+  InProcessGroup group(4);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_THROW(group.run([&](Communicator& c) {
+    std::vector<float> a(1000, 1.0f), b(1000);
+    try {
+      for (int step = 0; step < 3; ++step) {
+        auto shift = c.start_shift(a.data(), b.data(), 1000, CommDType::f32);
+        if (c.rank() == 2 && step == 1) throw std::runtime_error("injected fault mid-shift");
+        shift->wait();
+      }
+    } catch (const std::exception& e) {
+      messages[c.rank()] = e.what();
+      throw;
+    }
+  }),
+               std::exception);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10.0);
+  EXPECT_EQ(messages[2], "injected fault mid-shift");
+  for (int r : {0, 1, 3}) {
+    EXPECT_NE(messages[r].find("rank 2 failed: injected fault mid-shift"), std::string::npos) << messages[r];
+  }
+  InProcessGroup again(4);
+  again.run([](Communicator& c) { EXPECT_EQ(testing::wrong_shifts(c, 100, 5), 0); });
+
+  std::vector<std::string> mismatch(2);
+  InProcessGroup two(2);
+  EXPECT_THROW(two.run([&](Communicator& c) {
+    std::vector<float> a(6), b(6);
+    try {
+      c.start_shift(a.data(), b.data(), c.rank() == 1 ? 5 : 6, CommDType::f32)->wait();
+    } catch (const Error& e) {
+      mismatch[c.rank()] = e.what();
+      throw;
+    }
+  }),
+               Error);
+  for (const auto& m : mismatch) {
+    EXPECT_NE(m.find("shift mismatch: rank 0 sends rank 1 24 bytes but rank 1 expects 20"), std::string::npos)
+        << m;
+  }
+}
+
 TEST(InProcessGroup, StridedAllToAllRefusesANegativeStrideAndCountsLikeAllToAll) {
   InProcessGroup group(2);
   std::string message;

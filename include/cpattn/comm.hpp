@@ -46,6 +46,16 @@ void check_block_list(const BlockList& list, int ranks, const char* side);
 void copy_block(const void* src, const BlockStrides& from, void* dst, const BlockStrides& to,
                 const BlockShape& shape, std::size_t element_size);
 
+// A ring shift in flight (Communicator::start_shift). wait() completes it (and counts it); until then the
+// caller leaves both buffers alone. A shift destroyed without wait() (its rank is failing) withdraws this
+// rank's part first, so that no peer reads or writes its buffers afterwards: declare the buffers before the
+// handle, so that they outlive it.
+class PendingShift {
+ public:
+  virtual ~PendingShift() = default;
+  virtual void wait() = 0;
+};
+
 // Collectives over typed buffers. Buffers are rank-major: block p of a send or receive buffer is `count`
 // elements at offset p * count. Every rank must make the same calls in the same order with the same counts
 // and dtypes; a mismatch, a failed peer or a timeout is an Error(communication) on every rank, never a hang.
@@ -82,6 +92,14 @@ class Communicator {
   // dest[p] == rank(). dest must be the same on every rank and send no two blocks to one rank.
   virtual void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
                                   const std::vector<int>& dest) = 0;
+  // The ring's point-to-point step: `count` elements of send go to rank (r + 1) mod size() and as many from
+  // rank (r - 1) mod size() arrive in recv, started now and completed by the handle's wait(), so that the
+  // transfer runs while the caller computes. Every rank starts the same shifts in the same order; a count
+  // that disagrees with the neighbour's, a failed peer or a timeout is an Error(communication) naming the
+  // rank. Counted as a collective_permute (dest[p] = (p + 1) mod size()) when it completes. The default runs
+  // the permute at once and returns a completed handle (no overlap); the backends start real transfers.
+  virtual std::unique_ptr<PendingShift> start_shift(const void* send, void* recv, std::int64_t count,
+                                                    CommDType dtype);
   virtual void barrier() = 0;
   // Small control values (shapes, error flags); not counted.
   virtual void all_reduce(std::int64_t* values, int n, ReduceOp op) = 0;
@@ -94,12 +112,17 @@ class Communicator {
   void count(CollectiveKind kind, std::int64_t count, CommDType dtype,
              const std::vector<int>* dest = nullptr);
   void count_cost(CollectiveKind kind, const CollectiveCost& cost);
+  // The accounting of one completed start_shift.
+  void count_shift(std::int64_t count, CommDType dtype);
 
  private:
   CollectiveCounters counters_;
   struct PackBuffers;  // all_to_all_strided's fallback buffers, kept between calls
   std::unique_ptr<PackBuffers> pack_;
 };
+
+// The ring's destinations: dest[p] = (p + 1) mod size.
+std::vector<int> ring_destinations(int size);
 
 // Checks a permutation's shape before any rank waits on it; throws Error(invalid_input).
 void check_permutation(const std::vector<int>& dest, int size);

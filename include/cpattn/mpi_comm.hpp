@@ -6,6 +6,9 @@
 
 #include <mpi.h>
 
+#include <chrono>
+#include <memory>
+
 #include "cpattn/comm.hpp"
 
 namespace cpattn {
@@ -32,10 +35,17 @@ class MpiCommunicator final : public Communicator {
   void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
   void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
                           const std::vector<int>& dest) override;
+  // MPI_Isend to rank + 1 and MPI_Irecv from rank - 1, posted now; wait() polls them against the timeout.
+  std::unique_ptr<PendingShift> start_shift(const void* send, void* recv, std::int64_t count,
+                                            CommDType dtype) override;
   void barrier() override;
   void all_reduce(std::int64_t* values, int n, ReduceOp op) override;
 
   MPI_Comm comm() const { return comm_; }
+  // How long a shift's wait polls before it gives up with an Error(communication) naming the rank that made
+  // no progress (default 600 s).
+  void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
 
  private:
   CollectiveCost agree_on_blocks(const BlockList& send_blocks, const BlockList& recv_blocks, CommDType dtype,
@@ -46,6 +56,8 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   std::vector<unsigned char> gathered_;  // reduce_scatter's blocks from every rank, kept between calls
+  std::chrono::milliseconds timeout_{std::chrono::seconds(600)};
+  friend class MpiShift;
 };
 
 }  // namespace cpattn

@@ -15,6 +15,30 @@ void Communicator::count_cost(CollectiveKind kind, const CollectiveCost& cost) {
   counters_.record(kind, cost);
 }
 
+void Communicator::count_shift(std::int64_t count, CommDType dtype) {
+  const std::vector<int> dest = ring_destinations(size());
+  this->count(CollectiveKind::collective_permute, count, dtype, &dest);
+}
+
+std::vector<int> ring_destinations(int size) {
+  std::vector<int> dest(static_cast<std::size_t>(size));
+  for (int p = 0; p < size; ++p) dest[p] = (p + 1) % size;
+  return dest;
+}
+
+namespace {
+class CompletedShift final : public PendingShift {
+ public:
+  void wait() override {}
+};
+}  // namespace
+
+std::unique_ptr<PendingShift> Communicator::start_shift(const void* send, void* recv, std::int64_t count,
+                                                        CommDType dtype) {
+  collective_permute(send, recv, count, dtype, ring_destinations(size()));
+  return std::make_unique<CompletedShift>();
+}
+
 void check_permutation(const std::vector<int>& dest, int size) {
   if (static_cast<int>(dest.size()) != size) {
     throw Error(ErrorKind::invalid_input, "dest", std::to_string(dest.size()),

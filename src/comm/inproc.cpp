@@ -152,9 +152,113 @@ struct InProcessGroup::State {
   }
 
   void collective(int rank, const Slot& mine);
+
+  // Ring shifts (start_shift): what each rank posted to send, what each has received, and whether a failing
+  // rank's copier should stop. One send slot per rank is enough: a rank posts its next shift only after its
+  // wait() saw the previous one consumed.
+  enum class SendState { idle, posted, copying, consumed, withdrawn };
+  struct ShiftSend {
+    const unsigned char* data = nullptr;
+    std::size_t bytes = 0;
+    std::uint64_t seq = 0;
+    SendState state = SendState::idle;
+  };
+  std::vector<ShiftSend> shift_send;
+  std::vector<std::uint64_t> shift_received, shifts_started;
+  std::vector<char> shift_cancelled;
+
+  // Rank r's copier for its shift `seq`: waits for the predecessor's post, then copies it into recv on this
+  // thread, while rank r computes.
+  void copy_shift(int rank, std::uint64_t seq, unsigned char* recv, std::size_t bytes);
+  // Rank r's wait() for shift `seq`: until its data arrived and its own send was consumed; throws if the
+  // group was aborted or the wait timed out.
+  void wait_shift(int rank, std::uint64_t seq);
+  // Rank r gives up shift `seq` (its handle dies unwaited): its send is withdrawn or, if a peer is copying
+  // it, waited for; its copier is told to stop.
+  void withdraw_shift(int rank, std::uint64_t seq);
 };
 
+void InProcessGroup::State::copy_shift(int rank, std::uint64_t seq, unsigned char* recv, std::size_t bytes) {
+  const int pred = (rank + size - 1) % size;
+  std::unique_lock<std::mutex> lock(mutex);
+  ShiftSend& from = shift_send[pred];
+  cv.wait(lock, [&] {
+    return aborted || shift_cancelled[rank] != 0 || (from.seq == seq && from.state == SendState::posted);
+  });
+  if (aborted || shift_cancelled[rank] != 0) return;
+  if (from.bytes != bytes) {
+    abort_locked(rank, "shift mismatch: rank " + std::to_string(pred) + " sends rank " +
+                           std::to_string(rank) + " " + std::to_string(from.bytes) + " bytes but rank " +
+                           std::to_string(rank) + " expects " + std::to_string(bytes));
+    return;
+  }
+  from.state = SendState::copying;
+  lock.unlock();
+  if (bytes > 0) std::memcpy(recv, from.data, bytes);
+  lock.lock();
+  from.state = SendState::consumed;
+  shift_received[rank] = seq;
+  cv.notify_all();
+}
+
+void InProcessGroup::State::wait_shift(int rank, std::uint64_t seq) {
+  std::unique_lock<std::mutex> lock(mutex);
+  const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+  auto done = [&] {
+    return shift_received[rank] == seq && shift_send[rank].seq == seq &&
+           shift_send[rank].state == SendState::consumed;
+  };
+  while (!aborted && !done()) {
+    if (cv.wait_until(lock, deadline) == std::cv_status::timeout && !aborted && !done()) {
+      const int pred = (rank + size - 1) % size, succ = (rank + 1) % size;
+      abort_locked(rank, "shift " + std::to_string(seq) + " timed out after " +
+                             std::to_string(options.timeout.count()) + " ms: " +
+                             (shift_received[rank] != seq
+                                  ? "no data from rank " + std::to_string(pred)
+                                  : "rank " + std::to_string(succ) + " did not take this rank's data"));
+    }
+  }
+  if (!done()) throw_aborted(rank);
+}
+
+void InProcessGroup::State::withdraw_shift(int rank, std::uint64_t seq) {
+  std::unique_lock<std::mutex> lock(mutex);
+  ShiftSend& mine = shift_send[rank];
+  if (mine.seq == seq && mine.state == SendState::posted) mine.state = SendState::withdrawn;
+  cv.wait(lock, [&] { return mine.seq != seq || mine.state != SendState::copying; });
+  shift_cancelled[rank] = 1;
+  cv.notify_all();
+}
+
 namespace {
+
+// A shift of the in-process group: the copy into this rank's receive buffer runs on a thread of its own.
+class InProcessShift final : public PendingShift {
+ public:
+  InProcessShift(InProcessGroup::State& state, int rank, std::uint64_t seq, unsigned char* recv,
+                 std::size_t bytes, std::function<void()> count)
+      : state_(state), rank_(rank), seq_(seq), count_(std::move(count)) {
+    copier_ = std::thread([this, recv, bytes] { state_.copy_shift(rank_, seq_, recv, bytes); });
+  }
+  ~InProcessShift() override {
+    if (!waited_) state_.withdraw_shift(rank_, seq_);
+    if (copier_.joinable()) copier_.join();
+  }
+  void wait() override {
+    state_.wait_shift(rank_, seq_);
+    copier_.join();
+    waited_ = true;
+    count_();
+  }
+
+ private:
+  InProcessGroup::State& state_;
+  int rank_;
+  std::uint64_t seq_;
+  std::function<void()> count_;
+  std::thread copier_;
+  bool waited_ = false;
+};
 
 class InProcessCommunicator final : public Communicator {
  public:
@@ -206,6 +310,26 @@ class InProcessCommunicator final : public Communicator {
     check_permutation(dest, size());
     state_.collective(rank_, make_slot(Call::permute, send, recv, count, dtype, &dest));
     this->count(CollectiveKind::collective_permute, count, dtype, &dest);
+  }
+  std::unique_ptr<PendingShift> start_shift(const void* send, void* recv, std::int64_t count,
+                                            CommDType dtype) override {
+    if (count < 0) {
+      throw Error(ErrorKind::invalid_input, "count", std::to_string(count),
+                  "start_shift count (" + std::to_string(count) + ") must be >= 0");
+    }
+    const std::size_t bytes = static_cast<std::size_t>(count) * comm_dtype_size(dtype);
+    std::uint64_t seq = 0;
+    {
+      std::lock_guard<std::mutex> lock(state_.mutex);
+      if (state_.aborted) state_.throw_aborted(rank_);
+      seq = ++state_.shifts_started[rank_];
+      state_.shift_cancelled[rank_] = 0;
+      state_.shift_send[rank_] = {static_cast<const unsigned char*>(send), bytes, seq,
+                                  InProcessGroup::State::SendState::posted};
+      state_.cv.notify_all();
+    }
+    return std::make_unique<InProcessShift>(state_, rank_, seq, static_cast<unsigned char*>(recv), bytes,
+                                            [this, count, dtype] { count_shift(count, dtype); });
   }
   void barrier() override {
     state_.collective(rank_, make_slot(Call::barrier, nullptr, nullptr, 0, CommDType::i32));
@@ -362,6 +486,10 @@ InProcessGroup::InProcessGroup(int size, InProcessOptions options) : state_(std:
   state_->options = options;
   state_->slots.resize(static_cast<std::size_t>(size));
   state_->calls.assign(static_cast<std::size_t>(size), 0);
+  state_->shift_send.resize(static_cast<std::size_t>(size));
+  state_->shift_received.assign(static_cast<std::size_t>(size), 0);
+  state_->shifts_started.assign(static_cast<std::size_t>(size), 0);
+  state_->shift_cancelled.assign(static_cast<std::size_t>(size), 0);
   for (int r = 0; r < size; ++r) state_->comms.push_back(std::make_unique<InProcessCommunicator>(*state_, r));
 }
 

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "cpattn/bf16.hpp"
 #include "cpattn/error.hpp"
@@ -265,6 +267,87 @@ void MpiCommunicator::exchange_packed(const void* send, const BlockList& send_bl
                static_cast<unsigned char*>(recv) + recv_blocks.offset[p] * e,
                {0, recv_blocks.outer, recv_blocks.inner}, s, static_cast<std::size_t>(e));
   }
+}
+
+// A shift under MPI: its Isend and Irecv, polled by wait() (MPI_Testall) until both complete or the timeout
+// passes. Open MPI progresses them inside MPI calls, so the transfer advances while the rank computes only as
+// far as the transports (shared memory, TCP) do on their own.
+class MpiShift final : public PendingShift {
+ public:
+  MpiShift(MpiCommunicator& comm, std::int64_t count, CommDType dtype)
+      : comm_(comm), count_(count), dtype_(dtype) {}
+  ~MpiShift() override {
+    if (done_) return;
+    // The rank is failing: take back the receive, and let the send finish (the successor is alive) before its
+    // buffer can go; if it cannot, end the job rather than let MPI read freed memory.
+    MPI_Cancel(&requests_[1]);
+    MPI_Wait(&requests_[1], MPI_STATUS_IGNORE);
+    if (!poll(&requests_[0], 1)) {
+      std::fprintf(stderr, "rank %d: a shift's send to rank %d did not complete; aborting the job\n",
+                   comm_.rank_, (comm_.rank_ + 1) % comm_.size_);
+      MPI_Abort(comm_.comm_, 1);
+    }
+  }
+  void wait() override {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!poll(requests_, 2)) {
+      int received = 0;
+      MPI_Test(&requests_[1], &received, MPI_STATUS_IGNORE);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const int peer =
+          received ? (comm_.rank_ + 1) % comm_.size_ : (comm_.rank_ + comm_.size_ - 1) % comm_.size_;
+      throw Error(ErrorKind::communication, "rank", std::to_string(peer),
+                  "rank " + std::to_string(comm_.rank_) + ": no progress from rank " + std::to_string(peer) +
+                      " in " + std::to_string(static_cast<int>(s)) + " s (a shift's " +
+                      (received ? "send" : "receive") + ")");
+    }
+    done_ = true;
+    int got = 0;
+    MPI_Get_count(&status_, mpi_type(dtype_), &got);
+    if (got != count_) {
+      throw Error(ErrorKind::communication, "collective", "shift",
+                  "shift mismatch: rank " + std::to_string((comm_.rank_ + comm_.size_ - 1) % comm_.size_) +
+                      " sent rank " + std::to_string(comm_.rank_) + " " + std::to_string(got) +
+                      " elements but it expects " + std::to_string(count_));
+    }
+    comm_.count_shift(count_, dtype_);
+  }
+  MPI_Request requests_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};  // send, receive
+  MPI_Status status_{};
+
+ private:
+  // MPI_Testall until done or the timeout; the receive's status lands in status_.
+  bool poll(MPI_Request* requests, int n) {
+    const auto deadline = std::chrono::steady_clock::now() + comm_.timeout_;
+    MPI_Status statuses[2];
+    for (;;) {
+      int flag = 0;
+      check(MPI_Testall(n, requests, &flag, statuses), "MPI_Testall", comm_.rank_);
+      if (flag) {
+        if (n == 2) status_ = statuses[1];
+        return true;
+      }
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::yield();
+    }
+  }
+  MpiCommunicator& comm_;
+  std::int64_t count_;
+  CommDType dtype_;
+  bool done_ = false;
+};
+
+std::unique_ptr<PendingShift> MpiCommunicator::start_shift(const void* send, void* recv, std::int64_t count,
+                                                           CommDType dtype) {
+  const int n = as_int(count, "shift");
+  auto shift = std::make_unique<MpiShift>(*this, count, dtype);
+  constexpr int kShiftTag = 7;
+  check(MPI_Irecv(recv, n, mpi_type(dtype), (rank_ + size_ - 1) % size_, kShiftTag, comm_,
+                  &shift->requests_[1]),
+        "MPI_Irecv", rank_);
+  check(MPI_Isend(send, n, mpi_type(dtype), (rank_ + 1) % size_, kShiftTag, comm_, &shift->requests_[0]),
+        "MPI_Isend", rank_);
+  return shift;
 }
 
 void MpiCommunicator::all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) {

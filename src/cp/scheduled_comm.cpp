@@ -94,4 +94,10 @@ void ScheduledCommunicator::collective_permute(const void* send, void* recv, std
   group_.collective_permute(send, recv, count, dtype, dest);
 }
 
+std::unique_ptr<PendingShift> ScheduledCommunicator::start_shift(const void* send, void* recv,
+                                                                 std::int64_t count, CommDType dtype) {
+  check_next(CollectiveKind::collective_permute, count, dtype);
+  return group_.start_shift(send, recv, count, dtype);
+}
+
 }  // namespace cpattn::cp

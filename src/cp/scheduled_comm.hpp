@@ -36,6 +36,8 @@ class ScheduledCommunicator final : public Communicator {
   void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
   void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
                           const std::vector<int>& dest) override;
+  std::unique_ptr<PendingShift> start_shift(const void* send, void* recv, std::int64_t count,
+                                            CommDType dtype) override;
   void barrier() override { group_.barrier(); }
   CollectiveCounters& counters() override { return group_.counters(); }
   void all_reduce(std::int64_t* values, int n, ReduceOp op) override { group_.all_reduce(values, n, op); }
