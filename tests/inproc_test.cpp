@@ -324,8 +324,11 @@ TEST(InProcessGroup, ShiftsCountAsAPermuteAndAFailureMidShiftIsAnErrorOnEveryRan
     }
   }),
                Error);
+  // In a ring of two both neighbours disagree; whichever copier sees it first names its pair.
   for (const auto& m : mismatch) {
-    EXPECT_NE(m.find("shift mismatch: rank 0 sends rank 1 24 bytes but rank 1 expects 20"), std::string::npos)
+    EXPECT_TRUE(
+        m.find("shift mismatch: rank 0 sends rank 1 24 bytes but rank 1 expects 20") != std::string::npos ||
+        m.find("shift mismatch: rank 1 sends rank 0 20 bytes but rank 0 expects 24") != std::string::npos)
         << m;
   }
 }
