@@ -165,6 +165,28 @@ inline std::int64_t wrong_shifts(Communicator& c, std::int64_t count, int steps)
   return wrong + (sink < 0 ? 1 : 0);
 }
 
+// Two shifts in flight at once (f32 and i32, as the ring's backward has K/V and the dK/dV accumulators),
+// waited in the opposite order. Counts wrong elements.
+inline std::int64_t wrong_overlapping_shifts(Communicator& c, std::int64_t count) {
+  const int n = c.size(), r = c.rank(), from = (r + n - 1) % n;
+  std::vector<float> a(static_cast<std::size_t>(count)), b(a.size());
+  std::vector<std::int32_t> x(a.size()), y(a.size());
+  for (std::int64_t i = 0; i < count; ++i) {
+    a[i] = value_of(r, i);
+    x[i] = static_cast<std::int32_t>(r * 100000 + i);
+  }
+  auto first = c.start_shift(a.data(), b.data(), count, CommDType::f32);
+  auto second = c.start_shift(x.data(), y.data(), count, CommDType::i32);
+  second->wait();
+  first->wait();
+  std::int64_t wrong = 0;
+  for (std::int64_t i = 0; i < count; ++i) {
+    wrong += b[i] != value_of(from, i);
+    wrong += y[i] != static_cast<std::int32_t>(from * 100000 + i);
+  }
+  return wrong;
+}
+
 inline std::int64_t wrong_all_gather(Communicator& c, std::int64_t count) {
   const int n = c.size(), r = c.rank();
   std::vector<std::int32_t> send(static_cast<std::size_t>(count)),
@@ -285,6 +307,7 @@ inline std::int64_t wrong_in_all_cases(Communicator& c) {
   wrong += wrong_all_to_all_v(c, 0, 1, 2);  // every block empty
   wrong += wrong_shifts(c, 1000, c.size() + 1);
   wrong += wrong_shifts(c, 0, 2);
+  wrong += wrong_overlapping_shifts(c, 777);
   wrong += wrong_all_reduce(c);
   c.barrier();
   return wrong;

@@ -3,6 +3,8 @@
 #include <condition_variable>
 #include <cstring>
 #include <exception>
+#include <map>
+#include <set>
 #include <thread>
 
 #include "cpattn/bf16.hpp"
@@ -153,19 +155,18 @@ struct InProcessGroup::State {
 
   void collective(int rank, const Slot& mine);
 
-  // Ring shifts (start_shift): what each rank posted to send, what each has received, and whether a failing
-  // rank's copier should stop. One send slot per rank is enough: a rank posts its next shift only after its
-  // wait() saw the previous one consumed.
-  enum class SendState { idle, posted, copying, consumed, withdrawn };
+  // Ring shifts (start_shift), per rank and keyed by the rank's shift number (a rank may have several in
+  // flight; every rank starts the same shifts in the same order): what it posted to send, which of its
+  // receives arrived, and which of its copiers should stop (the rank is failing).
+  enum class SendState { posted, copying, consumed, withdrawn };
   struct ShiftSend {
     const unsigned char* data = nullptr;
     std::size_t bytes = 0;
-    std::uint64_t seq = 0;
-    SendState state = SendState::idle;
+    SendState state = SendState::posted;
   };
-  std::vector<ShiftSend> shift_send;
-  std::vector<std::uint64_t> shift_received, shifts_started;
-  std::vector<char> shift_cancelled;
+  std::vector<std::map<std::uint64_t, ShiftSend>> shift_send;
+  std::vector<std::set<std::uint64_t>> shift_received, shift_cancelled;
+  std::vector<std::uint64_t> shifts_started;
 
   // Rank r's copier for its shift `seq`: waits for the predecessor's post, then copies it into recv on this
   // thread, while rank r computes.
@@ -181,11 +182,13 @@ struct InProcessGroup::State {
 void InProcessGroup::State::copy_shift(int rank, std::uint64_t seq, unsigned char* recv, std::size_t bytes) {
   const int pred = (rank + size - 1) % size;
   std::unique_lock<std::mutex> lock(mutex);
-  ShiftSend& from = shift_send[pred];
-  cv.wait(lock, [&] {
-    return aborted || shift_cancelled[rank] != 0 || (from.seq == seq && from.state == SendState::posted);
-  });
-  if (aborted || shift_cancelled[rank] != 0) return;
+  auto posted = [&] {
+    const auto it = shift_send[pred].find(seq);
+    return it != shift_send[pred].end() && it->second.state == SendState::posted;
+  };
+  cv.wait(lock, [&] { return aborted || shift_cancelled[rank].count(seq) != 0 || posted(); });
+  if (aborted || shift_cancelled[rank].count(seq) != 0) return;
+  ShiftSend& from = shift_send[pred].at(seq);
   if (from.bytes != bytes) {
     abort_locked(rank, "shift mismatch: rank " + std::to_string(pred) + " sends rank " +
                            std::to_string(rank) + " " + std::to_string(from.bytes) + " bytes but rank " +
@@ -193,40 +196,42 @@ void InProcessGroup::State::copy_shift(int rank, std::uint64_t seq, unsigned cha
     return;
   }
   from.state = SendState::copying;
+  const unsigned char* data = from.data;
   lock.unlock();
-  if (bytes > 0) std::memcpy(recv, from.data, bytes);
+  if (bytes > 0) std::memcpy(recv, data, bytes);
   lock.lock();
-  from.state = SendState::consumed;
-  shift_received[rank] = seq;
+  shift_send[pred].at(seq).state = SendState::consumed;
+  shift_received[rank].insert(seq);
   cv.notify_all();
 }
 
 void InProcessGroup::State::wait_shift(int rank, std::uint64_t seq) {
   std::unique_lock<std::mutex> lock(mutex);
   const auto deadline = std::chrono::steady_clock::now() + options.timeout;
-  auto done = [&] {
-    return shift_received[rank] == seq && shift_send[rank].seq == seq &&
-           shift_send[rank].state == SendState::consumed;
-  };
-  while (!aborted && !done()) {
-    if (cv.wait_until(lock, deadline) == std::cv_status::timeout && !aborted && !done()) {
+  auto came = [&] { return shift_received[rank].count(seq) != 0; };
+  auto taken = [&] { return shift_send[rank].at(seq).state == SendState::consumed; };
+  while (!aborted && !(came() && taken())) {
+    if (cv.wait_until(lock, deadline) == std::cv_status::timeout && !aborted && !(came() && taken())) {
       const int pred = (rank + size - 1) % size, succ = (rank + 1) % size;
       abort_locked(rank, "shift " + std::to_string(seq) + " timed out after " +
                              std::to_string(options.timeout.count()) + " ms: " +
-                             (shift_received[rank] != seq
-                                  ? "no data from rank " + std::to_string(pred)
-                                  : "rank " + std::to_string(succ) + " did not take this rank's data"));
+                             (!came() ? "no data from rank " + std::to_string(pred)
+                                      : "rank " + std::to_string(succ) + " did not take this rank's data"));
     }
   }
-  if (!done()) throw_aborted(rank);
+  if (!(came() && taken())) throw_aborted(rank);
+  shift_received[rank].erase(seq);
+  shift_send[rank].erase(seq);
 }
 
 void InProcessGroup::State::withdraw_shift(int rank, std::uint64_t seq) {
   std::unique_lock<std::mutex> lock(mutex);
-  ShiftSend& mine = shift_send[rank];
-  if (mine.seq == seq && mine.state == SendState::posted) mine.state = SendState::withdrawn;
-  cv.wait(lock, [&] { return mine.seq != seq || mine.state != SendState::copying; });
-  shift_cancelled[rank] = 1;
+  const auto it = shift_send[rank].find(seq);
+  if (it != shift_send[rank].end()) {
+    if (it->second.state == SendState::posted) it->second.state = SendState::withdrawn;
+    cv.wait(lock, [&] { return it->second.state != SendState::copying; });
+  }
+  shift_cancelled[rank].insert(seq);
   cv.notify_all();
 }
 
@@ -323,9 +328,8 @@ class InProcessCommunicator final : public Communicator {
       std::lock_guard<std::mutex> lock(state_.mutex);
       if (state_.aborted) state_.throw_aborted(rank_);
       seq = ++state_.shifts_started[rank_];
-      state_.shift_cancelled[rank_] = 0;
-      state_.shift_send[rank_] = {static_cast<const unsigned char*>(send), bytes, seq,
-                                  InProcessGroup::State::SendState::posted};
+      state_.shift_send[rank_][seq] = {static_cast<const unsigned char*>(send), bytes,
+                                       InProcessGroup::State::SendState::posted};
       state_.cv.notify_all();
     }
     return std::make_unique<InProcessShift>(state_, rank_, seq, static_cast<unsigned char*>(recv), bytes,
@@ -487,9 +491,9 @@ InProcessGroup::InProcessGroup(int size, InProcessOptions options) : state_(std:
   state_->slots.resize(static_cast<std::size_t>(size));
   state_->calls.assign(static_cast<std::size_t>(size), 0);
   state_->shift_send.resize(static_cast<std::size_t>(size));
-  state_->shift_received.assign(static_cast<std::size_t>(size), 0);
+  state_->shift_received.resize(static_cast<std::size_t>(size));
+  state_->shift_cancelled.resize(static_cast<std::size_t>(size));
   state_->shifts_started.assign(static_cast<std::size_t>(size), 0);
-  state_->shift_cancelled.assign(static_cast<std::size_t>(size), 0);
   for (int r = 0; r < size; ++r) state_->comms.push_back(std::make_unique<InProcessCommunicator>(*state_, r));
 }
 
