@@ -124,7 +124,7 @@ std::vector<BadCase> bad_cases() {
       },
       {"cp"}, {"ulysses needs cp (8) <= num_q_heads (6)", "hybrid strategy"});
   add("ulysses_load_balance", [](AttentionSpec&, ParallelSpec& p) { p.load_balance = true; },
-      {"load_balance"}, {"for all_gather only"});
+      {"load_balance"}, {"for all_gather and ring"});
   add("tp_does_not_divide", [](AttentionSpec&, ParallelSpec& p) { p.tp = 3; }, {"tp", "tp"},
       {"tp (3) must divide num_q_heads (32)", "tp (3) must divide num_kv_heads (2)"});
   add("tp_local_heads_break_ulysses",
@@ -139,7 +139,7 @@ std::vector<BadCase> bad_cases() {
         p.strategy = Strategy::all_gather;
         p.layout = ShardLayout::dual_chunk_swap;
       },
-      {"layout"}, {"dual_chunk_swap needs all_gather with load_balance"});
+      {"layout"}, {"dual_chunk_swap needs all_gather or ring with load_balance"});
   add("bad_scale", [](AttentionSpec& a, ParallelSpec&) { a.softmax_scale = -1.0; }, {"softmax_scale"},
       {"finite and positive"});
   add("overflowing_sizes",
@@ -279,13 +279,13 @@ TEST(ConfigFile, WrongTypesNameTheKeyAndFile) {
 
 TEST(ConfigFile, MissingSizesAndBadStringsAreReportedTogether) {
   ConfigValues v;
-  v.strategy = "ring";
+  v.strategy = "rings";
   v.num_q_heads = 8;
   Specs specs;
   const auto errors = all_config_errors(v, specs);
   ASSERT_EQ(errors.size(), 4u);  // seq_len, num_kv_heads, head_dim unset; strategy unknown
   EXPECT_EQ(errors[0].fields[0], "seq_len");
-  EXPECT_NE(errors[3].message.find("'ring' is not a strategy"), std::string::npos);
+  EXPECT_NE(errors[3].message.find("'rings' is not a strategy"), std::string::npos);
 }
 
 }  // namespace

@@ -111,6 +111,22 @@ TEST(ContextParallel, UlyssesAtAnyHeadCountsMatchesTheSingleDeviceKernelOverACov
   }
 }
 
+TEST(ContextParallel, RingQuick) {
+  for (bool lb : {false, true}) {
+    for (std::int64_t cp : {1, 2, 3, 4}) {
+      CpCase c;
+      c.strategy = Strategy::ring;
+      c.load_balance = lb;
+      c.cp = cp;
+      c.hq = 8;
+      c.hkv = 2;
+      c.seq = 48 * cp;
+      c.segments = {c.seq / 3, c.seq - c.seq / 3};
+      testing::expect_ring_matches_single_device(c);
+    }
+  }
+}
+
 TEST(ContextParallel, CombinationsTheValidatorRejectsAreRejected) {
   CpCase c;
   c.hq = 4;

@@ -127,6 +127,7 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
             c.dtype = dtype;
             if (packed) c.segments = {100, 28};
             if (!validation_errors(c.attention(), c.parallel()).empty()) continue;
+            if (remat && strategy == Strategy::ring) continue;  // refused: ring's backward re-receives K/V
             SCOPED_TRACE(c.name());
             const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
             const auto predicted = attention_collectives(c.attention(), c.parallel(), remat, packed);
@@ -137,7 +138,8 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
       }
     }
   }
-  EXPECT_GE(cases, 24) << "every strategy and the load-balanced all_gather, each in 8 variants";
+  EXPECT_EQ(cases, 32)
+      << "all_gather and ulysses in 8 variants each, ring 4 (no remat), each load-balanced too but ulysses";
 }
 
 // Ulysses at any head counts: the bytes of the variable all-to-alls (largest operand, largest sent, over

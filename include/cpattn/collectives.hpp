@@ -45,6 +45,9 @@ struct CollectiveCost {
   std::int64_t bytes = 0;
   std::int64_t bytes_sent_per_rank = 0;
 };
+// The ring's destinations (Communicator::start_shift): dest[p] = (p + 1) mod size.
+std::vector<int> ring_destinations(int size);
+
 CollectiveCost collective_cost(CollectiveKind kind, std::int64_t count, std::size_t element_size, int ranks,
                                const std::vector<int>* dest = nullptr);
 

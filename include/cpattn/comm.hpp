@@ -121,9 +121,6 @@ class Communicator {
   std::unique_ptr<PackBuffers> pack_;
 };
 
-// The ring's destinations: dest[p] = (p + 1) mod size.
-std::vector<int> ring_destinations(int size);
-
 // Checks a permutation's shape before any rank waits on it; throws Error(invalid_input).
 void check_permutation(const std::vector<int>& dest, int size);
 

@@ -12,9 +12,9 @@
 
 namespace cpattn {
 
-enum class Strategy { all_gather, ulysses };
+enum class Strategy { all_gather, ulysses, ring };
 // Every strategy: the planner plans each, and the tests that cover every strategy loop over it.
-inline constexpr Strategy kAllStrategies[] = {Strategy::all_gather, Strategy::ulysses};
+inline constexpr Strategy kAllStrategies[] = {Strategy::all_gather, Strategy::ulysses, Strategy::ring};
 // How the caller's sequence shards are laid out: contiguous (rank r holds [r*S/cp, (r+1)*S/cp)) or
 // dual_chunk_swap (2*cp chunks; rank r holds chunks r and 2*cp-1-r).
 enum class ShardLayout { contiguous, dual_chunk_swap };

@@ -51,7 +51,7 @@ struct PlanRequest {
 };
 
 struct StrategyPlan {
-  std::string name;  // all_gather, all_gather_load_balanced, ulysses
+  std::string name;  // all_gather, all_gather_load_balanced, ulysses, ring, ring_load_balanced
   Strategy strategy = Strategy::all_gather;
   bool load_balance = false;
   bool possible = true;
@@ -61,11 +61,13 @@ struct StrategyPlan {
   // The reorder permutes around one attention layer (load balance with contiguous-order neighbours).
   std::vector<CollectiveRecord> reorder;
   std::vector<std::int64_t> tiles_per_rank_per_q_head;  // per rank, one q head (ulysses: a local head)
-  std::vector<std::int64_t> tiles_per_rank;             // per rank, every local head and batch row
-  double tiles_skew = 1.0;                              // max / min over ranks
-  std::int64_t memory_bytes_per_rank = 0;               // saved for backward by one attention layer
-  std::int64_t kv_buffer_bytes_per_rank = 0;            // the K/V the kernel reads while it runs
-  // Estimates for one attention layer (seconds); no overlap of communication with compute is assumed.
+  std::vector<std::vector<std::int64_t>> tiles_per_rank_per_step;  // ring: per rank, per step, one q head
+  std::vector<std::int64_t> tiles_per_rank;                        // per rank, every local head and batch row
+  double tiles_skew = 1.0;                                         // max / min over ranks
+  std::int64_t memory_bytes_per_rank = 0;     // saved for backward by one attention layer
+  std::int64_t kv_buffer_bytes_per_rank = 0;  // the K/V the kernel reads while it runs
+  // Estimates for one attention layer (seconds). No overlap of communication with compute is assumed, except
+  // for ring, whose next hop is in flight while a step computes: per step max(compute, transfer).
   std::vector<double> compute_seconds_per_rank;
   int straggler_rank = 0;
   double communication_seconds = 0;  // attention collectives + reorder

@@ -20,12 +20,6 @@ void Communicator::count_shift(std::int64_t count, CommDType dtype) {
   this->count(CollectiveKind::collective_permute, count, dtype, &dest);
 }
 
-std::vector<int> ring_destinations(int size) {
-  std::vector<int> dest(static_cast<std::size_t>(size));
-  for (int p = 0; p < size; ++p) dest[p] = (p + 1) % size;
-  return dest;
-}
-
 namespace {
 class CompletedShift final : public PendingShift {
  public:

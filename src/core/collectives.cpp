@@ -35,6 +35,12 @@ const char* to_string(CommDType t) {
   return "unknown";
 }
 
+std::vector<int> ring_destinations(int size) {
+  std::vector<int> dest(static_cast<std::size_t>(size));
+  for (int p = 0; p < size; ++p) dest[p] = (p + 1) % size;
+  return dest;
+}
+
 CommDType comm_dtype(DType dtype) {
   return dtype == DType::f32 ? CommDType::f32 : CommDType::bf16;
 }

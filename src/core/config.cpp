@@ -8,7 +8,15 @@
 namespace cpattn {
 
 const char* to_string(Strategy strategy) {
-  return strategy == Strategy::ulysses ? "ulysses" : "all_gather";
+  switch (strategy) {
+    case Strategy::ulysses:
+      return "ulysses";
+    case Strategy::ring:
+      return "ring";
+    case Strategy::all_gather:
+      break;
+  }
+  return "all_gather";
 }
 
 const char* to_string(ShardLayout layout) {
@@ -18,8 +26,9 @@ const char* to_string(ShardLayout layout) {
 Strategy parse_strategy(const std::string& text, const std::string& field) {
   if (text == "all_gather") return Strategy::all_gather;
   if (text == "ulysses") return Strategy::ulysses;
+  if (text == "ring") return Strategy::ring;
   throw Error(ErrorKind::invalid_config, field, text,
-              field + " '" + text + "' is not a strategy; valid: all_gather or ulysses");
+              field + " '" + text + "' is not a strategy; valid: all_gather, ulysses or ring");
 }
 
 ShardLayout parse_layout(const std::string& text, const std::string& field) {
@@ -121,12 +130,12 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
   const bool ulysses = p.strategy == Strategy::ulysses;
   if (ulysses && p.load_balance) {
     rules.add({"load_balance", "strategy"}, "true",
-              "load_balance (true) is for all_gather only; ulysses gives every rank the same work per head, "
+              "load_balance (true) is for all_gather and ring; ulysses gives every rank the same work per head, "
               "set load_balance to false");
   } else if (layout == ShardLayout::dual_chunk_swap && !p.load_balance) {
     rules.add(
         {"layout", "load_balance"}, "dual_chunk_swap",
-        "layout dual_chunk_swap needs all_gather with load_balance true; valid layout here: contiguous");
+        "layout dual_chunk_swap needs all_gather or ring with load_balance true; valid layout here: contiguous");
   } else if (layout == ShardLayout::contiguous && p.load_balance) {
     rules.add({"layout", "load_balance"}, "contiguous",
               "load_balance (true) needs layout dual_chunk_swap (chunks r and 2*cp-1-r on rank r)");
@@ -136,7 +145,8 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
     if (a.seq_len % (2 * p.cp) != 0) {
       rules.add({"seq_len", "cp"}, str(a.seq_len),
                 "seq_len (" + str(a.seq_len) + ") must be divisible by 2*cp (" + str(2 * p.cp) +
-                    ") for all_gather with load balance (dual chunk swap cuts it into 2*cp chunks)");
+                    ") for " + to_string(p.strategy) +
+                    " with load balance (dual chunk swap cuts it into 2*cp chunks)");
     }
   } else if (a.seq_len % p.cp != 0) {
     rules.add({"seq_len", "cp"}, str(a.seq_len),

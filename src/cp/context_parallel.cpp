@@ -17,6 +17,12 @@ ContextParallelAttention::Impl::Impl(const AttentionSpec& a, const ParallelSpec&
                 "cp (" + std::to_string(parallel.cp) + ") differs from the communicator's size (" +
                     std::to_string(comm.size()) + ")");
   }
+  if (options.remat && parallel.strategy == Strategy::ring) {
+    throw Error(
+        ErrorKind::invalid_config, "remat", "true",
+        "remat means nothing for ring (its backward re-receives K/V and keeps only the local shards, O "
+        "and LSE); set remat to false");
+  }
   cp = parallel.cp;
   rank = comm.rank();
   local_seq = attention.seq_len / cp;
@@ -122,6 +128,7 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
     comm.expect(std::move(schedule.forward));
   }
   AttentionOutput out = parallel.strategy == Strategy::ulysses ? ulysses_forward(q, k, v, forward_only)
+                        : parallel.strategy == Strategy::ring  ? ring_forward(q, k, v, forward_only)
                                                                : all_gather_forward(q, k, v, forward_only);
   comm.finish();
   backward_calls = std::move(schedule.backward);
@@ -136,8 +143,9 @@ AttentionGradients ContextParallelAttention::Impl::backward(const Tensor& d_out)
   } else {
     comm.expect(backward_calls);
   }
-  AttentionGradients grads =
-      parallel.strategy == Strategy::ulysses ? ulysses_backward(d_out) : all_gather_backward(d_out);
+  AttentionGradients grads = parallel.strategy == Strategy::ulysses ? ulysses_backward(d_out)
+                             : parallel.strategy == Strategy::ring  ? ring_backward(d_out)
+                                                                    : all_gather_backward(d_out);
   comm.finish();
   return grads;
 }

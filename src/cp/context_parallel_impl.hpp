@@ -29,6 +29,8 @@ class ContextParallelAttention::Impl {
   AttentionGradients all_gather_backward(const Tensor& d_out);
   AttentionOutput ulysses_forward(const Tensor& q, const Tensor& k, const Tensor& v, bool forward_only);
   AttentionGradients ulysses_backward(const Tensor& d_out);
+  AttentionOutput ring_forward(const Tensor& q, const Tensor& k, const Tensor& v, bool forward_only);
+  AttentionGradients ring_backward(const Tensor& d_out);
 
   FlashConfig kernel_config() const;
   AttentionMask mask(const std::vector<std::int32_t>& q_pos, const std::vector<std::int32_t>& kv_pos,
@@ -47,10 +49,10 @@ class ContextParallelAttention::Impl {
 
   // What forward keeps for backward.
   struct Saved {
-    Tensor q, k, v;          // all_gather: local shards; ulysses: local shards (remat) or head-sharded
+    Tensor q, k, v;          // all_gather, ring: local shards; ulysses: local shards (remat) or head-sharded
     Tensor k_full, v_full;   // all_gather without remat: gathered K/V, natural order
-    Tensor o;                // all_gather: local O; ulysses: head-sharded O
-    std::vector<float> lse;  // all_gather: [B, Hq, S/cp]; ulysses: [B, n_r, S]
+    Tensor o;                // all_gather, ring: local O; ulysses: head-sharded O
+    std::vector<float> lse;  // all_gather, ring: [B, Hq, S/cp]; ulysses: [B, n_r, S]
     std::vector<std::int32_t> seg_local, seg_full;  // [B, S/cp], [B, S] natural (empty: no segments)
   };
   std::optional<Saved> saved;

@@ -74,11 +74,32 @@ StrategySchedule all_gather_schedule(const AttentionSpec& a, const ParallelSpec&
   return s;
 }
 
+// ring: the packed segment ids gathered once; then per step but the last, K and V of one shard as one message
+// [2, B, S/cp, Hkv, D] to the next rank. Backward: per step, K||V again (but the last step) and then the
+// dK||dV accumulator (fp32) that travels with them, its last hop going home; nothing at cp = 1.
+StrategySchedule ring_schedule(const AttentionSpec& a, const ParallelSpec& p, const ScheduleOptions& o) {
+  const std::int64_t cp = p.cp, B = a.batch, D = a.head_dim, sl = a.seq_len / cp;
+  const std::int64_t kv = 2 * B * sl * (a.num_kv_heads / p.tp) * D;
+  const CommDType e = comm_dtype(a.dtype);
+  using K = CollectiveKind;
+  StrategySchedule s;
+  if (o.packed) s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}});
+  for (std::int64_t step = 0; step + 1 < cp; ++step)
+    s.forward.push_back({K::collective_permute, "forward", "kv", kv, e, {}});
+  for (std::int64_t step = 0; step < cp && cp > 1; ++step) {
+    if (step + 1 < cp) s.backward.push_back({K::collective_permute, "backward", "kv", kv, e, {}});
+    s.backward.push_back({K::collective_permute, "backward", "dkv", kv, CommDType::f32, {}});
+  }
+  return s;
+}
+
 }  // namespace
 
 StrategySchedule strategy_schedule(const AttentionSpec& attention, const ParallelSpec& parallel,
                                    const ScheduleOptions& options) {
   switch (parallel.strategy) {
+    case Strategy::ring:
+      return ring_schedule(attention, parallel, options);
     case Strategy::ulysses:
       return ulysses_schedule(attention, parallel, options);
     case Strategy::all_gather:
@@ -92,8 +113,10 @@ std::vector<CollectiveRecord> scheduled_records(const StrategySchedule& schedule
   for (const auto* calls : {&schedule.forward, &schedule.backward}) {
     for (const ScheduledCollective& c : *calls) {
       const std::size_t e = comm_dtype_size(c.dtype);
+      // A scheduled collective_permute is the ring's shift.
+      const std::vector<int> ring = ring_destinations(static_cast<int>(cp));
       add_to_records(records, c.kind, c.phase,
-                     c.blocks.empty() ? collective_cost(c.kind, c.count, e, static_cast<int>(cp))
+                     c.blocks.empty() ? collective_cost(c.kind, c.count, e, static_cast<int>(cp), &ring)
                                       : all_to_all_v_cost(c.blocks, e));
     }
   }

@@ -102,6 +102,12 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   s.strategy = strategy;
   s.load_balance = load_balance;
   s.why_not = validation_errors(a, p);
+  if (strategy == Strategy::ring && req.remat) {
+    s.why_not.push_back(
+        {{"remat"},
+         "true",
+         "remat means nothing for ring (its backward re-receives K/V); plan without --remat"});
+  }
   if (!s.why_not.empty()) {
     s.possible = false;
     return s;
@@ -135,18 +141,32 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   const std::vector<std::int32_t> segments = segment_ids_from_lengths(1, req.segments);
   // ulysses: rank r computes its n_r q heads over the whole sequence (uneven when cp does not divide Hq).
   const UlyssesHeads heads = strategy == Strategy::ulysses ? ulysses_heads(hq, hkv, cp) : UlyssesHeads{};
+  // A rank's positions and (packed) segment ids.
+  auto rank_tokens = [&](std::int64_t r) {
+    const auto local = local_positions(p.effective_layout(), S, cp, r);
+    std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> t{positions_as_int32(local), {}};
+    for (auto x : local) {
+      if (packed) t.second.push_back(segments[x]);
+    }
+    return t;
+  };
   for (std::int64_t r = 0; r < cp; ++r) {
     const std::int64_t local_heads = strategy == Strategy::ulysses ? heads.q[r].size() : hq;
-    std::int64_t per_head;
+    std::int64_t per_head = 0;
     if (strategy == Strategy::ulysses) {
       per_head = count_tiles(natural, segments, natural, segments, a.causal, req.block);
-    } else {
-      const auto local = local_positions(p.effective_layout(), S, cp, r);
-      const std::vector<std::int32_t> q_pos = positions_as_int32(local);
-      std::vector<std::int32_t> q_seg;
-      for (auto x : local) {
-        if (packed) q_seg.push_back(segments[x]);
+    } else if (strategy == Strategy::ring) {
+      // Step s: this rank's queries against the shard of rank (r - s) mod cp, on that shard's own grid.
+      const auto [q_pos, q_seg] = rank_tokens(r);
+      s.tiles_per_rank_per_step.emplace_back();
+      for (std::int64_t step = 0; step < cp; ++step) {
+        const auto [kv_pos, kv_seg] = rank_tokens((r - step + cp) % cp);
+        s.tiles_per_rank_per_step.back().push_back(
+            count_tiles(q_pos, q_seg, kv_pos, kv_seg, a.causal, req.block));
+        per_head += s.tiles_per_rank_per_step.back().back();
       }
+    } else {
+      const auto [q_pos, q_seg] = rank_tokens(r);
       per_head = count_tiles(q_pos, q_seg, natural, segments, a.causal, req.block);
     }
     s.tiles_per_rank_per_q_head.push_back(per_head);
@@ -167,6 +187,11 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
           s.memory_bytes_per_rank, inputs + q_heads /* O */ + B * n_q * S * 4 + (packed ? B * S * 4 : 0));
       s.kv_buffer_bytes_per_rank = std::max(s.kv_buffer_bytes_per_rank, kv_heads);
     }
+  } else if (strategy == Strategy::ring) {
+    // Saved: q, O, LSE and the local K/V shard; in flight: the visiting K/V and the next one.
+    const std::int64_t kv_shard = 2 * B * sl * hkv * D * E;
+    s.memory_bytes_per_rank = 2 * B * sl * hq * D * E + B * hq * sl * 4 + kv_shard + seg_bytes;
+    s.kv_buffer_bytes_per_rank = 2 * kv_shard;
   } else {
     const std::int64_t kv_full = 2 * B * S * hkv * D * E;
     s.memory_bytes_per_rank = 2 * B * sl * hq * D * E /* q, O */ + B * hq * sl * 4 +
@@ -193,6 +218,31 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   }
   s.exposed_seconds = s.communication_seconds + (slowest - fastest);
   s.layer_seconds = slowest + s.communication_seconds;
+  if (strategy == Strategy::ring) {
+    // The next hop is in flight while a step computes: forward sum over the first cp-1 steps of
+    // max(compute, K/V transfer) plus the last step's compute; backward likewise with K/V and dK/dV in
+    // flight, plus the last dK/dV hop home; the reorder's permutes as they are.
+    const double kv_hop = static_cast<double>(2 * B * sl * hkv * D * E) / req.hardware.bandwidth;
+    const double dkv_hop = static_cast<double>(2 * B * sl * hkv * D * 4) / req.hardware.bandwidth;
+    std::int64_t reorder_sent = 0;
+    for (const auto& c : s.reorder) reorder_sent += c.bytes_sent_per_rank;
+    const double reorder = static_cast<double>(reorder_sent) / req.hardware.bandwidth;
+    const double per_tile = static_cast<double>(hq * B) * tile_flops / req.hardware.flops;
+    double longest = 0;
+    for (std::int64_t r = 0; r < cp; ++r) {
+      double t = reorder;
+      for (std::int64_t step = 0; step < cp; ++step) {
+        const double fwd = static_cast<double>(s.tiles_per_rank_per_step[r][step]) * per_tile;
+        const double bwd = fwd * kBackwardFlopsPerForward;
+        const bool last = step + 1 == cp;
+        t += last ? fwd : std::max(fwd, kv_hop);
+        t += last ? bwd + (cp > 1 ? dkv_hop : 0.0) : std::max(bwd, kv_hop + dkv_hop);
+      }
+      longest = std::max(longest, t);
+    }
+    s.layer_seconds = longest;
+    s.exposed_seconds = longest - fastest;
+  }
   s.model_seconds = s.layer_seconds * static_cast<double>(req.model.attention_layers());
   s.model_bytes_sent_per_rank = sent * req.model.attention_layers();
   return s;
@@ -233,8 +283,7 @@ Plan make_plan(const PlanRequest& req) {
   Plan plan;
   for (Strategy strategy : kAllStrategies) {
     for (bool load_balance : {false, true}) {
-      if (load_balance && strategy != Strategy::all_gather)
-        continue;  // the only strategy with a load balance
+      if (load_balance && strategy == Strategy::ulysses) continue;  // its work is already equal per head
       const std::string name = std::string(to_string(strategy)) + (load_balance ? "_load_balanced" : "");
       plan.strategies.push_back(plan_strategy(req, name, strategy, load_balance));
     }

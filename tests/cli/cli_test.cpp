@@ -145,7 +145,7 @@ TEST(CliValidate, BadInputExits2WithAMessage) {
   const std::pair<std::string, std::string> cases[] = {
       {"validate --cp abc --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8", "--cp"},
       {"validate --no-such-flag", "no-such-flag"},
-      {"validate --strategy ring --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8", "'ring' is not a strategy"},
+      {"validate --strategy rings --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8", "'rings' is not a strategy"},
       {"validate --config " + bad_type + " --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8",
        "ici_context_parallelism"},
       {"validate --config " + not_yaml, "not valid YAML"},
@@ -215,7 +215,7 @@ TEST(CliRun, BadInputTableNamesTheClassAndTheFieldOrFile) {
        "cp (8) <= num_q_heads (6)"},
       {"validate --tp 3 --cp 2 --seq 64" + sizes, "invalid_config", "tp (3)"},
       {"run --strategy ulysses --load-balance --cp 4 --seq 64" + sizes, "invalid_config", "load_balance"},
-      {"run --strategy ring --cp 4 --seq 64" + sizes, "invalid_config", "'ring' is not a strategy"},
+      {"run --strategy rings --cp 4 --seq 64" + sizes, "invalid_config", "'rings' is not a strategy"},
       {"run --cp 4 --seq 64 --no-such-flag" + sizes, "", "no-such-flag"},
       {"run --cp 2 --q-heads 4 --load " + inputs_with("flag", "q.npy", q_bytes), "invalid_input",
        "--q-heads (4) disagrees"},
@@ -398,7 +398,7 @@ TEST(CliPlan, SeedPresetJsonHasEveryStrategy) {
       run("plan --json --preset qwen3.5-397b-a17b --seq 65536 --dtype bf16 --cp 4 --segments 61440,4096");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const auto j = nlohmann::json::parse(r.out);
-  ASSERT_EQ(j["strategies"].size(), 3u);
+  ASSERT_EQ(j["strategies"].size(), 5u);  // all_gather (± load balance), ulysses, ring (± load balance)
   for (const auto& s : j["strategies"]) {
     EXPECT_TRUE(s["possible"].get<bool>());
     for (const char* key :

@@ -12,7 +12,7 @@ namespace cpattn::cli {
 void ProblemFlags::add_to(CLI::App& app) {
   app.add_option("--config", config_files, "YAML config file(s) with the seed framework's keys; later wins")
       ->check(CLI::ExistingFile);
-  app.add_option("--strategy", values.strategy, "all_gather or ulysses");
+  app.add_option("--strategy", values.strategy, "all_gather, ulysses or ring");
   app.add_option("--cp", values.cp, "context-parallel ranks");
   app.add_option("--tp", values.tp, "tensor-parallel degree over heads");
   app.add_option("--q-heads", values.num_q_heads, "query heads");
