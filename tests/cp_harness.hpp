@@ -11,6 +11,7 @@
 #include "cpattn/reference.hpp"
 #include "cpattn/sequence_layout.hpp"
 #include "cpattn/shard.hpp"
+#include "harness/check.hpp"
 #include "harness/whole_problem.hpp"
 #include "test_support.hpp"
 
@@ -148,29 +149,26 @@ inline void expect_matches_single_device(const CpCase& c) {
 }
 
 // ring: each step's result is merged in step order, not the single-device kernel's key order, so the forward
-// matches within rounding rather than bit for bit: O within 5e-6 (fp32) / 1e-2 (bf16) of max |O| and LSE within
-// 1e-5 / 1e-2 absolute of the single-device kernel; gradients within 1e-5 / 1e-2 of max |gradient|; O and the
-// gradients within 2e-5 / 2e-2 of the float64 reference.
+// matches within rounding rather than bit for bit; the bounds are harness::tolerances' (the ones `cpattn run
+// --check` applies).
 inline void expect_ring_matches_single_device(const CpCase& c, std::uint32_t seed = 101) {
   SCOPED_TRACE(c.name());
+  const harness::Tolerances tol = harness::tolerances(Strategy::ring, c.dtype);
   const auto in = make_whole_inputs(c, seed);
   const auto got = run_context_parallel(c, in);
   const auto single = run_single_device(c, in);
   const auto ref = run_reference(c, in);
-  const bool f32 = c.dtype == DType::f32;
-  CPATTN_EXPECT_CLOSE(got.o, single.o, f32 ? 5e-6 : 1e-2, "o vs single device");
+  CPATTN_EXPECT_CLOSE(got.o, single.o, tol.o_rel, "o vs single device");
   const auto lse = compare(got.lse, single.lse);
-  EXPECT_LE(lse.max_abs, f32 ? 1e-5 : 1e-2) << "lse vs single device";
+  EXPECT_LE(lse.max_abs, tol.lse_abs) << "lse vs single device";
   EXPECT_EQ(lse.nonfinite, 0) << "lse: non-finite mismatches" << lse.first_mismatches;
-  if (got.dq.empty()) return;  // forward only
-  const double grad = f32 ? 1e-5 : 1e-2, reference = f32 ? 2e-5 : 2e-2;
-  CPATTN_EXPECT_CLOSE(got.dq, single.dq, grad, "dq vs single device");
-  CPATTN_EXPECT_CLOSE(got.dk, single.dk, grad, "dk vs single device");
-  CPATTN_EXPECT_CLOSE(got.dv, single.dv, grad, "dv vs single device");
-  CPATTN_EXPECT_CLOSE(got.o, ref.o, reference, "o vs reference");
-  CPATTN_EXPECT_CLOSE(got.dq, ref.dq, reference, "dq vs reference");
-  CPATTN_EXPECT_CLOSE(got.dk, ref.dk, reference, "dk vs reference");
-  CPATTN_EXPECT_CLOSE(got.dv, ref.dv, reference, "dv vs reference");
+  CPATTN_EXPECT_CLOSE(got.o, ref.o, tol.reference_rel, "o vs reference");
+  CPATTN_EXPECT_CLOSE(got.dq, single.dq, tol.grad_rel, "dq vs single device");
+  CPATTN_EXPECT_CLOSE(got.dk, single.dk, tol.grad_rel, "dk vs single device");
+  CPATTN_EXPECT_CLOSE(got.dv, single.dv, tol.grad_rel, "dv vs single device");
+  CPATTN_EXPECT_CLOSE(got.dq, ref.dq, tol.reference_rel, "dq vs reference");
+  CPATTN_EXPECT_CLOSE(got.dk, ref.dk, tol.reference_rel, "dk vs reference");
+  CPATTN_EXPECT_CLOSE(got.dv, ref.dv, tol.reference_rel, "dv vs reference");
 }
 
 }  // namespace cpattn::testing
