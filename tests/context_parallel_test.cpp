@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <numeric>
+#include <tuple>
 
 #include "cp_harness.hpp"
 #include "cpattn/placement.hpp"
@@ -111,20 +112,71 @@ TEST(ContextParallel, UlyssesAtAnyHeadCountsMatchesTheSingleDeviceKernelOverACov
   }
 }
 
-TEST(ContextParallel, RingQuick) {
-  for (bool lb : {false, true}) {
-    for (std::int64_t cp : {1, 2, 3, 4}) {
-      CpCase c;
-      c.strategy = Strategy::ring;
-      c.load_balance = lb;
-      c.cp = cp;
-      c.hq = 8;
-      c.hkv = 2;
-      c.seq = 48 * cp;
-      c.segments = {c.seq / 3, c.seq - c.seq / 3};
-      testing::expect_ring_matches_single_device(c);
-    }
+// ring over cp in {2, 3, 4, 8} and (Hq, Hkv) in {(8,8), (8,2), (32,2), (4,1)}, each pair of the two once (a
+// Latin square), on the rows of the two-level orthogonal array above and their complements: causal, packed
+// (a document shorter than one chunk), load balance, bf16, batch 2, head dim 80.
+TEST(ContextParallel, RingMatchesTheSingleDeviceKernelOverACoveringSet) {
+  constexpr int kRows[8][6] = {{0, 0, 0, 0, 0, 0}, {0, 0, 0, 1, 1, 1}, {0, 1, 1, 0, 0, 1},
+                               {0, 1, 1, 1, 1, 0}, {1, 0, 1, 0, 1, 0}, {1, 0, 1, 1, 0, 1},
+                               {1, 1, 0, 0, 1, 1}, {1, 1, 0, 1, 0, 0}};
+  const std::int64_t cps[] = {2, 3, 4, 8};
+  const std::pair<std::int64_t, std::int64_t> heads[] = {{8, 8}, {8, 2}, {32, 2}, {4, 1}};
+  for (int i = 0; i < 16; ++i) {
+    const int* row = kRows[i % 8];
+    auto on = [&](int column) { return (row[column] != 0) != (i >= 8); };
+    CpCase c;
+    c.strategy = Strategy::ring;
+    c.cp = cps[i % 4];
+    std::tie(c.hq, c.hkv) = heads[(i / 4 + i) % 4];
+    c.seq = 2 * c.cp * (24 + c.cp);  // chunks of 24 + cp tokens: not a multiple of the 64-token block
+    c.causal = on(0);
+    if (on(1)) c.segments = {c.seq / 2 + 3, c.seq / 2 - 8, 5};
+    c.load_balance = on(2);
+    c.dtype = on(3) ? DType::bf16 : DType::f32;
+    c.batch = on(4) ? 2 : 1;
+    c.dim = on(5) ? 80 : 64;
+    testing::expect_ring_matches_single_device(c);
   }
+}
+
+// The ring's result does not depend on the kernel's thread count or on the run: the same bits.
+TEST(ContextParallel, RingIsBitIdenticalRunToRunAndAcrossThreadCounts) {
+  CpCase c;
+  c.strategy = Strategy::ring;
+  c.load_balance = true;
+  c.hq = 8;
+  c.hkv = 2;
+  c.seq = 512;
+  c.segments = {300, 212};
+  const auto in = testing::make_whole_inputs(c, 4);
+  const auto one = testing::run_context_parallel(c, in, 1);
+  const auto again = testing::run_context_parallel(c, in, 1);
+  const auto two = testing::run_context_parallel(c, in, 2);
+  for (const auto* other : {&again, &two}) {
+    EXPECT_EQ(testing::count_bit_differences(one.o, other->o), 0);
+    EXPECT_EQ(testing::count_bit_differences(one.lse, other->lse), 0);
+    EXPECT_EQ(testing::count_bit_differences(one.dq, other->dq), 0);
+    EXPECT_EQ(testing::count_bit_differences(one.dk, other->dk), 0);
+    EXPECT_EQ(testing::count_bit_differences(one.dv, other->dv), 0);
+  }
+}
+
+// With load balance on one causal document every rank computes the same tiles when S is a multiple of
+// 2 * cp * block (here 2 * 4 * 64), and the same as ulysses' per-head work; without it the causal skew shows.
+TEST(ContextParallel, RingTilesAreEqualWithLoadBalanceOnOneCausalDocument) {
+  CpCase c;
+  c.strategy = Strategy::ring;
+  c.hq = 4;
+  c.hkv = 2;
+  c.dim = 16;
+  c.seq = 1024;
+  const auto in = testing::make_whole_inputs(c, 1);
+  const auto plain = testing::run_context_parallel(c, in);
+  EXPECT_GT(plain.tiles_per_rank[3], plain.tiles_per_rank[0]);
+  c.load_balance = true;
+  const auto lb = testing::run_context_parallel(c, in);
+  for (auto t : lb.tiles_per_rank) EXPECT_EQ(t, lb.tiles_per_rank[0]);
+  EXPECT_EQ(lb.tiles_per_rank[0], 4 * 16 * 17 / 2 / 4);  // a quarter of every head's T(T+1)/2, T = 16
 }
 
 TEST(ContextParallel, CombinationsTheValidatorRejectsAreRejected) {
@@ -218,6 +270,34 @@ TEST(ContextParallel, AnyHeadCountControlsAreCaught) {
   c.control = NegativeControl::extra_q_heads_on_highest_ranks;
   EXPECT_GT(max_rel(testing::run_context_parallel(c, in28).o, single28.o), 1e-2)
       << "q heads placed where the kv sets do not expect them must give a wrong output";
+}
+
+// The ring's controls: a per-step LSE in backward, the accumulators one hop short of home, and the zigzag
+// chunks swapped, each caught.
+TEST(ContextParallel, RingControlsAreCaught) {
+  CpCase c;
+  c.strategy = Strategy::ring;
+  c.load_balance = true;
+  c.hq = 8;
+  c.hkv = 2;
+  c.seq = 256;
+  const auto in = testing::make_whole_inputs(c, 13);
+  const auto single = testing::run_single_device(c, in);
+  EXPECT_LE(max_rel(testing::run_context_parallel(c, in).dk, single.dk), 1e-5);
+
+  c.control = NegativeControl::ring_step_lse;
+  const auto step = testing::run_context_parallel(c, in);
+  EXPECT_LE(max_rel(step.o, single.o), 5e-6) << "the forward is untouched";
+  EXPECT_GT(max_rel(step.dq, single.dq), 1e-2) << "a per-step LSE must give wrong gradients";
+
+  c.control = NegativeControl::ring_accumulator_one_hop_short;
+  const auto short_hop = testing::run_context_parallel(c, in);
+  EXPECT_GT(max_rel(short_hop.dk, single.dk), 1e-2) << "accumulators one hop short must give wrong dK";
+  EXPECT_LE(max_rel(short_hop.dq, single.dq), 1e-5) << "dQ does not travel";
+
+  c.control = NegativeControl::ring_zigzag_swapped;
+  EXPECT_GT(max_rel(testing::run_context_parallel(c, in).o, single.o), 1e-2)
+      << "the zigzag chunks swapped must give a wrong output";
 }
 
 TEST(ContextParallel, WithOneKvHeadTheTiledOrderIsTheSame) {
@@ -408,10 +488,10 @@ class FailingCommunicator final : public Communicator {
 // A rank that fails mid-forward or mid-backward: every other rank gets an error naming it, promptly (not by
 // the group's timeout), no thread stays blocked (run() returns), and a new group in the same process works.
 TEST(ContextParallel, ARankFailingMidForwardOrBackwardIsAnErrorOnEveryRank) {
-  for (const Strategy strategy : {Strategy::ulysses, Strategy::all_gather}) {
+  for (const Strategy strategy : {Strategy::ulysses, Strategy::all_gather, Strategy::ring}) {
     CpCase c;
     c.strategy = strategy;
-    c.load_balance = strategy == Strategy::all_gather;
+    c.load_balance = strategy != Strategy::ulysses;
     c.seq = 256;
     c.hq = 8;
     const auto in = testing::make_whole_inputs(c, 3);

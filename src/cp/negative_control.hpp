@@ -1,4 +1,4 @@
-// Deliberately wrong variants of the ulysses strategy that exist only so that tests can show they are caught
+// Deliberately wrong variants of the ulysses and ring strategies that exist only so that tests can show they are caught
 // (docs/design.md, "Negative controls"). Not part of the library's interface: the tests and the harness reach
 // them through this internal header.
 #pragma once
@@ -15,6 +15,10 @@ enum class NegativeControl {
   shifted_kv_set,                  // ulysses: a rank starting a q group receives the kv heads one on
   extra_q_heads_on_highest_ranks,  // ulysses: the extra q heads on the highest ranks, the kv sets as if
                                    // lowest
+  ring_step_lse,                   // ring: each backward step uses that step's LSE, not the final one
+  ring_accumulator_one_hop_short,  // ring: the dK/dV accumulators never make their last hop home
+  ring_zigzag_swapped,             // ring with load balance: a visiting shard's two chunks at each other's
+                                   // positions (the step rule's cases swapped)
 };
 
 class ContextParallelInternals {

@@ -5,6 +5,7 @@
 // waited after it. Each step's (O_s, LSE_s) is folded into a running maximum m, sum l and unnormalised O in
 // fp32, in step order; O = O/l and LSE = m + log l once at the end. Backward: K/V travel again, each shard's
 // dK/dV accumulator (fp32) travelling with it and going home after the last step; dQ sums locally in fp32.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -110,11 +111,15 @@ struct StepMask {
   std::vector<std::int32_t> q_pos, kv_pos, kv_seg;
 };
 
+// swapped: the negative control that puts the visiting shard's two chunks at each other's positions.
 StepMask step_mask(const RankPositions& positions, std::int64_t rank, std::int64_t src, std::int64_t batch,
-                   std::int64_t seq, const std::vector<std::int32_t>& seg_full) {
+                   std::int64_t seq, const std::vector<std::int32_t>& seg_full, bool swapped) {
   StepMask m;
   const auto& mine = positions[rank];
-  const auto& theirs = positions[src];
+  std::vector<std::int32_t> theirs = positions[src];
+  if (swapped)
+    std::rotate(theirs.begin(), theirs.begin() + static_cast<std::ptrdiff_t>(theirs.size() / 2),
+                theirs.end());
   for (std::int64_t b = 0; b < batch; ++b) {
     m.q_pos.insert(m.q_pos.end(), mine.begin(), mine.end());
     m.kv_pos.insert(m.kv_pos.end(), theirs.begin(), theirs.end());
@@ -159,18 +164,21 @@ AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, co
   Tensor o_step(DType::f32, q.shape());
   std::vector<float> lse_step(static_cast<std::size_t>(B * hq * local_seq));
   tiles = TileCounts{};
+  step_lses.clear();
   for (std::int64_t s = 0; s < cp; ++s) {
     const std::int64_t src = (rank - s + cp) % cp;
     std::unique_ptr<PendingShift> hop;
     if (s + 1 < cp)
       hop =
           comm.start_shift(current.both.raw(), next.both.raw(), current.count(), comm_dtype(attention.dtype));
-    const StepMask sm = step_mask(positions, rank, src, B, S, seg_full);
+    const StepMask sm = step_mask(positions, rank, src, B, S, seg_full,
+                                  negative_control == NegativeControl::ring_zigzag_swapped);
     TileCounts t;
     flash_forward(cref(q), current.first(), current.second(), mask(sm.q_pos, sm.kv_pos, seg_local, sm.kv_seg),
                   attention.scale(), kernel_config(), ref(o_step), lse_step.data(), &t);
     add_tiles(tiles, t);
     run.fold(o_step, lse_step);
+    if (negative_control == NegativeControl::ring_step_lse) step_lses.push_back(lse_step);
     if (hop) {
       hop->wait();
       std::swap(current, next);
@@ -209,9 +217,12 @@ AttentionGradients ContextParallelAttention::Impl::ring_backward(const Tensor& d
     if (s + 1 < cp)
       kv_hop =
           comm.start_shift(current.both.raw(), next.both.raw(), current.count(), comm_dtype(attention.dtype));
-    const StepMask sm = step_mask(positions, rank, src, B, S, sv.seg_full);
+    const StepMask sm = step_mask(positions, rank, src, B, S, sv.seg_full,
+                                  negative_control == NegativeControl::ring_zigzag_swapped);
     // Every step uses the final O and LSE.
-    flash_backward(cref(sv.q), current.first(), current.second(), cref(sv.o), sv.lse.data(), cref(d_out),
+    const float* lse =
+        negative_control == NegativeControl::ring_step_lse ? step_lses[s].data() : sv.lse.data();
+    flash_backward(cref(sv.q), current.first(), current.second(), cref(sv.o), lse, cref(d_out),
                    mask(sm.q_pos, sm.kv_pos, sv.seg_local, sm.kv_seg), attention.scale(), kernel_config(),
                    ref(dq_step), ref(dk_step), ref(dv_step));
     float* q_acc = dq.data<float>();
@@ -219,10 +230,13 @@ AttentionGradients ContextParallelAttention::Impl::ring_backward(const Tensor& d
     for (std::int64_t i = 0; i < dq.numel(); ++i) q_acc[i] += q_add[i];
     if (acc_hop) {
       acc_hop->wait();  // src's accumulator, from the ranks before this one
+      acc_hop.reset();
       std::swap(acc, acc_next);
     }
     accumulate(acc, dk_step, dv_step);
     // With its shard to the next rank, or (after the last step) home to its owner, rank r + 1.
+    const bool last = s + 1 == cp;
+    if (last && negative_control == NegativeControl::ring_accumulator_one_hop_short) break;
     if (cp > 1) acc_hop = comm.start_shift(acc.both.raw(), acc_next.both.raw(), acc.count(), CommDType::f32);
     if (kv_hop) {
       kv_hop->wait();
