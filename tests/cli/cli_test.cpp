@@ -145,7 +145,8 @@ TEST(CliValidate, BadInputExits2WithAMessage) {
   const std::pair<std::string, std::string> cases[] = {
       {"validate --cp abc --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8", "--cp"},
       {"validate --no-such-flag", "no-such-flag"},
-      {"validate --strategy rings --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8", "'rings' is not a strategy"},
+      {"validate --strategy rings --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8",
+       "'rings' is not a strategy"},
       {"validate --config " + bad_type + " --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8",
        "ici_context_parallelism"},
       {"validate --config " + not_yaml, "not valid YAML"},
@@ -378,6 +379,34 @@ TEST(CliRun, UlyssesAtUnevenHeadsChecksAndSavesWhatAllGatherSaves) {
   std::filesystem::remove_all(dir);
 }
 
+// ring: the check within its bounds (stated in check.tolerances), O's relative error reported for every
+// strategy; collective_permute and the segment ids' all_gather only; --remat refused with exit 2.
+TEST(CliRun, RingChecksWithinItsBoundsAndRefusesRemat) {
+  const std::string shape =
+      " --cp 3 --q-heads 8 --kv-heads 2 --head-dim 32 --seq 192 --segments 150,37,5 --threads 1";
+  Result r = run("run --json --check --strategy ring --load-balance" + shape);
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_TRUE(j["check"]["pass"].get<bool>());
+  EXPECT_EQ(j["check"]["tolerances"]["forward"], "within bounds");
+  EXPECT_EQ(j["check"]["tolerances"]["o_rel_vs_single_device"].get<double>(), 5e-6);
+  EXPECT_EQ(j["check"]["tolerances"]["lse_abs_vs_single_device"].get<double>(), 1e-5);
+  EXPECT_LE(j["check"]["single_device"]["max_rel_diff"]["o"].get<double>(), 5e-6);
+  EXPECT_GT(j["check"]["single_device"]["max_rel_diff"]["o"].get<double>(),
+            0.0);  // merged, not bit-identical
+  for (const auto& c : j["collectives"]) {
+    EXPECT_TRUE(c["kind"] == "collective_permute" || c["kind"] == "all_gather") << c.dump();
+  }
+  r = run("run --json --check --strategy ulysses" + shape);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["check"]["single_device"]["max_rel_diff"]["o"].get<double>(), 0.0);
+  EXPECT_EQ(j["check"]["tolerances"]["forward"], "bit-identical");
+  r = run("run --strategy ring --remat" + shape);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("remat means nothing for ring"), std::string::npos) << r.err;
+}
+
 TEST(CliRun, BadInputExits2) {
   const std::pair<std::string, std::string> cases[] = {
       {"run --cp 4 --q-heads 8 --kv-heads 2 --head-dim 8 --seq 64 --segments 10,20", "--segments"},
@@ -457,11 +486,13 @@ namespace {
 TEST(CliPlan, PredictedCollectivesEqualWhatRunCounted) {
   const std::string shape =
       " --q-heads 8 --kv-heads 2 --head-dim 16 --seq 256 --cp 4 --dtype bf16 --segments 200,56";
-  for (const std::string strategy : {"ulysses", "all_gather", "all_gather_load_balanced"}) {
+  for (const std::string strategy :
+       {"ulysses", "all_gather", "all_gather_load_balanced", "ring", "ring_load_balanced"}) {
     for (const std::string remat : {"", " --remat"}) {
-      const std::string flags = strategy == "all_gather_load_balanced"
-                                    ? " --strategy all_gather --load-balance"
-                                    : " --strategy " + strategy;
+      if (strategy.starts_with("ring") && !remat.empty()) continue;  // refused (CliRun.RingRefusesRemat)
+      const std::string base = strategy.substr(0, strategy.find("_load_balanced"));
+      const std::string flags =
+          " --strategy " + base + (strategy.ends_with("_load_balanced") ? " --load-balance" : "");
       const Result ran = run("run --json --threads 1" + flags + shape + remat);
       ASSERT_EQ(ran.exit_code, 0) << ran.err;
       const Result planned = run("plan --json --block 64" + shape + remat);
