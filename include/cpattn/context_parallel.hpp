@@ -58,6 +58,9 @@ class ContextParallelAttention {
 
   // Tiles this rank's kernel computed in the last forward, per (batch row, local q head).
   const TileCounts& forward_tiles() const;
+  // Seconds this rank spent waiting for its ring shifts to complete since the last forward began (its
+  // forward and backward): the transfer time its compute did not hide. 0 for the other strategies.
+  double comm_wait_seconds() const;
   // The global position of each local token (the same for every batch row).
   const std::vector<std::int32_t>& local_positions() const;
 

@@ -116,6 +116,7 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
                                                         bool forward_only) {
   check_inputs(q, k, v, seg);
   saved.reset();
+  comm_wait_seconds = 0;
   seg_local.assign(seg.begin(), seg.end());
   StrategySchedule schedule = strategy_schedule(attention, parallel, {options.remat, !seg.empty()});
   CollectiveCounters::PhaseScope phase(group.counters(), "forward");
@@ -171,6 +172,10 @@ AttentionGradients ContextParallelAttention::backward(const Tensor& d_out) {
 
 const TileCounts& ContextParallelAttention::forward_tiles() const {
   return impl_->tiles;
+}
+
+double ContextParallelAttention::comm_wait_seconds() const {
+  return impl_->comm_wait_seconds;
 }
 
 void ContextParallelInternals::set_negative_control(ContextParallelAttention& attention,

@@ -46,6 +46,7 @@ class ContextParallelAttention::Impl {
   std::int64_t cp = 1, rank = 0, local_seq = 0, hq = 0, hkv = 0;  // local heads (per tp rank)
   RankPositions positions;                                        // every rank's local positions
   TileCounts tiles;
+  double comm_wait_seconds = 0;  // ring: time spent in shifts' wait() since the last forward began
 
   // What forward keeps for backward.
   struct Saved {

@@ -6,6 +6,7 @@
 // fp32, in step order; O = O/l and LSE = m + log l once at the end. Backward: K/V travel again, each shard's
 // dK/dV accumulator (fp32) travelling with it and going home after the last step; dQ sums locally in fp32.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -84,12 +85,11 @@ struct Running {
   }
 
   // O = O / l in `dtype`, LSE = m + log l; rows that saw no key: O = 0, LSE = -inf (as the kernel gives).
-  AttentionOutput finish(DType dtype) const {
+  // Normalises in place (fresh pages are slow to touch on some machines: no second buffer).
+  AttentionOutput finish(DType dtype) && {
     const Shape4 s = o.shape();
-    Tensor out(DType::f32, s);
     std::vector<float> lse(m.size());
-    const float* src = o.data<float>();
-    float* dst = out.data<float>();
+    float* x = o.data<float>();
     for (std::int64_t b = 0; b < s.b; ++b) {
       for (std::int64_t h = 0; h < s.h; ++h) {
         for (std::int64_t i = 0; i < s.s; ++i) {
@@ -98,11 +98,11 @@ struct Running {
           lse[row] = none ? -std::numeric_limits<float>::infinity() : m[row] + std::log(l[row]);
           const float inv = none ? 0.0f : 1.0f / l[row];
           const std::int64_t off = ((b * s.s + i) * s.h + h) * s.d;
-          for (std::int64_t d = 0; d < s.d; ++d) dst[off + d] = none ? 0.0f : src[off + d] * inv;
+          for (std::int64_t d = 0; d < s.d; ++d) x[off + d] = none ? 0.0f : x[off + d] * inv;
         }
       }
     }
-    return {out.to(dtype), std::move(lse)};
+    return {dtype == DType::f32 ? std::move(o) : o.to(dtype), std::move(lse)};
   }
 };
 
@@ -128,6 +128,13 @@ StepMask step_mask(const RankPositions& positions, std::int64_t rank, std::int64
     }
   }
   return m;
+}
+
+// Waits for a shift, adding the time spent to `waited`.
+void wait_for(PendingShift& shift, double& waited) {
+  const auto t0 = std::chrono::steady_clock::now();
+  shift.wait();
+  waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void add_tiles(TileCounts& into, const TileCounts& step) {
@@ -180,11 +187,11 @@ AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, co
     run.fold(o_step, lse_step);
     if (negative_control == NegativeControl::ring_step_lse) step_lses.push_back(lse_step);
     if (hop) {
-      hop->wait();
+      wait_for(*hop, comm_wait_seconds);
       std::swap(current, next);
     }
   }
-  AttentionOutput out = run.finish(attention.dtype);
+  AttentionOutput out = std::move(run).finish(attention.dtype);
   if (!forward_only) {
     Saved saved_state;
     saved_state.q = q;
@@ -229,7 +236,7 @@ AttentionGradients ContextParallelAttention::Impl::ring_backward(const Tensor& d
     const float* q_add = dq_step.data<float>();
     for (std::int64_t i = 0; i < dq.numel(); ++i) q_acc[i] += q_add[i];
     if (acc_hop) {
-      acc_hop->wait();  // src's accumulator, from the ranks before this one
+      wait_for(*acc_hop, comm_wait_seconds);  // src's accumulator, from the ranks before this one
       acc_hop.reset();
       std::swap(acc, acc_next);
     }
@@ -239,12 +246,12 @@ AttentionGradients ContextParallelAttention::Impl::ring_backward(const Tensor& d
     if (last && negative_control == NegativeControl::ring_accumulator_one_hop_short) break;
     if (cp > 1) acc_hop = comm.start_shift(acc.both.raw(), acc_next.both.raw(), acc.count(), CommDType::f32);
     if (kv_hop) {
-      kv_hop->wait();
+      wait_for(*kv_hop, comm_wait_seconds);
       std::swap(current, next);
     }
   }
   if (acc_hop) {
-    acc_hop->wait();
+    wait_for(*acc_hop, comm_wait_seconds);
     std::swap(acc, acc_next);
   }
   AttentionGradients g;

@@ -78,6 +78,7 @@ void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p,
     put_tokens(result.dv, g.dv, pos);
   }
   report.collectives = comm.counters().records();
+  report.comm_wait_seconds = attn.comm_wait_seconds();
 }
 
 void share_whole_result(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p, bool forward_only,

@@ -27,6 +27,7 @@ struct RankReport {
   std::vector<std::int64_t> tiles_per_head;  // forward tiles per (batch row, local q head)
   std::int64_t tiles = 0;
   double forward_seconds = 0, backward_seconds = 0;
+  double comm_wait_seconds = 0;  // ring: waiting on shifts (ContextParallelAttention::comm_wait_seconds)
 };
 
 struct WholeResult {

@@ -254,6 +254,8 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
     configs.push_back({"ulysses", Strategy::ulysses, false, cp});
     configs.push_back({"all_gather", Strategy::all_gather, false, cp});
     configs.push_back({"all_gather_load_balanced", Strategy::all_gather, true, cp});
+    configs.push_back({"ring", Strategy::ring, false, cp});
+    configs.push_back({"ring_load_balanced", Strategy::ring, true, cp});
   }
   nlohmann::ordered_json out;
   out["problem"] = attention_to_json(a);
@@ -271,11 +273,12 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
       continue;
     }
     const harness::WholeResult r = harness::run_in_process(a, p, {}, problem);
-    double fwd = 0, bwd = 0;
+    double fwd = 0, bwd = 0, wait = 0;
     std::int64_t tmin = INT64_MAX, tmax = 0;
     for (const auto& rank : r.ranks) {
       fwd = std::max(fwd, rank.forward_seconds);
       bwd = std::max(bwd, rank.backward_seconds);
+      wait = std::max(wait, rank.comm_wait_seconds);
       tmin = std::min(tmin, rank.tiles);
       tmax = std::max(tmax, rank.tiles);
     }
@@ -288,6 +291,11 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
         {"total_seconds", fwd + bwd},
         {"ratio_to_single_device", (fwd + bwd) / single},
         {"tiles_skew", static_cast<double>(tmax) / static_cast<double>(std::max<std::int64_t>(tmin, 1))}};
+    if (c.strategy == Strategy::ring) {
+      // What the rank waited on its shifts, against what it computed (its time less the waiting).
+      result["comm_wait_seconds"] = wait;
+      result["comm_wait_fraction_of_compute"] = wait / std::max(fwd + bwd - wait, 1e-12);
+    }
     if (c.strategy == Strategy::ulysses) {
       // The slowest rank's share of the work against the mean: n_max / (Hq/cp) (1 when cp divides Hq).
       const UlyssesHeads heads = ulysses_heads(a.num_q_heads, a.num_kv_heads, c.cp);
@@ -318,6 +326,9 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
     if (r.contains("most_heads_over_mean")) {
       std::cout << " heads max/mean " << r["most_heads_over_mean"].get<double>();
     }
+    if (r.contains("comm_wait_fraction_of_compute")) {
+      std::cout << " comm wait/compute " << r["comm_wait_fraction_of_compute"].get<double>();
+    }
     std::cout << "\n";
   }
   return 0;
@@ -339,7 +350,8 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   comm->callback([comm_opt, &exit_code] { exit_code = bench_comm(*comm_opt); });
 
   auto st_opt = std::make_shared<StrategyOptions>();
-  CLI::App* st = bench->add_subcommand("strategy", "ulysses and all_gather against the single-device kernel");
+  CLI::App* st =
+      bench->add_subcommand("strategy", "ulysses, all_gather and ring against the single-device kernel");
   st_opt->problem.add_to(*st);
   st->add_option("--cps", st_opt->cps, "cp values to compare")->delimiter(',');
   st->add_flag("--json", st_opt->json, "print JSON");

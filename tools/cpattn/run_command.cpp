@@ -165,16 +165,18 @@ nlohmann::ordered_json run_report(const RunOptions& opt, const AttentionSpec& a,
                                                {"backend", opt.backend},
                                                {"threads_per_rank", threads_per_rank},
                                                {"segments", opt.segments}});
-  double fwd_s = 0, bwd_s = 0;
+  double fwd_s = 0, bwd_s = 0, wait_s = 0;
   std::vector<std::int64_t> tiles;
   for (const auto& r : result.ranks) {
     fwd_s = std::max(fwd_s, r.forward_seconds);
     bwd_s = std::max(bwd_s, r.backward_seconds);
+    wait_s = std::max(wait_s, r.comm_wait_seconds);
     tiles.push_back(r.tiles);
   }
   out["seconds"] = {
       {"forward", fwd_s},
-      {"backward", opt.forward_only ? nlohmann::ordered_json() : nlohmann::ordered_json(bwd_s)}};
+      {"backward", opt.forward_only ? nlohmann::ordered_json() : nlohmann::ordered_json(bwd_s)},
+      {"comm_wait", wait_s}};
   out["collectives"] = nlohmann::ordered_json::array();
   for (const auto& c : result.ranks.front().collectives) {
     out["collectives"].push_back({{"kind", to_string(c.kind)},
