@@ -42,8 +42,8 @@ class MpiCommunicator final : public Communicator {
   void all_reduce(std::int64_t* values, int n, ReduceOp op) override;
 
   MPI_Comm comm() const { return comm_; }
-  // How long a shift's wait polls before it gives up with an Error(communication) naming the rank that made
-  // no progress (default 600 s).
+  // How long any wait of this communicator (a collective's, a shift's) polls before the rank prints what made
+  // no progress and ends the job (MPI_Abort; default 600 s).
   void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
@@ -52,6 +52,10 @@ class MpiCommunicator final : public Communicator {
                                  bool& packed);
   void exchange_packed(const void* send, const BlockList& send_blocks, void* recv,
                        const BlockList& recv_blocks, CommDType dtype);
+  // Completes n requests polling against the timeout (no MPI wait blocks forever); past it, prints which call
+  // made no progress (and, when the first requests are receives from the ranks `from`, which of those never
+  // came) and ends the job.
+  void complete(MPI_Request* requests, int n, const char* what, const std::vector<int>* from = nullptr);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;

@@ -105,7 +105,10 @@ MpiCommunicator::~MpiCommunicator() {
 
 void MpiCommunicator::all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) {
   const int n = as_int(count, "all_to_all");
-  check(MPI_Alltoall(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_), "MPI_Alltoall", rank_);
+  MPI_Request request;
+  check(MPI_Ialltoall(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_, &request), "MPI_Ialltoall",
+        rank_);
+  complete(&request, 1, "all_to_all");
   this->count(CollectiveKind::all_to_all, count, dtype);
 }
 
@@ -130,11 +133,13 @@ void MpiCommunicator::all_to_all_strided(const void* send, const BlockStrides& s
     rdispls[p] = static_cast<int>(p * recv_strides.block * e);
   }
   std::vector<MPI_Datatype> send_types(counts.size(), send_type), recv_types(counts.size(), recv_type);
-  const int rc = MPI_Alltoallw(send, counts.data(), sdispls.data(), send_types.data(), recv, counts.data(),
-                               rdispls.data(), recv_types.data(), comm_);
+  MPI_Request request;
+  const int rc = MPI_Ialltoallw(send, counts.data(), sdispls.data(), send_types.data(), recv, counts.data(),
+                                rdispls.data(), recv_types.data(), comm_, &request);
+  if (rc == MPI_SUCCESS) complete(&request, 1, "all_to_all_strided");
   MPI_Type_free(&send_type);
   MPI_Type_free(&recv_type);
-  check(rc, "MPI_Alltoallw", rank_);
+  check(rc, "MPI_Ialltoallw", rank_);
   this->count(CollectiveKind::all_to_all, shape.count(), dtype);
 }
 
@@ -155,8 +160,10 @@ CollectiveCost MpiCommunicator::agree_on_blocks(const BlockList& send_blocks, co
     mine[3 * p + 2] = s.row;
     operand += s.count();
   }
-  check(MPI_Alltoall(mine.data(), 3, MPI_INT64_T, theirs.data(), 3, MPI_INT64_T, comm_), "MPI_Alltoall",
-        rank_);
+  MPI_Request request;
+  check(MPI_Ialltoall(mine.data(), 3, MPI_INT64_T, theirs.data(), 3, MPI_INT64_T, comm_, &request),
+        "MPI_Ialltoall", rank_);
+  complete(&request, 1, "all_to_all_v (block shapes)");
   std::string disagreement;
   std::int64_t pair = 0;  // 1 + sender * n + receiver of the first disagreement this rank saw, 0 when none
   for (std::size_t p = 0; p < n && disagreement.empty(); ++p) {
@@ -222,13 +229,15 @@ void MpiCommunicator::all_to_all_v(const void* send, const BlockList& send_block
         rdispls[p] = static_cast<int>(recv_blocks.offset[p] * e);
       }
     }
-    const int rc = MPI_Alltoallw(send, scounts.data(), sdispls.data(), stypes.data(), recv, rcounts.data(),
-                                 rdispls.data(), rtypes.data(), comm_);
+    MPI_Request request;
+    const int rc = MPI_Ialltoallw(send, scounts.data(), sdispls.data(), stypes.data(), recv, rcounts.data(),
+                                  rdispls.data(), rtypes.data(), comm_, &request);
+    if (rc == MPI_SUCCESS) complete(&request, 1, "all_to_all_v");
     for (std::size_t p = 0; p < n; ++p) {
       if (scounts[p] > 0) MPI_Type_free(&stypes[p]);
       if (rcounts[p] > 0) MPI_Type_free(&rtypes[p]);
     }
-    check(rc, "MPI_Alltoallw", rank_);
+    check(rc, "MPI_Ialltoallw", rank_);
   } else {
     exchange_packed(send, send_blocks, recv, recv_blocks, dtype);
   }
@@ -257,9 +266,11 @@ void MpiCommunicator::exchange_packed(const void* send, const BlockList& send_bl
                {0, send_blocks.outer, send_blocks.inner}, a.data() + sdispls[p] * e,
                {0, s.inner * s.row, s.row}, s, static_cast<std::size_t>(e));
   }
-  check(MPI_Alltoallv(a.data(), scounts.data(), sdispls.data(), mpi_type(dtype), b.data(), rcounts.data(),
-                      rdispls.data(), mpi_type(dtype), comm_),
-        "MPI_Alltoallv", rank_);
+  MPI_Request request;
+  check(MPI_Ialltoallv(a.data(), scounts.data(), sdispls.data(), mpi_type(dtype), b.data(), rcounts.data(),
+                       rdispls.data(), mpi_type(dtype), comm_, &request),
+        "MPI_Ialltoallv", rank_);
+  complete(&request, 1, "all_to_all_v");
   for (std::size_t p = 0; p < n; ++p) {
     const BlockShape& s = recv_blocks.shape[p];
     if (s.count() == 0) continue;
@@ -270,8 +281,9 @@ void MpiCommunicator::exchange_packed(const void* send, const BlockList& send_bl
 }
 
 // A shift under MPI: its Isend and Irecv, polled by wait() (MPI_Testall) until both complete or the timeout
-// passes. Open MPI progresses them inside MPI calls, so the transfer advances while the rank computes only as
-// far as the transports (shared memory, TCP) do on their own.
+// passes (then the rank prints which peer made no progress and ends the job: MPI_Abort). Open MPI progresses
+// them inside MPI calls, so the transfer advances while the rank computes only as far as the transports
+// (shared memory, TCP) do on their own.
 class MpiShift final : public PendingShift {
  public:
   MpiShift(MpiCommunicator& comm, std::int64_t count, CommDType dtype)
@@ -291,15 +303,18 @@ class MpiShift final : public PendingShift {
   void wait() override {
     const auto t0 = std::chrono::steady_clock::now();
     if (!poll(requests_, 2)) {
+      // No fault-tolerant MPI: a peer that makes no progress cannot be worked around, and the pending
+      // requests still point at the caller's buffers. Say which rank, then end the job.
       int received = 0;
       MPI_Test(&requests_[1], &received, MPI_STATUS_IGNORE);
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const int peer =
           received ? (comm_.rank_ + 1) % comm_.size_ : (comm_.rank_ + comm_.size_ - 1) % comm_.size_;
-      throw Error(ErrorKind::communication, "rank", std::to_string(peer),
-                  "rank " + std::to_string(comm_.rank_) + ": no progress from rank " + std::to_string(peer) +
-                      " in " + std::to_string(static_cast<int>(s)) + " s (a shift's " +
-                      (received ? "send" : "receive") + ")");
+      std::fprintf(stderr,
+                   "rank %d: no progress from rank %d in %.0f s (a ring shift's %s); ending the job\n",
+                   comm_.rank_, peer, s, received ? "send" : "receive");
+      std::fflush(stderr);
+      MPI_Abort(comm_.comm_, 1);
     }
     done_ = true;
     int got = 0;
@@ -352,7 +367,10 @@ std::unique_ptr<PendingShift> MpiCommunicator::start_shift(const void* send, voi
 
 void MpiCommunicator::all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) {
   const int n = as_int(count, "all_gather");
-  check(MPI_Allgather(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_), "MPI_Allgather", rank_);
+  MPI_Request request;
+  check(MPI_Iallgather(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_, &request), "MPI_Iallgather",
+        rank_);
+  complete(&request, 1, "all_gather");
   this->count(CollectiveKind::all_gather, count, dtype);
 }
 
@@ -365,8 +383,10 @@ void MpiCommunicator::reduce_scatter_sum(const void* send, void* recv, std::int6
   const int n = as_int(count, "reduce_scatter");
   const std::size_t bytes = static_cast<std::size_t>(count) * comm_dtype_size(dtype) * size_;
   if (gathered_.size() < bytes) gathered_.resize(bytes);
-  check(MPI_Alltoall(send, n, mpi_type(dtype), gathered_.data(), n, mpi_type(dtype), comm_), "MPI_Alltoall",
-        rank_);
+  MPI_Request request;
+  check(MPI_Ialltoall(send, n, mpi_type(dtype), gathered_.data(), n, mpi_type(dtype), comm_, &request),
+        "MPI_Ialltoall", rank_);
+  complete(&request, 1, "reduce_scatter");
   if (count > 0) {
     std::vector<const void*> blocks;
     for (int p = 0; p < size_; ++p) blocks.push_back(gathered_.data() + bytes / size_ * p);
@@ -394,17 +414,76 @@ void MpiCommunicator::collective_permute(const void* send, void* recv, std::int6
     check(MPI_Isend(send, n, mpi_type(dtype), to, 7001, comm_, &requests[pending++]), "MPI_Isend", rank_);
   }
   if (to == rank_ && bytes > 0) std::memcpy(recv, send, bytes);
-  check(MPI_Waitall(pending, requests, MPI_STATUSES_IGNORE), "MPI_Waitall", rank_);
+  complete(requests, pending, "collective_permute");
   this->count(CollectiveKind::collective_permute, count, dtype, &dest);
 }
 
 void MpiCommunicator::barrier() {
-  check(MPI_Barrier(comm_), "MPI_Barrier", rank_);
+  all_reduce(nullptr, 0, ReduceOp::sum);
 }
 
 void MpiCommunicator::all_reduce(std::int64_t* values, int n, ReduceOp op) {
-  const MPI_Op mop = op == ReduceOp::sum ? MPI_SUM : op == ReduceOp::max ? MPI_MAX : MPI_MIN;
-  check(MPI_Allreduce(MPI_IN_PLACE, values, n, MPI_INT64_T, mop, comm_), "MPI_Allreduce", rank_);
+  // Per-peer messages rather than MPI_Allreduce, so that at the deadline the ranks that never sent are named.
+  // Control values only (flags, shapes): n is small.
+  constexpr int kControlTag = 7002;
+  const auto un = static_cast<std::size_t>(n);
+  std::vector<std::int64_t> theirs(un * static_cast<std::size_t>(size_));
+  std::vector<MPI_Request> requests;
+  std::vector<int> from;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    requests.emplace_back();
+    from.push_back(p);
+    check(MPI_Irecv(theirs.data() + un * p, n, MPI_INT64_T, p, kControlTag, comm_, &requests.back()),
+          "MPI_Irecv", rank_);
+  }
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    requests.emplace_back();
+    check(MPI_Isend(values, n, MPI_INT64_T, p, kControlTag, comm_, &requests.back()), "MPI_Isend", rank_);
+  }
+  complete(requests.data(), static_cast<int>(requests.size()), "all_reduce", &from);
+  for (std::size_t i = 0; i < un; ++i) theirs[un * rank_ + i] = values[i];
+  for (std::size_t i = 0; i < un; ++i) {
+    std::int64_t v = theirs[i];
+    for (int p = 1; p < size_; ++p) {
+      const std::int64_t x = theirs[un * p + i];
+      v = op == ReduceOp::sum ? v + x : op == ReduceOp::max ? std::max(v, x) : std::min(v, x);
+    }
+    values[i] = v;
+  }
+}
+
+void MpiCommunicator::complete(MPI_Request* requests, int n, const char* what, const std::vector<int>* from) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto deadline = t0 + timeout_;
+  for (;;) {
+    int done = 0;
+    check(MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE), "MPI_Testall", rank_);
+    if (done) return;
+    if (std::chrono::steady_clock::now() > deadline) break;
+    std::this_thread::yield();
+  }
+  // No fault-tolerant MPI: a peer that never joins cannot be worked around, and the pending requests still
+  // point at the caller's buffers. Say which peers (when the first requests are receives from them), then end
+  // the job.
+  std::string missing;
+  for (std::size_t i = 0; from != nullptr && i < from->size(); ++i) {
+    int done = 0;
+    MPI_Test(&requests[i], &done, MPI_STATUS_IGNORE);
+    if (!done) missing += (missing.empty() ? "" : ", ") + std::to_string((*from)[i]);
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (missing.empty()) {
+    std::fprintf(stderr,
+                 "rank %d: no progress in %s for %.0f s (a peer is stopped or gone); ending the job\n", rank_,
+                 what, s);
+  } else {
+    std::fprintf(stderr, "rank %d: no progress from rank %s in %s for %.0f s; ending the job\n", rank_,
+                 missing.c_str(), what, s);
+  }
+  std::fflush(stderr);
+  MPI_Abort(comm_, 1);
 }
 
 }  // namespace cpattn

@@ -128,7 +128,7 @@ WholeResult run_in_process(const AttentionSpec& a, const ParallelSpec& p, const 
                            const WholeProblem& problem) {
   validate(a, p);
   WholeResult result = make_whole_result(a, p, settings.forward_only);
-  InProcessGroup group(static_cast<int>(p.cp));
+  InProcessGroup group(static_cast<int>(p.cp), InProcessOptions{settings.comm_timeout});
   group.run([&](Communicator& comm) { run_rank(comm, a, p, settings, problem, result); });
   return result;
 }

@@ -3,6 +3,8 @@
 // What `cpattn run`, its benches and the tests use; not part of the library's interface.
 #pragma once
 
+#include <chrono>
+
 #include <cstdint>
 #include <vector>
 
@@ -39,6 +41,9 @@ struct WholeResult {
 struct RunSettings {
   ContextParallelOptions options;
   bool forward_only = false;
+  // How long a rank waits on its peers before it gives up naming them (the in-process group's timeout, the
+  // MPI shifts' deadline).
+  std::chrono::milliseconds comm_timeout{std::chrono::seconds(600)};
   NegativeControl negative_control = NegativeControl::none;  // tests only
 };
 

@@ -1,19 +1,29 @@
-// A rank that dies in the middle of a context-parallel forward, under mpirun (Open MPI 4.1 has no
-// fault-tolerant MPI). Rank 1 exits while the others are inside the ulysses all-to-alls; the promise is that
-// the whole job ends non-zero within seconds, with mpirun naming the rank, instead of hanging. Checked by
-// mpi_fault_test.sh.
+// A rank that fails in the middle of context-parallel forwards, under mpirun (Open MPI 4.1 has no
+// fault-tolerant MPI). `mpi_fault_main STRATEGY MODE [TIMEOUT_S]`: rank 1, at its fourth forward, either
+// exits (MODE exit: mpirun ends the job, naming the rank) or stops itself with SIGSTOP (MODE stop: its peers'
+// ring shifts reach their deadline, the first to give up prints which rank made no progress and ends the
+// job). The promise is that the whole job ends non-zero within seconds of the fault or of the deadline, the
+// failed rank named, instead of hanging. Checked by mpi_fault_test.sh.
 #include <mpi.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <string>
 
 #include "cpattn/context_parallel.hpp"
 #include "cpattn/mpi_comm.hpp"
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
+  const std::string strategy = argc > 1 ? argv[1] : "ulysses", mode = argc > 2 ? argv[2] : "exit";
+  const double timeout_s = argc > 3 ? std::atof(argv[3]) : 600.0;
   {
     cpattn::MpiCommunicator comm;
+    comm.set_timeout(std::chrono::milliseconds(static_cast<long>(timeout_s * 1000)));
     cpattn::AttentionSpec a;
     a.seq_len = 1024;
     a.num_q_heads = 8;
@@ -21,17 +31,26 @@ int main(int argc, char** argv) {
     a.head_dim = 32;
     cpattn::ParallelSpec p;
     p.cp = comm.size();
-    p.strategy = cpattn::Strategy::ulysses;
+    p.strategy = cpattn::parse_strategy(strategy);
     cpattn::ContextParallelAttention attn(a, p, comm);
     const std::int64_t sl = a.seq_len / p.cp;
     const cpattn::Tensor q = cpattn::random_normal(cpattn::DType::f32, {1, sl, 8, 32}, 1);
     const cpattn::Tensor kv = cpattn::random_normal(cpattn::DType::f32, {1, sl, 2, 32}, 2);
-    for (int step = 0; step < 1000; ++step) {
-      if (comm.rank() == 1 && step == 3) {
-        std::fprintf(stderr, "rank 1: injected fault, exiting mid-run\n");
-        _exit(3);
+    try {
+      for (int step = 0; step < 1000; ++step) {
+        if (comm.rank() == 1 && step == 3) {
+          std::fprintf(stderr, "rank 1: injected fault (%s) mid-run\n", mode.c_str());
+          if (mode == "stop") {
+            std::raise(SIGSTOP);
+          } else {
+            _exit(3);
+          }
+        }
+        attn.forward(q, kv, kv);
       }
-      attn.forward(q, kv, kv);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "error: %s\n", e.what());
+      MPI_Abort(MPI_COMM_WORLD, 1);
     }
   }
   MPI_Finalize();

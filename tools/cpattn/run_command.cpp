@@ -33,6 +33,7 @@ struct RunOptions {
   bool remat = false, forward_only = false, check = false, json = false;
   std::string backend = "inproc";
   int threads = 0;
+  double comm_timeout = 600;  // seconds
   std::uint32_t seed = 1;
   std::string load_dir, save_dir;
 };
@@ -121,6 +122,7 @@ WholeResult execute(const std::string& backend, const AttentionSpec& a, const Pa
     MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
   }
   MpiCommunicator comm;
+  comm.set_timeout(settings.comm_timeout);
   my_rank = comm.rank();
   if (comm.size() != p.cp) {
     bad_input("--cp", std::to_string(p.cp),
@@ -173,10 +175,9 @@ nlohmann::ordered_json run_report(const RunOptions& opt, const AttentionSpec& a,
     wait_s = std::max(wait_s, r.comm_wait_seconds);
     tiles.push_back(r.tiles);
   }
-  out["seconds"] = {
-      {"forward", fwd_s},
-      {"backward", opt.forward_only ? nlohmann::ordered_json() : nlohmann::ordered_json(bwd_s)},
-      {"comm_wait", wait_s}};
+  out["seconds"] = {{"forward", fwd_s},
+                    {"backward", opt.forward_only ? nlohmann::ordered_json() : nlohmann::ordered_json(bwd_s)},
+                    {"comm_wait", wait_s}};
   out["collectives"] = nlohmann::ordered_json::array();
   for (const auto& c : result.ranks.front().collectives) {
     out["collectives"].push_back({{"kind", to_string(c.kind)},
@@ -324,6 +325,11 @@ int run(const CLI::App& app, RunOptions& opt) {
   settings.options.remat = opt.remat;
   settings.options.threads = opt.threads;
   settings.forward_only = opt.forward_only;
+  if (!(opt.comm_timeout > 0 && opt.comm_timeout <= 86400)) {
+    bad_input("--comm-timeout", fmt(opt.comm_timeout),
+              "--comm-timeout (" + fmt(opt.comm_timeout) + ") must be in (0, 86400] seconds");
+  }
+  settings.comm_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(opt.comm_timeout * 1000));
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int threads_per_rank = opt.threads > 0 ? opt.threads : std::max(1, cores / static_cast<int>(p.cp));
 
@@ -364,6 +370,8 @@ void add_run_command(CLI::App& app, int& exit_code) {
                   "inproc (the in-process group) or mpi (one process per rank, mpirun)");
   sub->add_option("--threads", opt->threads, "kernel threads per rank (default max(1, cores / cp))");
   sub->add_option("--seed", opt->seed, "seed of the random inputs");
+  sub->add_option("--comm-timeout", opt->comm_timeout,
+                  "seconds a rank waits on its peers before it fails naming them (default 600)");
   sub->add_flag("--check", opt->check, "compare with the single-device kernel and the float64 reference");
   sub->add_flag("--json", opt->json, "print one JSON document");
   sub->add_option("--load", opt->load_dir, "read q.npy k.npy v.npy do.npy [segment_ids.npy] from DIR");
