@@ -462,6 +462,11 @@ class FailingCommunicator final : public Communicator {
     step();
     inner_.all_gather(send, recv, count, dtype);
   }
+  std::unique_ptr<PendingShift> start_shift(const void* send, void* recv, std::int64_t count,
+                                            CommDType dtype) override {
+    step();
+    return inner_.start_shift(send, recv, count, dtype);
+  }
   void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
     step();
     inner_.reduce_scatter_sum(send, recv, count, dtype);

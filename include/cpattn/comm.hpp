@@ -96,7 +96,9 @@ class Communicator {
   // rank (r - 1) mod size() arrive in recv, started now and completed by the handle's wait(), so that the
   // transfer runs while the caller computes. Every rank starts the same shifts in the same order; a count
   // that disagrees with the neighbour's, a failed peer or a timeout is an Error(communication) naming the
-  // rank. Counted as a collective_permute (dest[p] = (p + 1) mod size()) when it completes. The default runs
+  // rank (under MPI a count mismatch is known to the receiver only: its error ends the job, and the others'
+  // waits reach the deadline). Counted as a collective_permute (dest[p] = (p + 1) mod size()) when it
+  // completes. The default runs
   // the permute at once and returns a completed handle (no overlap); the backends start real transfers.
   virtual std::unique_ptr<PendingShift> start_shift(const void* send, void* recv, std::int64_t count,
                                                     CommDType dtype);

@@ -55,7 +55,10 @@ class MpiCommunicator final : public Communicator {
   // Completes n requests polling against the timeout (no MPI wait blocks forever); past it, prints which call
   // made no progress (and, when the first requests are receives from the ranks `from`, which of those never
   // came) and ends the job.
-  void complete(MPI_Request* requests, int n, const char* what, const std::vector<int>* from = nullptr);
+  void complete(MPI_Request* requests, int n, const char* what, const std::vector<int>* from = nullptr,
+                MPI_Status* statuses = nullptr);
+  // An MPI error while requests are in flight: print it and end the job.
+  [[noreturn]] void fail(int rc, const char* what);
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;

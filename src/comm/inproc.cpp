@@ -243,7 +243,12 @@ class InProcessShift final : public PendingShift {
   InProcessShift(InProcessGroup::State& state, int rank, std::uint64_t seq, unsigned char* recv,
                  std::size_t bytes, std::function<void()> count)
       : state_(state), rank_(rank), seq_(seq), count_(std::move(count)) {
-    copier_ = std::thread([this, recv, bytes] { state_.copy_shift(rank_, seq_, recv, bytes); });
+    try {
+      copier_ = std::thread([this, recv, bytes] { state_.copy_shift(rank_, seq_, recv, bytes); });
+    } catch (...) {
+      state_.withdraw_shift(rank_, seq_);  // no peer may read a send that no handle guards
+      throw;
+    }
   }
   ~InProcessShift() override {
     if (!waited_) state_.withdraw_shift(rank_, seq_);

@@ -290,19 +290,18 @@ class MpiShift final : public PendingShift {
       : comm_(comm), count_(count), dtype_(dtype) {}
   ~MpiShift() override {
     if (done_) return;
-    // The rank is failing: take back the receive, and let the send finish (the successor is alive) before its
-    // buffer can go; if it cannot, end the job rather than let MPI read freed memory.
-    MPI_Cancel(&requests_[1]);
-    MPI_Wait(&requests_[1], MPI_STATUS_IGNORE);
-    if (!poll(&requests_[0], 1)) {
-      std::fprintf(stderr, "rank %d: a shift's send to rank %d did not complete; aborting the job\n",
-                   comm_.rank_, (comm_.rank_ + 1) % comm_.size_);
+    // The rank is failing with this shift in flight: its buffers may go only once both requests are done (a
+    // matched receive cannot be cancelled). Give them a short while; if they cannot finish, end the job
+    // rather than let MPI touch freed memory.
+    if (!poll(requests_, 2, std::chrono::seconds(5))) {
+      std::fprintf(stderr, "rank %d: a ring shift was abandoned in flight; ending the job\n", comm_.rank_);
+      std::fflush(stderr);
       MPI_Abort(comm_.comm_, 1);
     }
   }
   void wait() override {
     const auto t0 = std::chrono::steady_clock::now();
-    if (!poll(requests_, 2)) {
+    if (!poll(requests_, 2, comm_.timeout_)) {
       // No fault-tolerant MPI: a peer that makes no progress cannot be worked around, and the pending
       // requests still point at the caller's buffers. Say which rank, then end the job.
       int received = 0;
@@ -331,13 +330,15 @@ class MpiShift final : public PendingShift {
   MPI_Status status_{};
 
  private:
-  // MPI_Testall until done or the timeout; the receive's status lands in status_.
-  bool poll(MPI_Request* requests, int n) {
-    const auto deadline = std::chrono::steady_clock::now() + comm_.timeout_;
+  // MPI_Testall until done or `limit`; the receive's status lands in status_. An MPI error ends the job (the
+  // requests would still point at the caller's buffers).
+  bool poll(MPI_Request* requests, int n, std::chrono::milliseconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
     MPI_Status statuses[2];
     for (;;) {
       int flag = 0;
-      check(MPI_Testall(n, requests, &flag, statuses), "MPI_Testall", comm_.rank_);
+      const int rc = MPI_Testall(n, requests, &flag, statuses);
+      if (rc != MPI_SUCCESS) comm_.fail(rc, "a ring shift");
       if (flag) {
         if (n == 2) status_ = statuses[1];
         return true;
@@ -442,7 +443,18 @@ void MpiCommunicator::all_reduce(std::int64_t* values, int n, ReduceOp op) {
     requests.emplace_back();
     check(MPI_Isend(values, n, MPI_INT64_T, p, kControlTag, comm_, &requests.back()), "MPI_Isend", rank_);
   }
-  complete(requests.data(), static_cast<int>(requests.size()), "all_reduce", &from);
+  std::vector<MPI_Status> statuses(requests.size());
+  complete(requests.data(), static_cast<int>(requests.size()), "all_reduce", &from, statuses.data());
+  for (std::size_t i = 0; i < from.size(); ++i) {
+    int got = 0;
+    MPI_Get_count(&statuses[i], MPI_INT64_T, &got);
+    if (got != n) {
+      throw Error(ErrorKind::communication, "collective", "all_reduce",
+                  "collective mismatch: rank " + std::to_string(from[i]) + " passed " + std::to_string(got) +
+                      " values to all_reduce (or barrier) where rank " + std::to_string(rank_) + " passed " +
+                      std::to_string(n));
+    }
+  }
   for (std::size_t i = 0; i < un; ++i) theirs[un * rank_ + i] = values[i];
   for (std::size_t i = 0; i < un; ++i) {
     std::int64_t v = theirs[i];
@@ -454,12 +466,24 @@ void MpiCommunicator::all_reduce(std::int64_t* values, int n, ReduceOp op) {
   }
 }
 
-void MpiCommunicator::complete(MPI_Request* requests, int n, const char* what, const std::vector<int>* from) {
+void MpiCommunicator::fail(int rc, const char* what) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  std::fprintf(stderr, "rank %d: %s failed: %.*s; ending the job\n", rank_, what, len, text);
+  std::fflush(stderr);
+  MPI_Abort(comm_, 1);
+  std::abort();  // MPI_Abort does not return; the compiler cannot know
+}
+
+void MpiCommunicator::complete(MPI_Request* requests, int n, const char* what, const std::vector<int>* from,
+                               MPI_Status* statuses) {
   const auto t0 = std::chrono::steady_clock::now();
   const auto deadline = t0 + timeout_;
   for (;;) {
     int done = 0;
-    check(MPI_Testall(n, requests, &done, MPI_STATUSES_IGNORE), "MPI_Testall", rank_);
+    const int rc = MPI_Testall(n, requests, &done, statuses == nullptr ? MPI_STATUSES_IGNORE : statuses);
+    if (rc != MPI_SUCCESS) fail(rc, what);
     if (done) return;
     if (std::chrono::steady_clock::now() > deadline) break;
     std::this_thread::yield();

@@ -90,18 +90,172 @@ std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, cons
 
 namespace {
 
+// What one plan_strategy call works from: the request with the strategy's parallel spec and the sizes.
+struct PlanContext {
+  const PlanRequest& req;
+  const AttentionSpec& a;
+  ParallelSpec p;
+  std::int64_t cp = 1, B = 1, S = 1, D = 1, sl = 1, hq = 1, hkv = 1, E = 4;
+  bool packed = false;
+};
+
+// Reorders around a load-balanced layer whose neighbours need contiguous order: entry (contiguous -> dual
+// chunk swap) and exit in forward, their transposes in backward, and the forward's again under remat.
+void plan_reorder(const PlanContext& c, StrategyPlan& s) {
+  if (!(c.p.load_balance && c.req.model.other_layers_need_contiguous_order())) return;
+  const std::int64_t chunk = c.B * (c.S / (2 * c.cp)) * c.req.model.emb_dim;
+  const auto entry = reorder_destinations(c.cp, ShardLayout::contiguous, ShardLayout::dual_chunk_swap);
+  const auto exit = reorder_destinations(c.cp, ShardLayout::dual_chunk_swap, ShardLayout::contiguous);
+  auto both = [&](const std::string& phase) {
+    for (const auto* dests : {&entry, &exit}) {
+      for (const auto& dest : *dests) {
+        add_call(s.reorder, CollectiveKind::collective_permute, phase, chunk, c.E, static_cast<int>(c.cp),
+                 &dest);
+      }
+    }
+  };
+  both("forward");
+  if (c.req.remat) both("remat");
+  both("backward");  // the transposes: exit's gradient enters, entry's leaves
+}
+
+// Tiles on the block grid, with the kernel's classification: per rank and q head (ulysses: over the whole
+// sequence for each of its n_r heads; ring: per step against the visiting shard on that shard's own grid;
+// all_gather: the rank's queries against the whole sequence).
+void plan_tiles(const PlanContext& c, const UlyssesHeads& heads, StrategyPlan& s) {
+  const std::vector<std::int32_t> natural = natural_positions(1, c.S);
+  const std::vector<std::int32_t> segments = segment_ids_from_lengths(1, c.req.segments);
+  auto rank_tokens = [&](std::int64_t r) {  // a rank's positions and (packed) segment ids
+    const auto local = local_positions(c.p.effective_layout(), c.S, c.cp, r);
+    std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> t{positions_as_int32(local), {}};
+    for (auto x : local) {
+      if (c.packed) t.second.push_back(segments[x]);
+    }
+    return t;
+  };
+  const Strategy strategy = c.p.strategy;
+  for (std::int64_t r = 0; r < c.cp; ++r) {
+    const std::int64_t local_heads = strategy == Strategy::ulysses ? heads.q[r].size() : c.hq;
+    std::int64_t per_head = 0;
+    if (strategy == Strategy::ulysses) {
+      per_head = count_tiles(natural, segments, natural, segments, c.a.causal, c.req.block);
+    } else if (strategy == Strategy::ring) {
+      const auto [q_pos, q_seg] = rank_tokens(r);
+      s.tiles_per_rank_per_step.emplace_back();
+      for (std::int64_t step = 0; step < c.cp; ++step) {
+        const auto [kv_pos, kv_seg] = rank_tokens((r - step + c.cp) % c.cp);
+        s.tiles_per_rank_per_step.back().push_back(
+            count_tiles(q_pos, q_seg, kv_pos, kv_seg, c.a.causal, c.req.block));
+        per_head += s.tiles_per_rank_per_step.back().back();
+      }
+    } else {
+      const auto [q_pos, q_seg] = rank_tokens(r);
+      per_head = count_tiles(q_pos, q_seg, natural, segments, c.a.causal, c.req.block);
+    }
+    s.tiles_per_rank_per_q_head.push_back(per_head);
+    s.tiles_per_rank.push_back(per_head * local_heads * c.B);
+  }
+  const auto [mn, mx] = std::minmax_element(s.tiles_per_rank.begin(), s.tiles_per_rank.end());
+  s.tiles_skew = *mn > 0 ? static_cast<double>(*mx) / static_cast<double>(*mn) : 1.0;
+}
+
+// Memory: what forward keeps for backward, and the K/V the kernel reads.
+void plan_memory(const PlanContext& c, const UlyssesHeads& heads, StrategyPlan& s) {
+  const std::int64_t B = c.B, S = c.S, D = c.D, E = c.E, sl = c.sl, hq = c.hq, hkv = c.hkv;
+  const std::int64_t seg_bytes = c.packed ? B * sl * 4 + B * S * 4 : 0;
+  if (c.p.strategy == Strategy::ulysses) {
+    // Per rank (n_q q heads, n_kv kv heads; uneven when cp does not divide Hq): the largest.
+    for (std::int64_t r = 0; r < c.cp; ++r) {
+      const std::int64_t n_q = heads.q[r].size(), n_kv = heads.kv[r].size();
+      const std::int64_t q_heads = B * S * n_q * D * E, kv_heads = 2 * B * S * n_kv * D * E;
+      const std::int64_t inputs = c.req.remat ? B * sl * (hq + 2 * hkv) * D * E : q_heads + kv_heads;
+      s.memory_bytes_per_rank = std::max(
+          s.memory_bytes_per_rank, inputs + q_heads /* O */ + B * n_q * S * 4 + (c.packed ? B * S * 4 : 0));
+      s.kv_buffer_bytes_per_rank = std::max(s.kv_buffer_bytes_per_rank, kv_heads);
+    }
+  } else if (c.p.strategy == Strategy::ring) {
+    // Saved: q, O, LSE and the local K/V shard; in flight: the visiting K/V and the next one.
+    const std::int64_t kv_shard = 2 * B * sl * hkv * D * E;
+    s.memory_bytes_per_rank = 2 * B * sl * hq * D * E + B * hq * sl * 4 + kv_shard + seg_bytes;
+    s.kv_buffer_bytes_per_rank = 2 * kv_shard;
+  } else {
+    const std::int64_t kv_full = 2 * B * S * hkv * D * E;
+    s.memory_bytes_per_rank = 2 * B * sl * hq * D * E /* q, O */ + B * hq * sl * 4 +
+                              (c.req.remat ? 2 * B * sl * hkv * D * E : kv_full) + seg_bytes;
+    s.kv_buffer_bytes_per_rank = kv_full;
+  }
+}
+
+// Ring's layer time, crediting the overlap the code has: step 0 computes while the K/V hop flies; a middle
+// step while its K/V hop and the previous step's dK/dV hop fly; the last step while the previous dK/dV hop
+// flies, then its own dK/dV hop home is exposed. The forward: each step but the last against its K/V hop.
+double ring_layer_seconds(const PlanContext& c, const StrategyPlan& s, double tile_flops, double reorder) {
+  const double kv_hop = static_cast<double>(2 * c.B * c.sl * c.hkv * c.D * c.E) / c.req.hardware.bandwidth;
+  const double dkv_hop = static_cast<double>(2 * c.B * c.sl * c.hkv * c.D * 4) / c.req.hardware.bandwidth;
+  const double per_tile = static_cast<double>(c.hq * c.B) * tile_flops / c.req.hardware.flops;
+  double longest = 0;
+  for (std::int64_t r = 0; r < c.cp; ++r) {
+    double t = reorder;
+    for (std::int64_t step = 0; step < c.cp; ++step) {
+      const double fwd = static_cast<double>(s.tiles_per_rank_per_step[r][step]) * per_tile;
+      const double bwd = fwd * kBackwardFlopsPerForward;
+      const bool first = step == 0, last = step + 1 == c.cp;
+      t += last ? fwd : std::max(fwd, kv_hop);
+      if (c.cp == 1) {
+        t += bwd;
+      } else if (last) {
+        t += std::max(bwd, dkv_hop) + dkv_hop;
+      } else {
+        t += std::max(bwd, first ? kv_hop : kv_hop + dkv_hop);
+      }
+    }
+    longest = std::max(longest, t);
+  }
+  return longest;
+}
+
+// Time: tiles x a full tile's FLOPs, forward and backward (and the forward again under remat); communication
+// at the profile's bandwidth, not overlapped except ring's hops.
+void plan_time(const PlanContext& c, StrategyPlan& s) {
+  const double tile_flops = attention_forward_flops(1, c.req.block, 1, c.D, false);
+  const double passes = 1.0 + kBackwardFlopsPerForward + (c.req.remat ? 1.0 : 0.0);
+  std::int64_t sent = 0, reorder_sent = 0;
+  for (const auto& x : s.collectives) sent += x.bytes_sent_per_rank;
+  for (const auto& x : s.reorder) reorder_sent += x.bytes_sent_per_rank;
+  sent += reorder_sent;
+  s.communication_seconds = static_cast<double>(sent) / c.req.hardware.bandwidth;
+  double fastest = 1e300, slowest = 0;
+  for (std::int64_t r = 0; r < c.cp; ++r) {
+    const double t = static_cast<double>(s.tiles_per_rank[r]) * tile_flops * passes / c.req.hardware.flops;
+    s.compute_seconds_per_rank.push_back(t);
+    if (t > slowest) {
+      slowest = t;
+      s.straggler_rank = static_cast<int>(r);
+    }
+    fastest = std::min(fastest, t);
+  }
+  s.exposed_seconds = s.communication_seconds + (slowest - fastest);
+  s.layer_seconds = slowest + s.communication_seconds;
+  if (c.p.strategy == Strategy::ring) {
+    s.layer_seconds =
+        ring_layer_seconds(c, s, tile_flops, static_cast<double>(reorder_sent) / c.req.hardware.bandwidth);
+    s.exposed_seconds = s.layer_seconds - fastest;
+  }
+  s.model_seconds = s.layer_seconds * static_cast<double>(c.req.model.attention_layers());
+  s.model_bytes_sent_per_rank = sent * c.req.model.attention_layers();
+}
+
 StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Strategy strategy,
                            bool load_balance) {
-  const AttentionSpec& a = req.attention;
-  ParallelSpec p = req.parallel;
-  p.strategy = strategy;
-  p.load_balance = load_balance;
-  p.layout.reset();
+  PlanContext c{req, req.attention, req.parallel};
+  c.p.strategy = strategy;
+  c.p.load_balance = load_balance;
+  c.p.layout.reset();
   StrategyPlan s;
   s.name = name;
   s.strategy = strategy;
   s.load_balance = load_balance;
-  s.why_not = validation_errors(a, p);
+  s.why_not = validation_errors(c.a, c.p);
   if (strategy == Strategy::ring && req.remat) {
     s.why_not.push_back(
         {{"remat"},
@@ -112,139 +266,22 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
     s.possible = false;
     return s;
   }
-  const std::int64_t cp = p.cp, B = a.batch, S = a.seq_len, D = a.head_dim, sl = S / cp;
-  const std::int64_t hq = a.num_q_heads / p.tp, hkv = a.num_kv_heads / p.tp;
-  const std::int64_t E = static_cast<std::int64_t>(dtype_size(a.dtype));
-  const bool packed = !req.segments.empty();
-  s.collectives = attention_collectives(a, p, req.remat, packed);
-
-  // Reorders around a load-balanced layer whose neighbours need contiguous order: entry (contiguous -> dual
-  // chunk swap) and exit in forward, their transposes in backward, and the forward's again under remat.
-  if (load_balance && req.model.other_layers_need_contiguous_order()) {
-    const std::int64_t chunk = B * (S / (2 * cp)) * req.model.emb_dim;
-    const auto entry = reorder_destinations(cp, ShardLayout::contiguous, ShardLayout::dual_chunk_swap);
-    const auto exit = reorder_destinations(cp, ShardLayout::dual_chunk_swap, ShardLayout::contiguous);
-    auto both = [&](const std::string& phase, const std::vector<std::vector<int>>& first,
-                    const std::vector<std::vector<int>>& second) {
-      for (const auto& dest : first)
-        add_call(s.reorder, CollectiveKind::collective_permute, phase, chunk, E, static_cast<int>(cp), &dest);
-      for (const auto& dest : second)
-        add_call(s.reorder, CollectiveKind::collective_permute, phase, chunk, E, static_cast<int>(cp), &dest);
-    };
-    both("forward", entry, exit);
-    if (req.remat) both("remat", entry, exit);
-    both("backward", entry, exit);  // the transposes: exit's gradient enters, entry's leaves
-  }
-
-  // Tiles on the block grid, with the kernel's classification.
-  const std::vector<std::int32_t> natural = natural_positions(1, S);
-  const std::vector<std::int32_t> segments = segment_ids_from_lengths(1, req.segments);
-  // ulysses: rank r computes its n_r q heads over the whole sequence (uneven when cp does not divide Hq).
-  const UlyssesHeads heads = strategy == Strategy::ulysses ? ulysses_heads(hq, hkv, cp) : UlyssesHeads{};
-  // A rank's positions and (packed) segment ids.
-  auto rank_tokens = [&](std::int64_t r) {
-    const auto local = local_positions(p.effective_layout(), S, cp, r);
-    std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> t{positions_as_int32(local), {}};
-    for (auto x : local) {
-      if (packed) t.second.push_back(segments[x]);
-    }
-    return t;
-  };
-  for (std::int64_t r = 0; r < cp; ++r) {
-    const std::int64_t local_heads = strategy == Strategy::ulysses ? heads.q[r].size() : hq;
-    std::int64_t per_head = 0;
-    if (strategy == Strategy::ulysses) {
-      per_head = count_tiles(natural, segments, natural, segments, a.causal, req.block);
-    } else if (strategy == Strategy::ring) {
-      // Step s: this rank's queries against the shard of rank (r - s) mod cp, on that shard's own grid.
-      const auto [q_pos, q_seg] = rank_tokens(r);
-      s.tiles_per_rank_per_step.emplace_back();
-      for (std::int64_t step = 0; step < cp; ++step) {
-        const auto [kv_pos, kv_seg] = rank_tokens((r - step + cp) % cp);
-        s.tiles_per_rank_per_step.back().push_back(
-            count_tiles(q_pos, q_seg, kv_pos, kv_seg, a.causal, req.block));
-        per_head += s.tiles_per_rank_per_step.back().back();
-      }
-    } else {
-      const auto [q_pos, q_seg] = rank_tokens(r);
-      per_head = count_tiles(q_pos, q_seg, natural, segments, a.causal, req.block);
-    }
-    s.tiles_per_rank_per_q_head.push_back(per_head);
-    s.tiles_per_rank.push_back(per_head * local_heads * B);
-  }
-  const auto [mn, mx] = std::minmax_element(s.tiles_per_rank.begin(), s.tiles_per_rank.end());
-  s.tiles_skew = *mn > 0 ? static_cast<double>(*mx) / static_cast<double>(*mn) : 1.0;
-
-  // Memory: what forward keeps for backward, and the K/V the kernel reads.
-  const std::int64_t seg_bytes = packed ? B * sl * 4 + B * S * 4 : 0;
-  if (strategy == Strategy::ulysses) {
-    // Per rank (n_q q heads, n_kv kv heads; uneven when cp does not divide Hq): the largest.
-    for (std::int64_t r = 0; r < cp; ++r) {
-      const std::int64_t n_q = heads.q[r].size(), n_kv = heads.kv[r].size();
-      const std::int64_t q_heads = B * S * n_q * D * E, kv_heads = 2 * B * S * n_kv * D * E;
-      const std::int64_t inputs = req.remat ? B * sl * (hq + 2 * hkv) * D * E : q_heads + kv_heads;
-      s.memory_bytes_per_rank = std::max(
-          s.memory_bytes_per_rank, inputs + q_heads /* O */ + B * n_q * S * 4 + (packed ? B * S * 4 : 0));
-      s.kv_buffer_bytes_per_rank = std::max(s.kv_buffer_bytes_per_rank, kv_heads);
-    }
-  } else if (strategy == Strategy::ring) {
-    // Saved: q, O, LSE and the local K/V shard; in flight: the visiting K/V and the next one.
-    const std::int64_t kv_shard = 2 * B * sl * hkv * D * E;
-    s.memory_bytes_per_rank = 2 * B * sl * hq * D * E + B * hq * sl * 4 + kv_shard + seg_bytes;
-    s.kv_buffer_bytes_per_rank = 2 * kv_shard;
-  } else {
-    const std::int64_t kv_full = 2 * B * S * hkv * D * E;
-    s.memory_bytes_per_rank = 2 * B * sl * hq * D * E /* q, O */ + B * hq * sl * 4 +
-                              (req.remat ? 2 * B * sl * hkv * D * E : kv_full) + seg_bytes;
-    s.kv_buffer_bytes_per_rank = kv_full;
-  }
-
-  // Time: tiles x a full tile's FLOPs, forward and backward (and the forward again under remat).
-  const double tile_flops = attention_forward_flops(1, req.block, 1, D, false);
-  const double passes = 1.0 + kBackwardFlopsPerForward + (req.remat ? 1.0 : 0.0);
-  std::int64_t sent = 0;
-  for (const auto& c : s.collectives) sent += c.bytes_sent_per_rank;
-  for (const auto& c : s.reorder) sent += c.bytes_sent_per_rank;
-  s.communication_seconds = static_cast<double>(sent) / req.hardware.bandwidth;
-  double fastest = 1e300, slowest = 0;
-  for (std::int64_t r = 0; r < cp; ++r) {
-    const double t = static_cast<double>(s.tiles_per_rank[r]) * tile_flops * passes / req.hardware.flops;
-    s.compute_seconds_per_rank.push_back(t);
-    if (t > slowest) {
-      slowest = t;
-      s.straggler_rank = static_cast<int>(r);
-    }
-    fastest = std::min(fastest, t);
-  }
-  s.exposed_seconds = s.communication_seconds + (slowest - fastest);
-  s.layer_seconds = slowest + s.communication_seconds;
-  if (strategy == Strategy::ring) {
-    // The next hop is in flight while a step computes: forward sum over the first cp-1 steps of
-    // max(compute, K/V transfer) plus the last step's compute; backward likewise with K/V and dK/dV in
-    // flight, plus the last dK/dV hop home; the reorder's permutes as they are.
-    const double kv_hop = static_cast<double>(2 * B * sl * hkv * D * E) / req.hardware.bandwidth;
-    const double dkv_hop = static_cast<double>(2 * B * sl * hkv * D * 4) / req.hardware.bandwidth;
-    std::int64_t reorder_sent = 0;
-    for (const auto& c : s.reorder) reorder_sent += c.bytes_sent_per_rank;
-    const double reorder = static_cast<double>(reorder_sent) / req.hardware.bandwidth;
-    const double per_tile = static_cast<double>(hq * B) * tile_flops / req.hardware.flops;
-    double longest = 0;
-    for (std::int64_t r = 0; r < cp; ++r) {
-      double t = reorder;
-      for (std::int64_t step = 0; step < cp; ++step) {
-        const double fwd = static_cast<double>(s.tiles_per_rank_per_step[r][step]) * per_tile;
-        const double bwd = fwd * kBackwardFlopsPerForward;
-        const bool last = step + 1 == cp;
-        t += last ? fwd : std::max(fwd, kv_hop);
-        t += last ? bwd + (cp > 1 ? dkv_hop : 0.0) : std::max(bwd, kv_hop + dkv_hop);
-      }
-      longest = std::max(longest, t);
-    }
-    s.layer_seconds = longest;
-    s.exposed_seconds = longest - fastest;
-  }
-  s.model_seconds = s.layer_seconds * static_cast<double>(req.model.attention_layers());
-  s.model_bytes_sent_per_rank = sent * req.model.attention_layers();
+  c.cp = c.p.cp;
+  c.B = c.a.batch;
+  c.S = c.a.seq_len;
+  c.D = c.a.head_dim;
+  c.sl = c.S / c.cp;
+  c.hq = c.a.num_q_heads / c.p.tp;
+  c.hkv = c.a.num_kv_heads / c.p.tp;
+  c.E = static_cast<std::int64_t>(dtype_size(c.a.dtype));
+  c.packed = !req.segments.empty();
+  s.collectives = attention_collectives(c.a, c.p, req.remat, c.packed);
+  plan_reorder(c, s);
+  const UlyssesHeads heads =
+      strategy == Strategy::ulysses ? ulysses_heads(c.hq, c.hkv, c.cp) : UlyssesHeads{};
+  plan_tiles(c, heads, s);
+  plan_memory(c, heads, s);
+  plan_time(c, s);
   return s;
 }
 

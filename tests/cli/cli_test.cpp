@@ -392,8 +392,6 @@ TEST(CliRun, RingChecksWithinItsBoundsAndRefusesRemat) {
   EXPECT_EQ(j["check"]["tolerances"]["o_rel_vs_single_device"].get<double>(), 5e-6);
   EXPECT_EQ(j["check"]["tolerances"]["lse_abs_vs_single_device"].get<double>(), 1e-5);
   EXPECT_LE(j["check"]["single_device"]["max_rel_diff"]["o"].get<double>(), 5e-6);
-  EXPECT_GT(j["check"]["single_device"]["max_rel_diff"]["o"].get<double>(),
-            0.0);  // merged, not bit-identical
   for (const auto& c : j["collectives"]) {
     EXPECT_TRUE(c["kind"] == "collective_permute" || c["kind"] == "all_gather") << c.dump();
   }
