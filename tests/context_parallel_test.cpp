@@ -2,6 +2,7 @@
 // reference, the collective accounting, tile balance, negative controls, and errors on every rank.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <numeric>
@@ -9,6 +10,7 @@
 
 #include "cp_harness.hpp"
 #include "cpattn/placement.hpp"
+#include "cpattn/planner.hpp"
 #include "cpattn/sequence_layout.hpp"
 #include "cpattn/shard.hpp"
 
@@ -177,6 +179,26 @@ TEST(ContextParallel, RingTilesAreEqualWithLoadBalanceOnOneCausalDocument) {
   const auto lb = testing::run_context_parallel(c, in);
   for (auto t : lb.tiles_per_rank) EXPECT_EQ(t, lb.tiles_per_rank[0]);
   EXPECT_EQ(lb.tiles_per_rank[0], 4 * 16 * 17 / 2 / 4);  // a quarter of every head's T(T+1)/2, T = 16
+  // Chunks that are not a multiple of the block (125 and 37 tokens): the chunk-by-chunk calls keep them
+  // equal.
+  for (std::int64_t seq : {1000, 296}) {
+    c.seq = seq;
+    const auto odd = testing::run_context_parallel(c, testing::make_whole_inputs(c, 2));
+    const auto [lo, hi] = std::minmax_element(odd.tiles_per_rank.begin(), odd.tiles_per_rank.end());
+    EXPECT_LE(static_cast<double>(*hi) / static_cast<double>(*lo), 1.05) << seq;
+    // The planner counts the same tiles on the kernel's grid.
+    PlanRequest r;
+    r.attention = c.attention();
+    r.parallel = c.parallel();
+    r.block = 64;
+    r.hardware = *find_hardware("h200");
+    const Plan plan = make_plan(r);
+    for (const auto& sp : plan.strategies) {
+      if (sp.name == "ring_load_balanced") {
+        EXPECT_EQ(sp.tiles_per_rank, odd.tiles_per_rank) << seq;
+      }
+    }
+  }
 }
 
 TEST(ContextParallel, CombinationsTheValidatorRejectsAreRejected) {

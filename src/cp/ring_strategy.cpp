@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "context_parallel_impl.hpp"
 #include "cpattn/sequence_layout.hpp"
@@ -62,23 +63,26 @@ struct Running {
         l(m.size(), 0.0f),
         o(DType::f32, s) {}
 
-  // Folds one step's normalised (O_s, LSE_s): rows with LSE_s = -inf saw no key and change nothing.
-  void fold(const Tensor& o_step, const std::vector<float>& lse_step) {
+  // Folds one call's normalised (O_c, LSE_c) of rows [row0, row0 + n) (o_call [B, n, H, D], lse_call
+  // [B, H, n]): rows with LSE_c = -inf saw no key and change nothing.
+  void fold(const Tensor& o_call, const std::vector<float>& lse_call, std::int64_t row0) {
     const Shape4 s = o.shape();
-    const float* src = o_step.data<float>();
+    const std::int64_t n = o_call.shape().s;
+    const float* src = o_call.data<float>();
     float* dst = o.data<float>();
     for (std::int64_t b = 0; b < s.b; ++b) {
       for (std::int64_t h = 0; h < s.h; ++h) {
-        for (std::int64_t i = 0; i < s.s; ++i) {
+        for (std::int64_t j = 0; j < n; ++j) {
+          const std::int64_t i = row0 + j;
           const std::size_t row = static_cast<std::size_t>((b * s.h + h) * s.s + i);
-          const float x = lse_step[row];
+          const float x = lse_call[static_cast<std::size_t>((b * s.h + h) * n + j)];
           if (x == -std::numeric_limits<float>::infinity()) continue;
           const float m_new = std::max(m[row], x);
           const float keep = std::exp(m[row] - m_new), add = std::exp(x - m_new);
           m[row] = m_new;
           l[row] = l[row] * keep + add;
-          const std::int64_t off = ((b * s.s + i) * s.h + h) * s.d;
-          for (std::int64_t d = 0; d < s.d; ++d) dst[off + d] = dst[off + d] * keep + src[off + d] * add;
+          const std::int64_t off = ((b * s.s + i) * s.h + h) * s.d, from = ((b * n + j) * s.h + h) * s.d;
+          for (std::int64_t d = 0; d < s.d; ++d) dst[off + d] = dst[off + d] * keep + src[from + d] * add;
         }
       }
     }
@@ -106,28 +110,68 @@ struct Running {
   }
 };
 
-// A ring step's mask metadata: this rank's queries against the shard of rank src.
-struct StepMask {
-  std::vector<std::int32_t> q_pos, kv_pos, kv_seg;
+// The kernel calls of a step: the rank's shard against the visiting one, whole (contiguous layout), or chunk
+// by chunk (dual_chunk_swap: the zigzag's chunk products, each on a grid of its own, so that a chunk that is
+// not a multiple of the block shares no tile with the other). Calls the causal mask hides whole are skipped.
+struct Piece {
+  std::int64_t first = 0, count = 0;   // local rows
+  std::vector<std::int32_t> pos, seg;  // [B, count]; seg empty when not packed
+  std::int32_t lo = 0, hi = 0;         // the smallest and largest position
 };
 
-// swapped: the negative control that puts the visiting shard's two chunks at each other's positions.
-StepMask step_mask(const RankPositions& positions, std::int64_t rank, std::int64_t src, std::int64_t batch,
-                   std::int64_t seq, const std::vector<std::int32_t>& seg_full, bool swapped) {
-  StepMask m;
-  const auto& mine = positions[rank];
-  std::vector<std::int32_t> theirs = positions[src];
-  if (swapped)
-    std::rotate(theirs.begin(), theirs.begin() + static_cast<std::ptrdiff_t>(theirs.size() / 2),
-                theirs.end());
-  for (std::int64_t b = 0; b < batch; ++b) {
-    m.q_pos.insert(m.q_pos.end(), mine.begin(), mine.end());
-    m.kv_pos.insert(m.kv_pos.end(), theirs.begin(), theirs.end());
-    if (!seg_full.empty()) {
-      for (std::int32_t p : theirs) m.kv_seg.push_back(seg_full[b * seq + p]);
+// `positions`: the shard's positions (one row); seg_of(b, t): the segment id of local token t in row b.
+template <class SegOf>
+std::vector<Piece> pieces(const std::vector<std::int32_t>& positions, std::int64_t parts, std::int64_t batch,
+                          bool packed, SegOf seg_of) {
+  std::vector<Piece> out;
+  const std::int64_t n = static_cast<std::int64_t>(positions.size()) / parts;
+  for (std::int64_t part = 0; part < parts; ++part) {
+    Piece p;
+    p.first = part * n;
+    p.count = n;
+    p.lo = positions[p.first];
+    p.hi = positions[p.first];
+    for (std::int64_t b = 0; b < batch; ++b) {
+      for (std::int64_t t = p.first; t < p.first + n; ++t) {
+        p.pos.push_back(positions[t]);
+        p.lo = std::min(p.lo, positions[t]);
+        p.hi = std::max(p.hi, positions[t]);
+        if (packed) p.seg.push_back(seg_of(b, t));
+      }
     }
+    out.push_back(std::move(p));
   }
-  return m;
+  return out;
+}
+
+// Rows [first, first + count) of a [B, S, H, D] view.
+template <class Ref>
+Ref rows(Ref r, std::int64_t first, std::int64_t count) {
+  using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<decltype(r.ptr)>>, const char, char>;
+  r.ptr = static_cast<Byte*>(r.ptr) + first * r.stride[1] * static_cast<std::int64_t>(dtype_size(r.dtype));
+  r.shape.s = count;
+  return r;
+}
+
+// into[:, first:first+n] += piece (fp32 [B, S, H, D] and [B, n, H, D]).
+void add_rows(Tensor& into, std::int64_t first, const Tensor& piece) {
+  const Shape4 s = into.shape();
+  const std::int64_t n = piece.shape().s, row = s.h * s.d;
+  float* dst = into.data<float>();
+  const float* src = piece.data<float>();
+  for (std::int64_t b = 0; b < s.b; ++b) {
+    for (std::int64_t i = 0; i < n * row; ++i) dst[(b * s.s + first) * row + i] += src[b * n * row + i];
+  }
+}
+
+// lse [B, H, S] rows [first, first + n) -> [B, H, n].
+std::vector<float> lse_rows(const std::vector<float>& lse, std::int64_t batch, std::int64_t heads,
+                            std::int64_t seq, std::int64_t first, std::int64_t n) {
+  std::vector<float> out(static_cast<std::size_t>(batch * heads * n));
+  for (std::int64_t bh = 0; bh < batch * heads; ++bh) {
+    std::copy_n(lse.begin() + bh * seq + first, n, out.begin() + bh * n);
+  }
+  return out;
 }
 
 // Waits for a shift, adding the time spent to `waited`.
@@ -158,6 +202,24 @@ void accumulate(Pair& acc, const Tensor& dk, const Tensor& dv) {
 
 }  // namespace
 
+namespace {
+
+// The visiting shard's pieces (src's positions; its segment ids from the gathered row), with the negative
+// control that puts its two chunks at each other's positions.
+std::vector<Piece> visiting(const RankPositions& positions, std::int64_t src, std::int64_t parts,
+                            std::int64_t batch, std::int64_t seq, const std::vector<std::int32_t>& seg_full,
+                            bool swapped) {
+  std::vector<std::int32_t> theirs = positions[src];
+  if (swapped) {
+    std::rotate(theirs.begin(), theirs.begin() + static_cast<std::ptrdiff_t>(theirs.size() / 2),
+                theirs.end());
+  }
+  return pieces(theirs, parts, batch, !seg_full.empty(),
+                [&](std::int64_t b, std::int64_t t) { return seg_full[b * seq + theirs[t]]; });
+}
+
+}  // namespace
+
 AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, const Tensor& k,
                                                              const Tensor& v, bool forward_only) {
   const std::int64_t B = attention.batch, S = attention.seq_len;
@@ -168,8 +230,13 @@ AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, co
   copy_into(k, current.first_mut());
   copy_into(v, current.second_mut());
   Running run(q.shape());
-  Tensor o_step(DType::f32, q.shape());
-  std::vector<float> lse_step(static_cast<std::size_t>(B * hq * local_seq));
+  const std::int64_t parts = parallel.effective_layout() == ShardLayout::dual_chunk_swap ? 2 : 1;
+  const std::int64_t n = local_seq / parts;
+  Tensor o_call(DType::f32, {B, n, hq, attention.head_dim});
+  std::vector<float> lse_call(static_cast<std::size_t>(B * hq * n));
+  const bool packed = !seg_local.empty();
+  const auto mine = pieces(positions[rank], parts, B, packed,
+                           [&](std::int64_t b, std::int64_t t) { return seg_local[b * local_seq + t]; });
   tiles = TileCounts{};
   step_lses.clear();
   for (std::int64_t s = 0; s < cp; ++s) {
@@ -178,14 +245,25 @@ AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, co
     if (s + 1 < cp)
       hop =
           comm.start_shift(current.both.raw(), next.both.raw(), current.count(), comm_dtype(attention.dtype));
-    const StepMask sm = step_mask(positions, rank, src, B, S, seg_full,
-                                  negative_control == NegativeControl::ring_zigzag_swapped);
-    TileCounts t;
-    flash_forward(cref(q), current.first(), current.second(), mask(sm.q_pos, sm.kv_pos, seg_local, sm.kv_seg),
-                  attention.scale(), kernel_config(), ref(o_step), lse_step.data(), &t);
-    add_tiles(tiles, t);
-    run.fold(o_step, lse_step);
-    if (negative_control == NegativeControl::ring_step_lse) step_lses.push_back(lse_step);
+    const auto theirs = visiting(positions, src, parts, B, S, seg_full,
+                                 negative_control == NegativeControl::ring_zigzag_swapped);
+    if (negative_control == NegativeControl::ring_step_lse) step_lses.emplace_back(lse_call.size() * parts);
+    for (const Piece& qp : mine) {
+      for (const Piece& kp : theirs) {
+        if (attention.causal && qp.hi < kp.lo) continue;  // every key in the future of every query
+        TileCounts t;
+        flash_forward(rows(cref(q), qp.first, n), rows(current.first(), kp.first, n),
+                      rows(current.second(), kp.first, n), mask(qp.pos, kp.pos, qp.seg, kp.seg),
+                      attention.scale(), kernel_config(), ref(o_call), lse_call.data(), &t);
+        add_tiles(tiles, t);
+        run.fold(o_call, lse_call, qp.first);
+        if (negative_control == NegativeControl::ring_step_lse) {
+          for (std::int64_t bh = 0; bh < B * hq; ++bh) {
+            std::copy_n(lse_call.begin() + bh * n, n, step_lses.back().begin() + bh * local_seq + qp.first);
+          }
+        }
+      }
+    }
     if (hop) {
       wait_for(*hop, comm_wait_seconds);
       std::swap(current, next);
@@ -215,8 +293,14 @@ AttentionGradients ContextParallelAttention::Impl::ring_backward(const Tensor& d
   copy_into(sv.v, current.second_mut());
   // The dK/dV accumulator of the shard this rank holds, and the one arriving with the next shard.
   Pair acc(DType::f32, kv_shape), acc_next(DType::f32, kv_shape);
-  Tensor dq(DType::f32, sv.q.shape()), dq_step(DType::f32, sv.q.shape());
+  const std::int64_t parts = parallel.effective_layout() == ShardLayout::dual_chunk_swap ? 2 : 1;
+  const std::int64_t n = local_seq / parts;
+  Tensor dq(DType::f32, sv.q.shape()), dq_call(DType::f32, {B, n, hq, attention.head_dim});
   Tensor dk_step(DType::f32, kv_shape), dv_step(DType::f32, kv_shape);
+  Tensor dk_call(DType::f32, {B, n, hkv, attention.head_dim}),
+      dv_call(DType::f32, {B, n, hkv, attention.head_dim});
+  const auto mine = pieces(positions[rank], parts, B, !sv.seg_local.empty(),
+                           [&](std::int64_t b, std::int64_t t) { return sv.seg_local[b * local_seq + t]; });
   std::unique_ptr<PendingShift> acc_hop;
   for (std::int64_t s = 0; s < cp; ++s) {
     const std::int64_t src = (rank - s + cp) % cp;
@@ -224,17 +308,26 @@ AttentionGradients ContextParallelAttention::Impl::ring_backward(const Tensor& d
     if (s + 1 < cp)
       kv_hop =
           comm.start_shift(current.both.raw(), next.both.raw(), current.count(), comm_dtype(attention.dtype));
-    const StepMask sm = step_mask(positions, rank, src, B, S, sv.seg_full,
-                                  negative_control == NegativeControl::ring_zigzag_swapped);
+    const auto theirs = visiting(positions, src, parts, B, S, sv.seg_full,
+                                 negative_control == NegativeControl::ring_zigzag_swapped);
     // Every step uses the final O and LSE.
-    const float* lse =
-        negative_control == NegativeControl::ring_step_lse ? step_lses[s].data() : sv.lse.data();
-    flash_backward(cref(sv.q), current.first(), current.second(), cref(sv.o), lse, cref(d_out),
-                   mask(sm.q_pos, sm.kv_pos, sv.seg_local, sm.kv_seg), attention.scale(), kernel_config(),
-                   ref(dq_step), ref(dk_step), ref(dv_step));
-    float* q_acc = dq.data<float>();
-    const float* q_add = dq_step.data<float>();
-    for (std::int64_t i = 0; i < dq.numel(); ++i) q_acc[i] += q_add[i];
+    const std::vector<float>& lse =
+        negative_control == NegativeControl::ring_step_lse ? step_lses[s] : sv.lse;
+    std::fill_n(dk_step.data<float>(), dk_step.numel(), 0.0f);
+    std::fill_n(dv_step.data<float>(), dv_step.numel(), 0.0f);
+    for (const Piece& qp : mine) {
+      const std::vector<float> lse_piece = lse_rows(lse, B, hq, local_seq, qp.first, n);
+      for (const Piece& kp : theirs) {
+        if (attention.causal && qp.hi < kp.lo) continue;
+        flash_backward(rows(cref(sv.q), qp.first, n), rows(current.first(), kp.first, n),
+                       rows(current.second(), kp.first, n), rows(cref(sv.o), qp.first, n), lse_piece.data(),
+                       rows(cref(d_out), qp.first, n), mask(qp.pos, kp.pos, qp.seg, kp.seg),
+                       attention.scale(), kernel_config(), ref(dq_call), ref(dk_call), ref(dv_call));
+        add_rows(dq, qp.first, dq_call);
+        add_rows(dk_step, kp.first, dk_call);
+        add_rows(dv_step, kp.first, dv_call);
+      }
+    }
     if (acc_hop) {
       wait_for(*acc_hop, comm_wait_seconds);  // src's accumulator, from the ranks before this one
       acc_hop.reset();

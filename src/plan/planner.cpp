@@ -140,13 +140,28 @@ void plan_tiles(const PlanContext& c, const UlyssesHeads& heads, StrategyPlan& s
     if (strategy == Strategy::ulysses) {
       per_head = count_tiles(natural, segments, natural, segments, c.a.causal, c.req.block);
     } else if (strategy == Strategy::ring) {
+      // The kernel's calls of a step (ring_strategy.cpp): whole shards, or chunk by chunk with load balance,
+      // each on a grid of its own; calls the causal mask hides whole are skipped.
+      const std::int64_t parts = c.p.load_balance ? 2 : 1, n = c.sl / parts;
+      auto piece = [&](const std::vector<std::int32_t>& v, std::int64_t part) {
+        return v.empty() ? v : std::vector<std::int32_t>(v.begin() + part * n, v.begin() + (part + 1) * n);
+      };
       const auto [q_pos, q_seg] = rank_tokens(r);
       s.tiles_per_rank_per_step.emplace_back();
       for (std::int64_t step = 0; step < c.cp; ++step) {
         const auto [kv_pos, kv_seg] = rank_tokens((r - step + c.cp) % c.cp);
-        s.tiles_per_rank_per_step.back().push_back(
-            count_tiles(q_pos, q_seg, kv_pos, kv_seg, c.a.causal, c.req.block));
-        per_head += s.tiles_per_rank_per_step.back().back();
+        std::int64_t tiles = 0;
+        for (std::int64_t qa = 0; qa < parts; ++qa) {
+          for (std::int64_t kb = 0; kb < parts; ++kb) {
+            const auto qp = piece(q_pos, qa), kp = piece(kv_pos, kb);
+            if (c.a.causal &&
+                *std::max_element(qp.begin(), qp.end()) < *std::min_element(kp.begin(), kp.end()))
+              continue;
+            tiles += count_tiles(qp, piece(q_seg, qa), kp, piece(kv_seg, kb), c.a.causal, c.req.block);
+          }
+        }
+        s.tiles_per_rank_per_step.back().push_back(tiles);
+        per_head += tiles;
       }
     } else {
       const auto [q_pos, q_seg] = rank_tokens(r);
