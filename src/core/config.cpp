@@ -129,13 +129,14 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
   const ShardLayout layout = p.effective_layout();
   const bool ulysses = p.strategy == Strategy::ulysses;
   if (ulysses && p.load_balance) {
-    rules.add({"load_balance", "strategy"}, "true",
-              "load_balance (true) is for all_gather and ring; ulysses gives every rank the same work per head, "
-              "set load_balance to false");
-  } else if (layout == ShardLayout::dual_chunk_swap && !p.load_balance) {
     rules.add(
-        {"layout", "load_balance"}, "dual_chunk_swap",
-        "layout dual_chunk_swap needs all_gather or ring with load_balance true; valid layout here: contiguous");
+        {"load_balance", "strategy"}, "true",
+        "load_balance (true) is for all_gather and ring; ulysses gives every rank the same work per head, "
+        "set load_balance to false");
+  } else if (layout == ShardLayout::dual_chunk_swap && !p.load_balance) {
+    rules.add({"layout", "load_balance"}, "dual_chunk_swap",
+              "layout dual_chunk_swap needs all_gather or ring with load_balance true; valid layout here: "
+              "contiguous");
   } else if (layout == ShardLayout::contiguous && p.load_balance) {
     rules.add({"layout", "load_balance"}, "contiguous",
               "load_balance (true) needs layout dual_chunk_swap (chunks r and 2*cp-1-r on rank r)");
@@ -144,9 +145,8 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
   if (p.load_balance && !ulysses) {
     if (a.seq_len % (2 * p.cp) != 0) {
       rules.add({"seq_len", "cp"}, str(a.seq_len),
-                "seq_len (" + str(a.seq_len) + ") must be divisible by 2*cp (" + str(2 * p.cp) +
-                    ") for " + to_string(p.strategy) +
-                    " with load balance (dual chunk swap cuts it into 2*cp chunks)");
+                "seq_len (" + str(a.seq_len) + ") must be divisible by 2*cp (" + str(2 * p.cp) + ") for " +
+                    to_string(p.strategy) + " with load balance (dual chunk swap cuts it into 2*cp chunks)");
     }
   } else if (a.seq_len % p.cp != 0) {
     rules.add({"seq_len", "cp"}, str(a.seq_len),

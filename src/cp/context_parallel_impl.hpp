@@ -57,7 +57,7 @@ class ContextParallelAttention::Impl {
     std::vector<std::int32_t> seg_local, seg_full;  // [B, S/cp], [B, S] natural (empty: no segments)
   };
   std::optional<Saved> saved;
-  std::vector<std::int32_t> seg_local;  // this call's segment ids
+  std::vector<std::int32_t> seg_local;        // this call's segment ids
   std::vector<std::vector<float>> step_lses;  // ring's negative control ring_step_lse: each step's LSE
 };
 

@@ -1,6 +1,6 @@
-// Deliberately wrong variants of the ulysses and ring strategies that exist only so that tests can show they are caught
-// (docs/design.md, "Negative controls"). Not part of the library's interface: the tests and the harness reach
-// them through this internal header.
+// Deliberately wrong variants of the ulysses and ring strategies that exist only so that tests can show they
+// are caught (docs/design.md, "Negative controls"). Not part of the library's interface: the tests and the
+// harness reach them through this internal header.
 #pragma once
 
 #include "cpattn/context_parallel.hpp"
