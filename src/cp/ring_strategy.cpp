@@ -48,9 +48,19 @@ struct Pair {
   }
 };
 
-void copy_into(const Tensor& from, const TensorRef& to) {
-  const std::size_t bytes = static_cast<std::size_t>(from.numel()) * dtype_size(from.dtype());
-  std::memcpy(to.ptr, from.raw(), bytes);
+// K and V of this rank's shard, in the one buffer the ring sends.
+Pair kv_pair(const Tensor& k, const Tensor& v) {
+  Pair kv(k.dtype(), k.shape());
+  const std::size_t bytes = static_cast<std::size_t>(k.numel()) * dtype_size(k.dtype());
+  std::memcpy(kv.first_mut().ptr, k.raw(), bytes);
+  std::memcpy(kv.second_mut().ptr, v.raw(), bytes);
+  return kv;
+}
+
+// The pieces a shard is cut into for the kernel: both chunks of the dual_chunk_swap layout, or the whole
+// shard.
+std::int64_t parts_of(ShardLayout layout) {
+  return layout == ShardLayout::dual_chunk_swap ? 2 : 1;
 }
 
 // The running softmax state of every row (b, h, i) of O [B, Sq, H, D] and LSE [B, H, Sq], in fp32.
@@ -226,11 +236,9 @@ AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, co
   std::vector<std::int32_t> seg_full;
   if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, B, positions);
 
-  Pair current(attention.dtype, k.shape()), next(attention.dtype, k.shape());
-  copy_into(k, current.first_mut());
-  copy_into(v, current.second_mut());
+  Pair current = kv_pair(k, v), next(attention.dtype, k.shape());
   Running run(q.shape());
-  const std::int64_t parts = parallel.effective_layout() == ShardLayout::dual_chunk_swap ? 2 : 1;
+  const std::int64_t parts = parts_of(parallel.effective_layout());
   const std::int64_t n = local_seq / parts;
   Tensor o_call(DType::f32, {B, n, hq, attention.head_dim});
   std::vector<float> lse_call(static_cast<std::size_t>(B * hq * n));
@@ -288,12 +296,10 @@ AttentionGradients ContextParallelAttention::Impl::ring_backward(const Tensor& d
   Saved& sv = *saved;
   const std::int64_t B = attention.batch, S = attention.seq_len;
   const Shape4 kv_shape = sv.k.shape();
-  Pair current(attention.dtype, kv_shape), next(attention.dtype, kv_shape);
-  copy_into(sv.k, current.first_mut());
-  copy_into(sv.v, current.second_mut());
+  Pair current = kv_pair(sv.k, sv.v), next(attention.dtype, kv_shape);
   // The dK/dV accumulator of the shard this rank holds, and the one arriving with the next shard.
   Pair acc(DType::f32, kv_shape), acc_next(DType::f32, kv_shape);
-  const std::int64_t parts = parallel.effective_layout() == ShardLayout::dual_chunk_swap ? 2 : 1;
+  const std::int64_t parts = parts_of(parallel.effective_layout());
   const std::int64_t n = local_seq / parts;
   Tensor dq(DType::f32, sv.q.shape()), dq_call(DType::f32, {B, n, hq, attention.head_dim});
   Tensor dk_step(DType::f32, kv_shape), dv_step(DType::f32, kv_shape);
