@@ -46,6 +46,9 @@ class MpiCommunicator final : public Communicator {
   // no progress and ends the job (MPI_Abort; default 600 s).
   void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
   std::chrono::milliseconds timeout() const { return timeout_; }
+  // Whether a started shift has a thread of its own polling it while the rank computes: where MPI was
+  // initialised with MPI_THREAD_MULTIPLE, unless CPATTN_MPI_PROGRESS_THREAD=0 (for comparisons).
+  bool progress_thread() const { return progress_thread_; }
 
  private:
   CollectiveCost agree_on_blocks(const BlockList& send_blocks, const BlockList& recv_blocks, CommDType dtype,
@@ -64,6 +67,7 @@ class MpiCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1;
   std::vector<unsigned char> gathered_;  // reduce_scatter's blocks from every rank, kept between calls
   std::chrono::milliseconds timeout_{std::chrono::seconds(600)};
+  bool progress_thread_ = false;
   friend class MpiShift;
 };
 

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <climits>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -94,6 +96,10 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm) {
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
+  int level = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&level);
+  const char* env = std::getenv("CPATTN_MPI_PROGRESS_THREAD");
+  progress_thread_ = level == MPI_THREAD_MULTIPLE && !(env != nullptr && std::string(env) == "0");
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -280,28 +286,62 @@ void MpiCommunicator::exchange_packed(const void* send, const BlockList& send_bl
   }
 }
 
-// A shift under MPI: its Isend and Irecv, polled by wait() (MPI_Testall) until both complete or the timeout
-// passes (then the rank prints which peer made no progress and ends the job: MPI_Abort). Open MPI progresses
-// them inside MPI calls, so the transfer advances while the rank computes only as far as the transports
-// (shared memory, TCP) do on their own.
+// A shift under MPI: its Isend and Irecv, polled against the timeout until both complete (past it the rank
+// prints which peer made no progress and ends the job: MPI_Abort). Open MPI moves data only inside MPI calls,
+// so where MPI runs with MPI_THREAD_MULTIPLE a progress thread of the shift polls them (MPI_Testall every
+// kProgressPoll) while the rank computes, and wait() waits for that thread; otherwise wait() polls, and the
+// transfer advances during the compute only as far as the transports do on their own (docs/performance.md).
 class MpiShift final : public PendingShift {
  public:
   MpiShift(MpiCommunicator& comm, std::int64_t count, CommDType dtype)
       : comm_(comm), count_(count), dtype_(dtype) {}
   ~MpiShift() override {
+    stop_progress();
     if (done_) return;
     // The rank is failing with this shift in flight: its buffers may go only once both requests are done (a
     // matched receive cannot be cancelled). Give them a short while; if they cannot finish, end the job
     // rather than let MPI touch freed memory.
-    if (!poll(requests_, 2, std::chrono::seconds(5))) {
+    if (!finished_ && !poll(std::chrono::seconds(5))) {
       std::fprintf(stderr, "rank %d: a ring shift was abandoned in flight; ending the job\n", comm_.rank_);
       std::fflush(stderr);
       MPI_Abort(comm_.comm_, 1);
     }
   }
+  // Starts the thread that progresses the posted requests.
+  void start_progress() {
+    progress_ = std::thread([this] {
+      for (;;) {
+        int flag = 0;
+        MPI_Status statuses[2];
+        const int rc = MPI_Testall(2, requests_, &flag, statuses);
+        std::unique_lock<std::mutex> lock(mutex_);
+        if (rc != MPI_SUCCESS || flag) {
+          rc_ = rc;
+          if (flag) status_ = statuses[1];
+          finished_ = true;
+          cv_.notify_all();
+          return;
+        }
+        if (stop_) return;
+        lock.unlock();
+        std::this_thread::sleep_for(kProgressPoll);
+      }
+    });
+  }
   void wait() override {
     const auto t0 = std::chrono::steady_clock::now();
-    if (!poll(requests_, 2, comm_.timeout_)) {
+    bool ok = false;
+    if (progress_.joinable()) {
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        ok = cv_.wait_until(lock, t0 + comm_.timeout_, [this] { return finished_; });
+      }
+      stop_progress();
+      if (rc_ != MPI_SUCCESS) comm_.fail(rc_, "a ring shift");
+    } else {
+      ok = poll(comm_.timeout_);
+    }
+    if (!ok) {
       // No fault-tolerant MPI: a peer that makes no progress cannot be worked around, and the pending
       // requests still point at the caller's buffers. Say which rank, then end the job.
       int received = 0;
@@ -327,20 +367,31 @@ class MpiShift final : public PendingShift {
     comm_.count_shift(count_, dtype_);
   }
   MPI_Request requests_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};  // send, receive
-  MPI_Status status_{};
 
  private:
+  static constexpr std::chrono::microseconds kProgressPoll{50};
+
+  // Ends the progress thread (it stops at its next poll) and joins it.
+  void stop_progress() {
+    if (!progress_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    progress_.join();
+  }
   // MPI_Testall until done or `limit`; the receive's status lands in status_. An MPI error ends the job (the
   // requests would still point at the caller's buffers).
-  bool poll(MPI_Request* requests, int n, std::chrono::milliseconds limit) {
+  bool poll(std::chrono::milliseconds limit) {
     const auto deadline = std::chrono::steady_clock::now() + limit;
     MPI_Status statuses[2];
     for (;;) {
       int flag = 0;
-      const int rc = MPI_Testall(n, requests, &flag, statuses);
+      const int rc = MPI_Testall(2, requests_, &flag, statuses);
       if (rc != MPI_SUCCESS) comm_.fail(rc, "a ring shift");
       if (flag) {
-        if (n == 2) status_ = statuses[1];
+        status_ = statuses[1];
+        finished_ = true;
         return true;
       }
       if (std::chrono::steady_clock::now() > deadline) return false;
@@ -351,6 +402,12 @@ class MpiShift final : public PendingShift {
   std::int64_t count_;
   CommDType dtype_;
   bool done_ = false;
+  std::thread progress_;
+  std::mutex mutex_;  // guards what the progress thread writes: finished_, rc_, status_, stop_
+  std::condition_variable cv_;
+  bool finished_ = false, stop_ = false;
+  int rc_ = MPI_SUCCESS;
+  MPI_Status status_{};
 };
 
 std::unique_ptr<PendingShift> MpiCommunicator::start_shift(const void* send, void* recv, std::int64_t count,
@@ -363,6 +420,7 @@ std::unique_ptr<PendingShift> MpiCommunicator::start_shift(const void* send, voi
         "MPI_Irecv", rank_);
   check(MPI_Isend(send, n, mpi_type(dtype), (rank_ + 1) % size_, kShiftTag, comm_, &shift->requests_[0]),
         "MPI_Isend", rank_);
+  if (progress_thread_) shift->start_progress();
   return shift;
 }
 

@@ -18,7 +18,8 @@
 #include "cpattn/mpi_comm.hpp"
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   const std::string strategy = argc > 1 ? argv[1] : "ulysses", mode = argc > 2 ? argv[2] : "exit";
   const double timeout_s = argc > 3 ? std::atof(argv[3]) : 600.0;
   {

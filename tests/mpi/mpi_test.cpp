@@ -2,6 +2,8 @@
 // starts it with 2 and 4 processes). Every rank runs every test; a failure on any rank fails the job.
 #include <gtest/gtest.h>
 #include <mpi.h>
+#include <cstdlib>
+#include <string>
 
 #include "../collective_cases.hpp"
 #include "../cp_harness.hpp"
@@ -18,6 +20,27 @@ TEST(MpiCommunicator, CollectivesAreExactOnEveryRank) {
   EXPECT_EQ(wrong, 0) << "rank " << comm.rank();
   comm.all_reduce(&wrong, 1, ReduceOp::sum);
   EXPECT_EQ(wrong, 0) << "wrong elements over all ranks";
+}
+
+// Initialised with MPI_THREAD_MULTIPLE (main below), a shift has a progress thread unless
+// CPATTN_MPI_PROGRESS_THREAD=0 (the run that covers the polled path); and a shift's data arrives either way.
+TEST(MpiCommunicator, ShiftsProgressOnAThreadUnderThreadMultiple) {
+  MpiCommunicator comm;
+  int level = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&level);
+  const char* env = std::getenv("CPATTN_MPI_PROGRESS_THREAD");
+  const bool off = env != nullptr && std::string(env) == "0";
+  EXPECT_EQ(comm.progress_thread(), level == MPI_THREAD_MULTIPLE && !off);
+  if (!off) {
+    EXPECT_TRUE(comm.progress_thread()) << "Open MPI gave thread level " << level;
+  }
+  const int n = comm.size(), r = comm.rank();
+  std::vector<float> send(1 << 20, static_cast<float>(r)), recv(send.size(), -1.0f);
+  auto shift =
+      comm.start_shift(send.data(), recv.data(), static_cast<std::int64_t>(send.size()), CommDType::f32);
+  shift->wait();
+  EXPECT_EQ(recv.front(), static_cast<float>((r + n - 1) % n));
+  EXPECT_EQ(recv.back(), static_cast<float>((r + n - 1) % n));
 }
 
 TEST(MpiCommunicator, CountersFollowTheAccounting) {
@@ -136,7 +159,8 @@ TEST(MpiStrategies, AllGatherWithLoadBalanceMatchesTheSingleDeviceKernel) {
 }  // namespace cpattn
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   ::testing::InitGoogleTest(&argc, argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

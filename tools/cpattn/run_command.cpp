@@ -119,7 +119,7 @@ WholeResult execute(const std::string& backend, const AttentionSpec& a, const Pa
   MPI_Initialized(&initialized);
   if (!initialized) {
     int provided = 0;
-    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
   }
   MpiCommunicator comm;
   comm.set_timeout(settings.comm_timeout);
