@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <memory>
+#include <vector>
 
 #include "cpattn/comm.hpp"
 
@@ -25,7 +26,7 @@ class MpiCommunicator final : public Communicator {
   const char* backend() const override { return "mpi"; }
 
   void all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
-  // MPI_Alltoallw over derived datatypes (packing around MPI_Alltoall where byte offsets pass INT_MAX).
+  // Per-peer messages of derived datatypes (packing around all_to_all where a block passes int counts).
   void all_to_all_strided(const void* send, const BlockStrides& send_strides, void* recv,
                           const BlockStrides& recv_strides, const BlockShape& shape,
                           CommDType dtype) override;
@@ -55,6 +56,15 @@ class MpiCommunicator final : public Communicator {
                                  bool& packed);
   void exchange_packed(const void* send, const BlockList& send_blocks, void* recv,
                        const BlockList& recv_blocks, CommDType dtype);
+  // What a data collective moves to or from one peer: `count` elements of `type` at `data` (0: nothing).
+  struct PeerBlock {
+    const void* data = nullptr;
+    int count = 0;
+    MPI_Datatype type = MPI_BYTE;
+  };
+  // A data collective as per-peer MPI_Irecv / MPI_Isend (the rank's own block included), completed against
+  // the timeout: past it, the ranks whose blocks never came are named.
+  void exchange(const std::vector<PeerBlock>& sends, const std::vector<PeerBlock>& recvs, const char* what);
   // Completes n requests polling against the timeout (no MPI wait blocks forever); past it, prints which call
   // made no progress (and, when the first requests are receives from the ranks `from`, which of those never
   // came) and ends the job.

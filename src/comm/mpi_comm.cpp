@@ -61,14 +61,13 @@ MPI_Datatype block_type(const BlockShape& shape, const BlockStrides& st, CommDTy
   return outer;
 }
 
-// Whether MPI_Alltoallw's int byte displacements and int counts can describe these blocks.
-bool fits_alltoallw(const BlockList& send_blocks, const BlockList& recv_blocks, std::int64_t e) {
+// Whether one derived datatype per block (int counts; byte strides are MPI_Aint) can describe these blocks.
+bool fits_datatypes(const BlockList& send_blocks, const BlockList& recv_blocks) {
   bool fits = true;
   for (std::size_t p = 0; p < send_blocks.shape.size(); ++p) {
     for (const BlockList* l : {&send_blocks, &recv_blocks}) {
       const BlockShape& s = l->shape[p];
-      fits = fits && l->offset[p] * e <= INT_MAX && s.outer <= INT_MAX && s.inner <= INT_MAX &&
-             s.row <= INT_MAX && l->outer * e <= INT_MAX && l->inner * e <= INT_MAX;
+      fits = fits && s.outer <= INT_MAX && s.inner <= INT_MAX && s.row <= INT_MAX;
     }
   }
   return fits;
@@ -111,10 +110,13 @@ MpiCommunicator::~MpiCommunicator() {
 
 void MpiCommunicator::all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) {
   const int n = as_int(count, "all_to_all");
-  MPI_Request request;
-  check(MPI_Ialltoall(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_, &request), "MPI_Ialltoall",
-        rank_);
-  complete(&request, 1, "all_to_all");
+  const auto block = static_cast<std::ptrdiff_t>(count * static_cast<std::int64_t>(comm_dtype_size(dtype)));
+  std::vector<PeerBlock> sends, recvs;
+  for (int p = 0; p < size_; ++p) {
+    sends.push_back({static_cast<const char*>(send) + p * block, n, mpi_type(dtype)});
+    recvs.push_back({static_cast<char*>(recv) + p * block, n, mpi_type(dtype)});
+  }
+  exchange(sends, recvs, "all_to_all");
   this->count(CollectiveKind::all_to_all, count, dtype);
 }
 
@@ -123,29 +125,22 @@ void MpiCommunicator::all_to_all_strided(const void* send, const BlockStrides& s
                                          CommDType dtype) {
   check_block_layout(shape, send_strides, recv_strides);
   const auto e = static_cast<std::int64_t>(comm_dtype_size(dtype));
-  const std::int64_t last = (size_ - 1) * std::max(send_strides.block, recv_strides.block) * e;
-  if (shape.count() == 0 || last > INT_MAX || shape.outer > INT_MAX || shape.inner > INT_MAX ||
-      shape.row > INT_MAX) {
-    // Beyond MPI_Alltoallw's int byte displacements: pack around MPI_Alltoall instead.
+  if (shape.count() == 0 || shape.outer > INT_MAX || shape.inner > INT_MAX || shape.row > INT_MAX) {
+    // Beyond what one derived datatype's int counts describe: pack around all_to_all instead.
     Communicator::all_to_all_strided(send, send_strides, recv, recv_strides, shape, dtype);
     return;
   }
-  // MPI_Alltoallw with one derived datatype per side: MPI moves the rows without a pack step of ours.
+  // One derived datatype per side: MPI moves the rows without a pack step of ours.
   MPI_Datatype send_type = block_type(shape, send_strides, dtype);
   MPI_Datatype recv_type = block_type(shape, recv_strides, dtype);
-  std::vector<int> counts(static_cast<std::size_t>(size_), 1), sdispls(counts.size()), rdispls(counts.size());
+  std::vector<PeerBlock> sends, recvs;
   for (int p = 0; p < size_; ++p) {
-    sdispls[p] = static_cast<int>(p * send_strides.block * e);
-    rdispls[p] = static_cast<int>(p * recv_strides.block * e);
+    sends.push_back({static_cast<const char*>(send) + p * send_strides.block * e, 1, send_type});
+    recvs.push_back({static_cast<char*>(recv) + p * recv_strides.block * e, 1, recv_type});
   }
-  std::vector<MPI_Datatype> send_types(counts.size(), send_type), recv_types(counts.size(), recv_type);
-  MPI_Request request;
-  const int rc = MPI_Ialltoallw(send, counts.data(), sdispls.data(), send_types.data(), recv, counts.data(),
-                                rdispls.data(), recv_types.data(), comm_, &request);
-  if (rc == MPI_SUCCESS) complete(&request, 1, "all_to_all_strided");
+  exchange(sends, recvs, "all_to_all_strided");
   MPI_Type_free(&send_type);
   MPI_Type_free(&recv_type);
-  check(rc, "MPI_Ialltoallw", rank_);
   this->count(CollectiveKind::all_to_all, shape.count(), dtype);
 }
 
@@ -166,10 +161,12 @@ CollectiveCost MpiCommunicator::agree_on_blocks(const BlockList& send_blocks, co
     mine[3 * p + 2] = s.row;
     operand += s.count();
   }
-  MPI_Request request;
-  check(MPI_Ialltoall(mine.data(), 3, MPI_INT64_T, theirs.data(), 3, MPI_INT64_T, comm_, &request),
-        "MPI_Ialltoall", rank_);
-  complete(&request, 1, "all_to_all_v (block shapes)");
+  std::vector<PeerBlock> sends, recvs;
+  for (std::size_t p = 0; p < n; ++p) {
+    sends.push_back({mine.data() + 3 * p, 3, MPI_INT64_T});
+    recvs.push_back({theirs.data() + 3 * p, 3, MPI_INT64_T});
+  }
+  exchange(sends, recvs, "all_to_all_v (block shapes)");
   std::string disagreement;
   std::int64_t pair = 0;  // 1 + sender * n + receiver of the first disagreement this rank saw, 0 when none
   for (std::size_t p = 0; p < n && disagreement.empty(); ++p) {
@@ -194,7 +191,7 @@ CollectiveCost MpiCommunicator::agree_on_blocks(const BlockList& send_blocks, co
   if (agreed[0] == 0 && packed && agreed[4] > INT_MAX) {
     throw Error(ErrorKind::communication, "collective", "all_to_all_v",
                 "all_to_all_v moves " + std::to_string(agreed[4]) +
-                    " elements to or from one rank; MPI_Alltoallv's int counts hold at most " +
+                    " elements to or from one rank; MPI's int counts hold at most " +
                     std::to_string(INT_MAX) + " (split the call)");
   }
   if (agreed[0] != 0) {
@@ -215,35 +212,27 @@ void MpiCommunicator::all_to_all_v(const void* send, const BlockList& send_block
   check_block_list(recv_blocks, size_, "recv");
   const auto e = static_cast<std::int64_t>(comm_dtype_size(dtype));
   const auto n = static_cast<std::size_t>(size_);
-  // One derived datatype per block around MPI_Alltoallw when its int arguments can describe the blocks; else
-  // (or when CPATTN_MPI_PACKED_ALLTOALLV=1 forces it, for the tests) the blocks packed into contiguous
-  // buffers around MPI_Alltoallv.
-  bool packed = force_packed_alltoallv() || !fits_alltoallw(send_blocks, recv_blocks, e);
+  // One derived datatype per block when int counts can describe the blocks; else (or when
+  // CPATTN_MPI_PACKED_ALLTOALLV=1 forces it, for the tests) the blocks packed into contiguous buffers.
+  bool packed = force_packed_alltoallv() || !fits_datatypes(send_blocks, recv_blocks);
   const CollectiveCost cost = agree_on_blocks(send_blocks, recv_blocks, dtype, packed);
   if (!packed) {
-    std::vector<int> scounts(n), rcounts(n), sdispls(n), rdispls(n);
-    std::vector<MPI_Datatype> stypes(n, MPI_BYTE), rtypes(n, MPI_BYTE);
+    std::vector<PeerBlock> sends(n), recvs(n);
     for (std::size_t p = 0; p < n; ++p) {
       if (send_blocks.shape[p].count() > 0) {
-        stypes[p] = block_type(send_blocks.shape[p], {0, send_blocks.outer, send_blocks.inner}, dtype);
-        scounts[p] = 1;
-        sdispls[p] = static_cast<int>(send_blocks.offset[p] * e);
+        sends[p] = {static_cast<const char*>(send) + send_blocks.offset[p] * e, 1,
+                    block_type(send_blocks.shape[p], {0, send_blocks.outer, send_blocks.inner}, dtype)};
       }
       if (recv_blocks.shape[p].count() > 0) {
-        rtypes[p] = block_type(recv_blocks.shape[p], {0, recv_blocks.outer, recv_blocks.inner}, dtype);
-        rcounts[p] = 1;
-        rdispls[p] = static_cast<int>(recv_blocks.offset[p] * e);
+        recvs[p] = {static_cast<char*>(recv) + recv_blocks.offset[p] * e, 1,
+                    block_type(recv_blocks.shape[p], {0, recv_blocks.outer, recv_blocks.inner}, dtype)};
       }
     }
-    MPI_Request request;
-    const int rc = MPI_Ialltoallw(send, scounts.data(), sdispls.data(), stypes.data(), recv, rcounts.data(),
-                                  rdispls.data(), rtypes.data(), comm_, &request);
-    if (rc == MPI_SUCCESS) complete(&request, 1, "all_to_all_v");
+    exchange(sends, recvs, "all_to_all_v");
     for (std::size_t p = 0; p < n; ++p) {
-      if (scounts[p] > 0) MPI_Type_free(&stypes[p]);
-      if (rcounts[p] > 0) MPI_Type_free(&rtypes[p]);
+      if (sends[p].count > 0) MPI_Type_free(&sends[p].type);
+      if (recvs[p].count > 0) MPI_Type_free(&recvs[p].type);
     }
-    check(rc, "MPI_Ialltoallw", rank_);
   } else {
     exchange_packed(send, send_blocks, recv, recv_blocks, dtype);
   }
@@ -272,11 +261,12 @@ void MpiCommunicator::exchange_packed(const void* send, const BlockList& send_bl
                {0, send_blocks.outer, send_blocks.inner}, a.data() + sdispls[p] * e,
                {0, s.inner * s.row, s.row}, s, static_cast<std::size_t>(e));
   }
-  MPI_Request request;
-  check(MPI_Ialltoallv(a.data(), scounts.data(), sdispls.data(), mpi_type(dtype), b.data(), rcounts.data(),
-                       rdispls.data(), mpi_type(dtype), comm_, &request),
-        "MPI_Ialltoallv", rank_);
-  complete(&request, 1, "all_to_all_v");
+  std::vector<PeerBlock> sends, recvs;
+  for (std::size_t p = 0; p < n; ++p) {
+    sends.push_back({a.data() + sdispls[p] * e, scounts[p], mpi_type(dtype)});
+    recvs.push_back({b.data() + rdispls[p] * e, rcounts[p], mpi_type(dtype)});
+  }
+  exchange(sends, recvs, "all_to_all_v");
   for (std::size_t p = 0; p < n; ++p) {
     const BlockShape& s = recv_blocks.shape[p];
     if (s.count() == 0) continue;
@@ -426,10 +416,10 @@ std::unique_ptr<PendingShift> MpiCommunicator::start_shift(const void* send, voi
 
 void MpiCommunicator::all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) {
   const int n = as_int(count, "all_gather");
-  MPI_Request request;
-  check(MPI_Iallgather(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), comm_, &request), "MPI_Iallgather",
-        rank_);
-  complete(&request, 1, "all_gather");
+  const auto block = static_cast<std::ptrdiff_t>(count * static_cast<std::int64_t>(comm_dtype_size(dtype)));
+  std::vector<PeerBlock> sends(static_cast<std::size_t>(size_), {send, n, mpi_type(dtype)}), recvs;
+  for (int p = 0; p < size_; ++p) recvs.push_back({static_cast<char*>(recv) + p * block, n, mpi_type(dtype)});
+  exchange(sends, recvs, "all_gather");
   this->count(CollectiveKind::all_gather, count, dtype);
 }
 
@@ -437,15 +427,19 @@ void MpiCommunicator::reduce_scatter_sum(const void* send, void* recv, std::int6
   if (dtype == CommDType::i32) {
     throw Error(ErrorKind::invalid_input, "dtype", "i32", "reduce_scatter_sum takes f32 or bf16, not i32");
   }
-  // MPI_Alltoall, then the sum in rank order here: the same bits as the in-process group (MPI's own
-  // reduce_scatter chooses its order, and Open MPI's ran 3-6x slower than this on one node).
+  // Every rank's block for this one (an all_to_all), then the sum in rank order here: the same bits as the
+  // in-process group (MPI's own reduce_scatter chooses its order, and Open MPI's ran 3-6x slower than this on
+  // one node).
   const int n = as_int(count, "reduce_scatter");
   const std::size_t bytes = static_cast<std::size_t>(count) * comm_dtype_size(dtype) * size_;
   if (gathered_.size() < bytes) gathered_.resize(bytes);
-  MPI_Request request;
-  check(MPI_Ialltoall(send, n, mpi_type(dtype), gathered_.data(), n, mpi_type(dtype), comm_, &request),
-        "MPI_Ialltoall", rank_);
-  complete(&request, 1, "reduce_scatter");
+  const auto block = static_cast<std::ptrdiff_t>(bytes / size_);
+  std::vector<PeerBlock> sends, recvs;
+  for (int p = 0; p < size_; ++p) {
+    sends.push_back({static_cast<const char*>(send) + p * block, n, mpi_type(dtype)});
+    recvs.push_back({gathered_.data() + p * block, n, mpi_type(dtype)});
+  }
+  exchange(sends, recvs, "reduce_scatter");
   if (count > 0) {
     std::vector<const void*> blocks;
     for (int p = 0; p < size_; ++p) blocks.push_back(gathered_.data() + bytes / size_ * p);
@@ -532,6 +526,30 @@ void MpiCommunicator::fail(int rc, const char* what) {
   std::fflush(stderr);
   MPI_Abort(comm_, 1);
   std::abort();  // MPI_Abort does not return; the compiler cannot know
+}
+
+void MpiCommunicator::exchange(const std::vector<PeerBlock>& sends, const std::vector<PeerBlock>& recvs,
+                               const char* what) {
+  constexpr int kDataTag = 7003;
+  std::vector<MPI_Request> requests;
+  std::vector<int> from;
+  for (int p = 0; p < size_; ++p) {
+    const PeerBlock& r = recvs[static_cast<std::size_t>(p)];
+    if (r.count == 0) continue;
+    requests.emplace_back();
+    from.push_back(p);
+    const int rc =
+        MPI_Irecv(const_cast<void*>(r.data), r.count, r.type, p, kDataTag, comm_, &requests.back());
+    if (rc != MPI_SUCCESS) fail(rc, what);
+  }
+  for (int p = 0; p < size_; ++p) {
+    const PeerBlock& s = sends[static_cast<std::size_t>(p)];
+    if (s.count == 0) continue;
+    requests.emplace_back();
+    const int rc = MPI_Isend(s.data, s.count, s.type, p, kDataTag, comm_, &requests.back());
+    if (rc != MPI_SUCCESS) fail(rc, what);
+  }
+  complete(requests.data(), static_cast<int>(requests.size()), what, &from);
 }
 
 void MpiCommunicator::complete(MPI_Request* requests, int n, const char* what, const std::vector<int>* from,

@@ -3,7 +3,9 @@
 // exits (MODE exit: mpirun ends the job, naming the rank) or stops itself with SIGSTOP (MODE stop: its peers'
 // ring shifts reach their deadline, the first to give up prints which rank made no progress and ends the
 // job). The promise is that the whole job ends non-zero within seconds of the fault or of the deadline, the
-// failed rank named, instead of hanging. Checked by mpi_fault_test.sh.
+// failed rank named, instead of hanging. STRATEGY may also name a data collective (all_to_all, all_gather,
+// reduce_scatter), called directly instead of forwards, so that a stop lands in its data exchange rather than
+// in a strategy's agreement step. Checked by mpi_fault_test.sh.
 #include <mpi.h>
 #include <unistd.h>
 
@@ -13,6 +15,7 @@
 #include <cstdlib>
 #include <exception>
 #include <string>
+#include <vector>
 
 #include "cpattn/context_parallel.hpp"
 #include "cpattn/mpi_comm.hpp"
@@ -25,6 +28,24 @@ int main(int argc, char** argv) {
   {
     cpattn::MpiCommunicator comm;
     comm.set_timeout(std::chrono::milliseconds(static_cast<long>(timeout_s * 1000)));
+    if (strategy == "all_to_all" || strategy == "all_gather" || strategy == "reduce_scatter") {
+      const std::int64_t n = 1 << 16;
+      std::vector<float> send(static_cast<std::size_t>(n * comm.size()), 1.0f), recv(send.size());
+      for (int step = 0; step < 1000; ++step) {
+        if (comm.rank() == 1 && step == 3) {
+          std::fprintf(stderr, "rank 1: injected fault (%s) before %s\n", mode.c_str(), strategy.c_str());
+          if (mode == "stop") std::raise(SIGSTOP);
+          _exit(3);
+        }
+        if (strategy == "all_to_all") comm.all_to_all(send.data(), recv.data(), n, cpattn::CommDType::f32);
+        if (strategy == "all_gather") comm.all_gather(send.data(), recv.data(), n, cpattn::CommDType::f32);
+        if (strategy == "reduce_scatter") {
+          comm.reduce_scatter_sum(send.data(), recv.data(), n, cpattn::CommDType::f32);
+        }
+      }
+      MPI_Finalize();
+      return 0;
+    }
     cpattn::AttentionSpec a;
     a.seq_len = 1024;
     a.num_q_heads = 8;
