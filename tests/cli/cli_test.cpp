@@ -12,6 +12,8 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "cpattn/npy.hpp"
+
 namespace {
 
 struct Result {
@@ -403,6 +405,37 @@ TEST(CliRun, RingChecksWithinItsBoundsAndRefusesRemat) {
   r = run("run --strategy ring --remat" + shape);
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("remat means nothing for ring"), std::string::npos) << r.err;
+}
+
+// ring --load / --save: whole tensors in natural token order whatever the layout, against the float64
+// reference stored with the inputs (within 2e-5 of max |reference|, the ring's bound against the reference).
+TEST(CliRun, RingLoadsAndSavesWholeTensorsInNaturalOrder) {
+  const auto dir = std::filesystem::temp_directory_path() / "cpattn_cli_ring_io";
+  std::filesystem::remove_all(dir);
+  const std::pair<const char*, const char*> cases[] = {
+      {"gqa16_causal", "--causal --load-balance --cp 4"},  // zigzag layout, one document, MQA
+      {"gqa4_noncausal", "--no-causal --cp 3"},            // contiguous shards, batch 2, odd cp
+  };
+  for (const auto& [name, flags] : cases) {
+    const std::filesystem::path in = std::filesystem::path(CPATTN_TEST_DATA) / "attention" / name,
+                                out = dir / name;
+    const Result r = run(std::string("run --strategy ring --threads 1 ") + flags + " --load " + in.string() +
+                         " --save " + out.string());
+    ASSERT_EQ(r.exit_code, 0) << name << "\n" << r.err;
+    for (const char* f : {"o.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"}) {
+      const cpattn::NpyArray got = cpattn::read_npy((out / f).string()),
+                             want = cpattn::read_npy((in / f).string());
+      ASSERT_EQ(got.shape, want.shape) << name << " " << f;
+      const std::vector<double> g = got.as_doubles(), w = want.as_doubles();
+      double max_ref = 0, max_diff = 0;
+      for (std::size_t i = 0; i < w.size(); ++i) {
+        max_ref = std::max(max_ref, std::abs(w[i]));
+        max_diff = std::max(max_diff, std::abs(g[i] - w[i]));
+      }
+      EXPECT_LE(max_diff, 2e-5 * max_ref) << name << " " << f;
+    }
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(CliRun, BadInputExits2) {

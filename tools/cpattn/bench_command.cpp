@@ -286,14 +286,12 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
     nlohmann::ordered_json result = {
         {"name", c.name},
         {"cp", c.cp},
-        {"forward_seconds", fwd},
-        {"backward_seconds", bwd},
-        {"total_seconds", fwd + bwd},
+        // As `cpattn run --json` reports them: the slowest rank's; comm_wait, what it waited on ring shifts.
+        {"seconds", {{"forward", fwd}, {"backward", bwd}, {"total", fwd + bwd}, {"comm_wait", wait}}},
         {"ratio_to_single_device", (fwd + bwd) / single},
         {"tiles_skew", static_cast<double>(tmax) / static_cast<double>(std::max<std::int64_t>(tmin, 1))}};
     if (c.strategy == Strategy::ring) {
       // What the rank waited on its shifts, against what it computed (its time less the waiting).
-      result["comm_wait_seconds"] = wait;
       result["comm_wait_fraction_of_compute"] = wait / std::max(fwd + bwd - wait, 1e-12);
     }
     if (c.strategy == Strategy::ulysses) {
@@ -319,8 +317,8 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
       std::cout << "skipped: " << r["skipped"].get<std::string>() << "\n";
       continue;
     }
-    std::cout << std::setprecision(3) << "forward " << std::setw(8) << r["forward_seconds"].get<double>()
-              << "backward " << std::setw(8) << r["backward_seconds"].get<double>() << "x single "
+    std::cout << std::setprecision(3) << "forward " << std::setw(8) << r["seconds"]["forward"].get<double>()
+              << "backward " << std::setw(8) << r["seconds"]["backward"].get<double>() << "x single "
               << std::setw(7) << r["ratio_to_single_device"].get<double>() << "tiles max/min "
               << r["tiles_skew"].get<double>();
     if (r.contains("most_heads_over_mean")) {

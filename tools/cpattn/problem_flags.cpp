@@ -21,7 +21,7 @@ void ProblemFlags::add_to(CLI::App& app) {
   app.add_option("--seq", values.seq_len, "sequence length (tokens of one packed row)");
   app.add_option("--batch", values.batch, "batch size");
   app.add_option("--dtype", values.dtype, "fp32 or bf16");
-  app.add_flag("--load-balance", load_balance, "all_gather with dual-chunk-swap load balance");
+  app.add_flag("--load-balance", load_balance, "all_gather or ring with dual-chunk-swap load balance");
   app.add_flag("--causal", causal, "causal mask (the default)");
   app.add_flag("--no-causal", no_causal, "no causal mask");
 }
