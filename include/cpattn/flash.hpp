@@ -62,10 +62,23 @@ struct FlashConfig {
   // Backward with GQA: the most memory the per-q-head fp64 dK/dV partials may take; the kv blocks are walked
   // in stripes that fit. Results do not depend on it (each kv block's sums are the same in any stripe).
   double backward_partial_bytes = 64.0 * 1024 * 1024;
-  // bf16 forward and backward on AMX tiles where the CPU has them (src/kernels/flash_amx.hpp); off: the
-  // vector path.
+  // bf16 forward and backward on AMX tiles where the CPU has them (src/kernels/flash_amx.hpp); off: the next
+  // path of flash_bf16_path.
   bool allow_amx = true;
+  // bf16 products with AVX512-BF16 dot products where the CPU has them and AMX is not used; off: the vector
+  // path (bf16 converted to fp32).
+  bool allow_avx512_bf16 = true;
 };
+
+// The paths bf16 inputs can take: products on AMX tiles, products with AVX512-BF16 dot products (both round P
+// and dS to bf16 and accumulate in fp32), or the vector path (bf16 converted to fp32, every product in fp32).
+enum class Bf16Path { amx, avx512_bf16, vector };
+const char* to_string(Bf16Path path);
+
+// The path bf16 inputs take under this config on this CPU: AMX where allowed and usable, else AVX512-BF16
+// where allowed and present, else the vector path. Inputs holding NaN or Inf take the vector path whatever
+// this says (the bf16 products cannot skip a masked pair's 0 * Inf).
+Bf16Path flash_bf16_path(const FlashConfig& config);
 
 // Tiles the kernel computed, counted on its own (Bq, Bk) grid. For one causal document of S tokens at
 // positions 0..S-1, q block a (rows [a*Bq, min((a+1)*Bq, S))) computes kv blocks 0..floor((min((a+1)*Bq, S) -

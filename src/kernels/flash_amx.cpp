@@ -138,6 +138,78 @@ CPATTN_AMX_TARGET void tile_product(const std::uint16_t* left, std::int64_t left
   }
 }
 
+#define CPATTN_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+// tile_product's contract with AVX512-BF16 dot products instead of the tile unit: VDPBF16PS adds a pair of
+// bf16 products per fp32 lane. Micro-tiles of 8 rows x 32 columns (16 fp32 sums held in registers over the
+// whole depth); each step multiplies a left row's broadcast pair (d, d+1) with 16 columns' pairs. A row's
+// sums depend only on that row and the depth order, as on the tile unit. `in_scale` (per row, or null)
+// multiplies a loaded out row first and `out_scale` the result, in the same passes.
+CPATTN_BF16_TARGET void dot_product(const std::uint16_t* left, std::int64_t left_stride,
+                                    const std::uint16_t* right, std::int64_t right_cols, std::int64_t rows,
+                                    std::int64_t cols, std::int64_t depth, float* out, std::int64_t out_stride,
+                                    bool load_out, const float* in_scale, float out_scale) {
+  constexpr int kRows = 8;
+  for (std::int64_t m0 = 0; m0 < rows; m0 += kRows) {
+    for (std::int64_t n0 = 0; n0 < cols; n0 += 32) {
+      __m512 acc[kRows][2];
+#pragma GCC unroll 8
+      for (int i = 0; i < kRows; ++i) {
+        float* c = out + (m0 + i) * out_stride + n0;
+        acc[i][0] = load_out ? _mm512_loadu_ps(c) : _mm512_setzero_ps();
+        acc[i][1] = load_out ? _mm512_loadu_ps(c + 16) : _mm512_setzero_ps();
+        if (in_scale != nullptr) {
+          const __m512 f = _mm512_set1_ps(in_scale[m0 + i]);
+          acc[i][0] = _mm512_mul_ps(acc[i][0], f);
+          acc[i][1] = _mm512_mul_ps(acc[i][1], f);
+        }
+      }
+      const std::uint16_t* l = left + m0 * left_stride;
+      for (std::int64_t kp = 0; kp < depth / 2; ++kp) {
+        const std::uint16_t* r = right + (kp * right_cols + n0) * 2;
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(r);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(r + 32);
+#pragma GCC unroll 8
+        for (int i = 0; i < kRows; ++i) {
+          std::int32_t pair;
+          std::memcpy(&pair, l + i * left_stride + 2 * kp, sizeof(pair));
+          const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+          acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+          acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+        }
+      }
+      const __m512 f = _mm512_set1_ps(out_scale);
+#pragma GCC unroll 8
+      for (int i = 0; i < kRows; ++i) {
+        float* c = out + (m0 + i) * out_stride + n0;
+        _mm512_storeu_ps(c, out_scale != 1.0f ? _mm512_mul_ps(acc[i][0], f) : acc[i][0]);
+        _mm512_storeu_ps(c + 16, out_scale != 1.0f ? _mm512_mul_ps(acc[i][1], f) : acc[i][1]);
+      }
+    }
+  }
+}
+
+CPATTN_AMX_TARGET void scale_row(float* row, std::int64_t width, float factor);
+
+// out[rows][cols] = (load_out ? out * in_scale[row] : 0) + left * right, times out_scale, on the path's unit:
+// AMX tiles (the scalings as passes of their own) or AVX512-BF16 dot products (fused).
+void product(bool amx, const std::uint16_t* left, std::int64_t left_stride, const std::uint16_t* right,
+             std::int64_t right_cols, std::int64_t rows, std::int64_t cols, std::int64_t depth, float* out,
+             std::int64_t out_stride, bool load_out, const float* in_scale = nullptr, float out_scale = 1.0f) {
+  if (!amx) {
+    dot_product(left, left_stride, right, right_cols, rows, cols, depth, out, out_stride, load_out, in_scale,
+                out_scale);
+    return;
+  }
+  if (load_out && in_scale != nullptr) {
+    for (std::int64_t r = 0; r < rows; ++r) scale_row(out + r * out_stride, cols, in_scale[r]);
+  }
+  tile_product(left, left_stride, right, right_cols, rows, cols, depth, out, out_stride, load_out);
+  if (out_scale != 1.0f) {
+    for (std::int64_t r = 0; r < rows; ++r) scale_row(out + r * out_stride, cols, out_scale);
+  }
+}
+
 // One row of the online softmax over `keys` (a multiple of 16) base-2 scores: updates m and l, writes P as
 // bf16 and returns alpha, the factor the row's O must be rescaled by. l sums the bf16-rounded P that P V
 // uses.
@@ -213,16 +285,32 @@ CPATTN_AMX_TARGET void to_bf16_pairs(const float* x, std::int64_t rows, std::int
   }
 }
 
-CPATTN_AMX_TARGET void load_tile_config() {
+CPATTN_AMX_TARGET void load_tile_config_amx() {
   static const TileConfig config = full_tiles();
   _tile_loadconfig(&config);
 }
 
-CPATTN_AMX_TARGET void release_tiles() {
+CPATTN_AMX_TARGET void release_tiles_amx() {
   _tile_release();
 }
 
+// The tile state, on the AMX path only.
+void load_tile_config(bool amx) {
+  if (amx) load_tile_config_amx();
+}
+void release_tiles(bool amx) {
+  if (amx) release_tiles_amx();
+}
+
 }  // namespace
+
+bool avx512_bf16_usable() {
+  // Every instruction set of CPATTN_BF16_TARGET and of the shared softmax code (CPATTN_AMX_TARGET less AMX).
+  static const bool usable = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                              __builtin_cpu_supports("avx512bf16");
+  return usable;
+}
 
 bool amx_bf16_usable() {
   static const bool usable = [] {
@@ -254,6 +342,7 @@ void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const C
   const float factor = static_cast<float>(scale * kLog2eDouble);
   const bool segments = mask.has_segments();
   const float neg_inf = -std::numeric_limits<float>::infinity();
+  const bool amx = flash_bf16_path(config) == Bf16Path::amx;
 
   // K as the right operand of S = Q K^T, [D32/2][Bk][2]; V as the right operand of O += P V, [Bk/2][D32][2];
   // both pair-interleaved, zero-padded, packed once per call.
@@ -286,7 +375,7 @@ void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const C
     w.alpha.resize(static_cast<std::size_t>(rows));
     w.row.resize(static_cast<std::size_t>(D32));
     pack_bf16(q, b, h, qb, rows, D32, Layout::rows, w.qb.data());
-    load_tile_config();
+    load_tile_config(amx);
     std::int64_t computed = 0, computed_full = 0;
     for (std::int64_t kvi = 0; kvi < kv_blocks; ++kvi) {
       const BlockMeta& kb = grid.kv[b][kvi];
@@ -296,21 +385,19 @@ void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const C
       computed_full += kind == TileKind::full;
       const std::int64_t at = (b * Hkv + hk) * kv_blocks + kvi;
       // s: [rows][Bk] = Q K^T, then base-2 scores
-      tile_product(w.qb.data(), D32, kpack.data() + at * block_elems, Bk, rows, Bk, D32, w.s.data(), Bk,
-                   false);
-      for (std::int64_t r = 0; r < rows; ++r) scale_row(w.s.data() + r * Bk, Bk, factor);
+      product(amx, w.qb.data(), D32, kpack.data() + at * block_elems, Bk, rows, Bk, D32, w.s.data(), Bk,
+              false, nullptr, factor);
       if (kind == TileKind::partial) {
         apply_mask(w.s.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, neg_inf);
       }
       for (std::int64_t r = 0; r < rows; ++r) {
-        const float alpha = softmax_row(w.s.data() + r * Bk, Bk, w.m[r], w.l[r], w.p.data() + r * Bk);
-        scale_row(w.acc.data() + r * D32, D32, alpha);
+        w.alpha[r] = softmax_row(w.s.data() + r * Bk, Bk, w.m[r], w.l[r], w.p.data() + r * Bk);
       }
-      // acc: [rows][D32] += P V
-      tile_product(w.p.data(), Bk, vpack.data() + at * block_elems, D32, rows, D32, Bk, w.acc.data(), D32,
-                   true);
+      // acc: [rows][D32] = acc * alpha + P V
+      product(amx, w.p.data(), Bk, vpack.data() + at * block_elems, D32, rows, D32, Bk, w.acc.data(), D32,
+              true, w.alpha.data());
     }
-    release_tiles();
+    release_tiles(amx);
     task_tiles[task] = computed;
     full += computed_full;
     partial += computed - computed_full;
@@ -356,6 +443,7 @@ struct AmxBackwardCall {
   const TensorRef& dk;
   const TensorRef& dv;
   const AmxBackwardOperands& ops;
+  bool amx;  // the products on AMX tiles, else AVX512-BF16 dot products
   std::int64_t Sq, Skv, Hq, Hkv, D, G, Bk, D32, R32, q_blocks, kv_blocks, sq_padded, stripe, q_elems,
       kv_elems;
   double scale;
@@ -414,9 +502,9 @@ void amx_backward_tile(const AmxBackwardCall& call, AmxBackwardWorkspace& w, std
   const std::size_t q_at = static_cast<std::size_t>(((b * call.Hq + h) * call.q_blocks + qi) * call.q_elems);
   const std::int64_t row0 = (b * call.Hq + h) * call.sq_padded + qb.begin;
   // S = Q K^T, dP = dO V^T: [R32][Bk]
-  tile_product(ops.q_rows.data() + q_at, D32, ops.k_pairs_d.data() + kv_at, Bk, R32, Bk, D32, w.s.data(), Bk,
+  product(call.amx, ops.q_rows.data() + q_at, D32, ops.k_pairs_d.data() + kv_at, Bk, R32, Bk, D32, w.s.data(), Bk,
                false);
-  tile_product(ops.do_rows.data() + q_at, D32, ops.v_pairs_d.data() + kv_at, Bk, R32, Bk, D32, w.dp.data(),
+  product(call.amx, ops.do_rows.data() + q_at, D32, ops.v_pairs_d.data() + kv_at, Bk, R32, Bk, D32, w.dp.data(),
                Bk, false);
   // Rows past the block's length are zero rows of Q and dO; their P and dS are set to 0 here (their lse2
   // would be another block's).
@@ -432,14 +520,14 @@ void amx_backward_tile(const AmxBackwardCall& call, AmxBackwardWorkspace& w, std
   to_bf16_pairs(w.s.data(), R32, Bk, w.p_pairs.data(), nullptr);
   to_bf16_pairs(w.dp.data(), R32, Bk, w.ds_pairs.data(), w.ds_rows.data());
   // dV^T = dO^T P, dK^T = Q^T dS: [D32][Bk], summed over q blocks in fp64
-  tile_product(ops.do_cols.data() + q_at, R32, w.p_pairs.data(), Bk, D32, Bk, R32, w.dvt.data(), Bk, false);
-  tile_product(ops.q_cols.data() + q_at, R32, w.ds_pairs.data(), Bk, D32, Bk, R32, w.dkt.data(), Bk, false);
+  product(call.amx, ops.do_cols.data() + q_at, R32, w.p_pairs.data(), Bk, D32, Bk, R32, w.dvt.data(), Bk, false);
+  product(call.amx, ops.q_cols.data() + q_at, R32, w.ds_pairs.data(), Bk, D32, Bk, R32, w.dkt.data(), Bk, false);
   for (std::int64_t i = 0; i < call.kv_elems; ++i) {
     w.sum_k[i] += w.dkt[i];
     w.sum_v[i] += w.dvt[i];
   }
   // dQ += dS K: [R32][D32], continuing each row's sum over the kv blocks in order
-  tile_product(w.ds_rows.data(), Bk, ops.k_pairs_r.data() + kv_at, D32, R32, D32, Bk,
+  product(call.amx, w.ds_rows.data(), Bk, ops.k_pairs_r.data() + kv_at, D32, R32, D32, Bk,
                call.dq_acc.data() + q_at, D32, true);
 }
 
@@ -470,7 +558,7 @@ void amx_backward_head(const AmxBackwardCall& call, std::int64_t task, std::int6
   w.p_pairs.resize(w.s.size());
   w.ds_pairs.resize(w.s.size());
   w.ds_rows.resize(w.s.size());
-  load_tile_config();
+  load_tile_config(call.amx);
   std::int64_t computed = 0, computed_full = 0;
   for (std::int64_t kvi = s0; kvi < s1; ++kvi) {
     const BlockMeta& kb = call.grid.kv[b][kvi];
@@ -493,7 +581,7 @@ void amx_backward_head(const AmxBackwardCall& call, std::int64_t task, std::int6
       store_kv_rows(call, w, b, hk, kb);
     }
   }
-  release_tiles();
+  release_tiles(call.amx);
   call.task_tiles[task] += computed;
   call.full += computed_full;
   call.partial += computed - computed_full;
@@ -555,6 +643,7 @@ void flash_backward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const 
                              .dk = dk,
                              .dv = dv,
                              .ops = ops,
+                             .amx = flash_bf16_path(config) == Bf16Path::amx,
                              .Sq = Sq,
                              .Skv = Skv,
                              .Hq = Hq,
@@ -598,6 +687,10 @@ void flash_backward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const 
 
 #else  // no AMX on this architecture or compiler
 
+bool avx512_bf16_usable() {
+  return false;
+}
+
 bool amx_bf16_usable() {
   return false;
 }
@@ -622,7 +715,27 @@ void flash_backward_amx(const ConstTensorRef&, const ConstTensorRef&, const Cons
 }  // namespace cpattn::kernels
 
 namespace cpattn {
-bool flash_uses_amx(DType dtype, const FlashConfig& config) {
-  return dtype == DType::bf16 && config.allow_amx && kernels::amx_bf16_usable();
+
+Bf16Path flash_bf16_path(const FlashConfig& config) {
+  if (config.allow_amx && kernels::amx_bf16_usable()) return Bf16Path::amx;
+  if (config.allow_avx512_bf16 && kernels::avx512_bf16_usable()) return Bf16Path::avx512_bf16;
+  return Bf16Path::vector;
 }
+
+bool flash_uses_amx(DType dtype, const FlashConfig& config) {
+  return dtype == DType::bf16 && flash_bf16_path(config) == Bf16Path::amx;
+}
+
+const char* to_string(Bf16Path path) {
+  switch (path) {
+    case Bf16Path::amx:
+      return "amx";
+    case Bf16Path::avx512_bf16:
+      return "avx512_bf16";
+    case Bf16Path::vector:
+      return "vector";
+  }
+  return "vector";
+}
+
 }  // namespace cpattn

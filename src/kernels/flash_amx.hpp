@@ -1,7 +1,9 @@
-// The bf16 forward on AMX (Intel's tile matrix unit: tdpbf16ps multiplies 16x32 by 32x16 bf16 tiles into a
-// 16x16 fp32 tile, 16x the FLOPs per cycle of an fp32 FMA port pair). Used by flash_forward for bf16 Q, K and
-// V when the CPU has AMX-BF16 and the kernel grants the tile state (Linux arch_prctl), unless
-// FlashConfig::allow_amx is off.
+// The bf16 forward and backward with bf16 products: on AMX (Intel's tile matrix unit: tdpbf16ps multiplies
+// 16x32 by 32x16 bf16 tiles into a 16x16 fp32 tile, 16x the FLOPs per cycle of an fp32 FMA port pair), or,
+// where there is no AMX, with AVX512-BF16 dot products (VDPBF16PS: a pair of bf16 products summed into each
+// fp32 lane, twice an fp32 FMA's FLOPs; AMD Zen 4 and 5, Intel Cooper Lake). The same code around either
+// unit; flash_bf16_path(config) chooses (AMX where the CPU has AMX-BF16 and the kernel grants the tile state,
+// Linux arch_prctl; FlashConfig::allow_amx and allow_avx512_bf16 turn each off).
 //
 // Its arithmetic differs from the vector path's (S from bf16 products accumulated by the tile unit, P rounded
 // to bf16 for P V), but is as deterministic: a row of an output tile depends only on that row of the left
@@ -20,6 +22,8 @@ namespace cpattn::kernels {
 
 // AMX-BF16, AMX-TILE and AVX512-BF16 present and the tile data permission granted (asked once per process).
 bool amx_bf16_usable();
+// AVX512-BF16 (VDPBF16PS) and the AVX-512 sets the shared code needs (F, BW, VL, DQ) present.
+bool avx512_bf16_usable();
 
 // The forward of flash_forward for bf16 inputs; task_tiles [B][Hq][q blocks] and the full/partial counts are
 // filled as the vector path fills them.

@@ -453,7 +453,7 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   const bool guard = any_nonfinite(q) || any_nonfinite(k) || any_nonfinite(d_out);
   const bool bf16_inputs = q.dtype == DType::bf16 && k.dtype == DType::bf16 && v.dtype == DType::bf16 &&
                            d_out.dtype == DType::bf16;
-  if (bf16_inputs && !guard && !any_nonfinite(v) && flash_uses_amx(DType::bf16, config)) {
+  if (bf16_inputs && !guard && !any_nonfinite(v) && flash_bf16_path(config) != Bf16Path::vector) {
     flash_backward_amx(q, k, v, d_out, mask, scale, config, grid, lse2, delta, dq, dk, dv, task_tiles, full,
                        partial);
   } else {

@@ -452,8 +452,8 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
   std::vector<std::int64_t> task_tiles(static_cast<std::size_t>(B * Hq * q_blocks), 0);
   std::atomic<std::int64_t> full{0}, partial{0};
   const bool bf16_inputs = q.dtype == DType::bf16 && k.dtype == DType::bf16 && v.dtype == DType::bf16;
-  // The tile unit cannot skip a masked pair, so a non-finite V (0 * Inf = NaN) takes the vector path.
-  if (bf16_inputs && flash_uses_amx(DType::bf16, config) && !any_nonfinite(v)) {
+  // The bf16 products cannot skip a masked pair, so a non-finite V (0 * Inf = NaN) takes the vector path.
+  if (bf16_inputs && flash_bf16_path(config) != Bf16Path::vector && !any_nonfinite(v)) {
     flash_forward_amx(q, k, v, mask, scale, config, grid, o, lse, task_tiles, full, partial);
   } else {
     HWY_DYNAMIC_DISPATCH(forward_vector)

@@ -9,6 +9,8 @@
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <tuple>
 #include <thread>
 
 #include "bench_command.hpp"
@@ -31,6 +33,7 @@ struct KernelOptions {
   std::int64_t reference_max_seq = 4096;
   bool json = false;
   bool no_amx = false;
+  std::string bf16_path;    // empty: the best this CPU has
   std::string simd_target;  // empty: the best the CPU has
   bool single_run = false;  // time one call each, no warm-up (for problems that take minutes)
 };
@@ -61,6 +64,67 @@ double drift(double before, double after) {
 // more about that than about the kernels.
 constexpr double kSteadyDrift = 0.05;
 
+// One forward and one backward timing of a problem (best of repeats after a warm-up, or one call each).
+struct KernelTimes {
+  double forward_s = 0, backward_s = 0;
+  FlashForwardResult fwd;
+  FlashBackwardResult grads;
+};
+
+KernelTimes time_kernels(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& d_out,
+                         const AttentionMask& mask, double scale, const FlashConfig& cfg,
+                         const KernelOptions& opt) {
+  auto seconds_of = [](auto&& fn) {
+    const auto t0 = clock_type::now();
+    fn();
+    return std::chrono::duration<double>(clock_type::now() - t0).count();
+  };
+  KernelTimes t;
+  t.forward_s = seconds_of([&] { t.fwd = flash_attention_forward(q, k, v, mask, scale, cfg); });
+  if (!opt.single_run) {
+    t.forward_s = best_seconds(opt.min_seconds, [&] {
+      flash_forward(cref(q), cref(k), cref(v), mask, scale, cfg, ref(t.fwd.o), t.fwd.lse.data());
+    });
+  }
+  t.backward_s = seconds_of([&] {
+    t.grads = flash_attention_backward(q, k, v, t.fwd.o, t.fwd.lse, d_out, mask, scale, cfg, q.dtype());
+  });
+  if (!opt.single_run) {
+    t.backward_s = best_seconds(opt.min_seconds, [&] {
+      flash_backward(cref(q), cref(k), cref(v), cref(t.fwd.o), t.fwd.lse.data(), cref(d_out), mask, scale, cfg,
+                     ref(t.grads.dq), ref(t.grads.dk), ref(t.grads.dv));
+    });
+  }
+  return t;
+}
+
+// --bf16-path and --no-amx as a config; an unknown or unavailable path is an error naming the available ones.
+std::optional<ErrorItem> apply_bf16_path(const KernelOptions& opt, FlashConfig& cfg) {
+  cfg.allow_amx = !opt.no_amx;
+  if (opt.bf16_path.empty()) return std::nullopt;
+  FlashConfig probe;
+  std::string available;
+  for (const auto& [name, amx, dot] : {std::tuple{"amx", true, false}, std::tuple{"avx512_bf16", false, true},
+                                       std::tuple{"vector", false, false}}) {
+    probe.allow_amx = amx;
+    probe.allow_avx512_bf16 = dot;
+    if (std::string(to_string(flash_bf16_path(probe))) != name) continue;
+    available += (available.empty() ? "" : ", ") + std::string(name);
+    if (opt.bf16_path == name) {
+      if (opt.no_amx && amx) break;
+      cfg.allow_amx = amx;
+      cfg.allow_avx512_bf16 = dot;
+      return std::nullopt;
+    }
+  }
+  if (opt.no_amx && opt.bf16_path == "amx") {
+    return ErrorItem{{"bf16_path"}, opt.bf16_path, "--bf16-path amx contradicts --no-amx"};
+  }
+  return ErrorItem{{"bf16_path"}, opt.bf16_path,
+                     "--bf16-path '" + opt.bf16_path + "' is not a path this CPU can run (available: " +
+                         available + ")"};
+}
+
 double peak_rss_bytes() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
@@ -80,6 +144,9 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
   if (opt.threads < 1) {
     errors.push_back({{"threads"}, std::to_string(opt.threads), "--threads must be at least 1"});
   }
+  FlashConfig cfg;
+  cfg.threads = opt.threads;
+  if (auto e = apply_bf16_path(opt, cfg)) errors.push_back(*e);
   if (!errors.empty()) {
     print_errors(errors);
     return 2;
@@ -92,36 +159,21 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
   const std::vector<std::int32_t> positions = natural_positions(a.batch, a.seq_len);
   const AttentionMask mask{positions, positions, {}, {}, a.causal};
   const double scale = 1.0 / std::sqrt(static_cast<double>(a.head_dim));
-  FlashConfig cfg;
-  cfg.threads = opt.threads;
-  cfg.allow_amx = !opt.no_amx;
   if (!opt.simd_target.empty()) flash_force_vector_target(opt.simd_target);
 
   // The peak first and again after the kernels; their mean is the baseline (the machine's clock drifts).
   const double peak_before = measure_fma_peak_gflops(opt.threads);
   const double tile_before = measure_tile_peak_gflops(opt.threads);
-  auto seconds_of = [](auto&& fn) {
-    const auto t0 = clock_type::now();
-    fn();
-    return std::chrono::duration<double>(clock_type::now() - t0).count();
-  };
-  FlashForwardResult fwd;
-  double forward_s = seconds_of([&] { fwd = flash_attention_forward(q, k, v, mask, scale, cfg); });
-  if (!opt.single_run) {
-    forward_s = best_seconds(opt.min_seconds, [&] {
-      flash_forward(cref(q), cref(k), cref(v), mask, scale, cfg, ref(fwd.o), fwd.lse.data());
-    });
-  }
-  FlashBackwardResult grads;
-  double backward_s = seconds_of(
-      [&] { grads = flash_attention_backward(q, k, v, fwd.o, fwd.lse, d_out, mask, scale, cfg, a.dtype); });
-  if (!opt.single_run) {
-    backward_s = best_seconds(opt.min_seconds, [&] {
-      flash_backward(cref(q), cref(k), cref(v), cref(fwd.o), fwd.lse.data(), cref(d_out), mask, scale, cfg,
-                     ref(grads.dq), ref(grads.dk), ref(grads.dv));
-    });
-  }
+  const KernelTimes times = time_kernels(q, k, v, d_out, mask, scale, cfg, opt);
+  const double forward_s = times.forward_s, backward_s = times.backward_s;
+  const FlashForwardResult& fwd = times.fwd;
   const double rss = peak_rss_bytes();
+  // bf16: the fp32 kernels on the same values (the bf16 inputs widened), in the same run, as the baseline.
+  std::optional<KernelTimes> fp32;
+  if (a.dtype == DType::bf16) {
+    fp32 = time_kernels(q.to(DType::f32), k.to(DType::f32), v.to(DType::f32), d_out.to(DType::f32), mask, scale,
+                        cfg, opt);
+  }
   const double peak_after = measure_fma_peak_gflops(opt.threads);
   const double tile_after = measure_tile_peak_gflops(opt.threads);
   const double fma_peak = (peak_before + peak_after) / 2;
@@ -143,7 +195,7 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
   nlohmann::ordered_json out;
   out["problem"] = attention_to_json(a);
   out["problem"]["threads"] = opt.threads;
-  out["forward_path"] = flash_uses_amx(a.dtype, cfg) ? "amx" : "vector";
+  out["forward_path"] = a.dtype == DType::bf16 ? to_string(flash_bf16_path(cfg)) : "vector";
   out["vector_target"] = flash_vector_target();
   out["fma_peak_gflops"] = fma_peak;
   out["fma_peak_before_after_gflops"] = {peak_before, peak_after};
@@ -163,6 +215,14 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
   out["backward_fraction_of_peak"] = backward_gflops / fma_peak;
   out["forward_fraction_of_tile_peak"] = forward_gflops / tile_peak;
   out["backward_fraction_of_tile_peak"] = backward_gflops / tile_peak;
+  if (fp32) {
+    out["forward_fraction_of_bf16_peak"] = bf16_peak > 0 ? forward_gflops / bf16_peak : 0.0;
+    out["backward_fraction_of_bf16_peak"] = bf16_peak > 0 ? backward_gflops / bf16_peak : 0.0;
+    out["fp32_forward_seconds"] = fp32->forward_s;
+    out["fp32_backward_seconds"] = fp32->backward_s;
+    out["forward_speedup_over_fp32"] = fp32->forward_s / forward_s;
+    out["backward_speedup_over_fp32"] = fp32->backward_s / backward_s;
+  }
   out["peak_rss_bytes"] = rss;
   out["tensor_bytes"] = tensor_bytes;
   out["rss_over_tensors"] = rss / tensor_bytes;
@@ -196,6 +256,13 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
             << "backward        " << backward_s << " s  " << backward_gflops << " GFLOP/s  "
             << backward_gflops / fma_peak << " of the FMA peak, " << backward_gflops / tile_peak
             << " of the tile ceiling\n"
+            << (fp32 ? "fp32 baseline   forward " + std::to_string(fp32->forward_s) + " s, backward " +
+                           std::to_string(fp32->backward_s) + " s (the same values in fp32, this run): bf16 " +
+                           std::to_string(fp32->forward_s / forward_s) + "x / " +
+                           std::to_string(fp32->backward_s / backward_s) + "x faster; " +
+                           std::to_string(forward_gflops / std::max(bf16_peak, 1e-9)) + " / " +
+                           std::to_string(backward_gflops / std::max(bf16_peak, 1e-9)) + " of the bf16 peak\n"
+                     : std::string())
             << "peak RSS        " << rss / 1048576.0 << " MiB = " << rss / tensor_bytes
             << "x the inputs, outputs and gradients (" << tensor_bytes / 1048576.0 << " MiB)\n";
   if (!steady) {
@@ -227,7 +294,9 @@ void add_bench_kernel_command(CLI::App& bench, int& exit_code) {
   sub->add_option("--min-seconds", opt->min_seconds, "time each kernel at least this long (best run counts)");
   sub->add_option("--reference-max-seq", opt->reference_max_seq,
                   "time the float64 reference forward only up to this S (default 4096)");
-  sub->add_flag("--no-amx", opt->no_amx, "bf16: run the vector path even where AMX is available");
+  sub->add_flag("--no-amx", opt->no_amx, "bf16: not the AMX path, even where AMX is available");
+  sub->add_option("--bf16-path", opt->bf16_path,
+                  "bf16: the path to run (amx, avx512_bf16 or vector; default: the best this CPU has)");
   sub->add_flag("--single-run", opt->single_run,
                 "time one forward and one backward call, allocation and first touch included (no warm-up, no "
                 "repeats): for problems that take minutes");
