@@ -20,8 +20,9 @@ double fma_peak() {
 
 // Hkv: the kv heads (Hq = H for BM_Forward and BM_Backward, fewer for the GQA benchmarks).
 void run(benchmark::State& state, bool backward, std::int64_t S, std::int64_t H, std::int64_t Hkv,
-         std::int64_t D, bool causal, int threads) {
+         std::int64_t D, bool causal, int threads, cpattn::DType dtype = cpattn::DType::f32) {
   cpattn::AttentionSpec spec;
+  spec.dtype = dtype;
   spec.seq_len = S;
   spec.num_q_heads = H;
   spec.num_kv_heads = Hkv;
@@ -38,8 +39,7 @@ void run(benchmark::State& state, bool backward, std::int64_t S, std::int64_t H,
   auto fwd = cpattn::flash_attention_forward(q, k, v, mask, scale, cfg);
   cpattn::FlashBackwardResult grads;
   if (backward) {
-    grads = cpattn::flash_attention_backward(q, k, v, fwd.o, fwd.lse, d_out, mask, scale, cfg,
-                                             cpattn::DType::f32);
+    grads = cpattn::flash_attention_backward(q, k, v, fwd.o, fwd.lse, d_out, mask, scale, cfg, dtype);
   }
   for (auto _ : state) {
     if (backward) {
@@ -72,6 +72,14 @@ void run_gqa(benchmark::State& state, bool backward) {
       static_cast<int>(state.range(5)));
 }
 
+// bf16 on the best path this CPU has (cpattn::flash_bf16_path); `frac_peak` still against the fp32 peak.
+// Args: S, heads (Hq = Hkv), D, causal, threads.
+void run_bf16(benchmark::State& state, bool backward) {
+  state.SetLabel(cpattn::to_string(cpattn::flash_bf16_path(cpattn::FlashConfig{})));
+  run(state, backward, state.range(0), state.range(1), state.range(1), state.range(2), state.range(3) != 0,
+      static_cast<int>(state.range(4)), cpattn::DType::bf16);
+}
+
 void BM_Forward(benchmark::State& state) {
   run_mha(state, false);
 }
@@ -85,6 +93,26 @@ void BM_BackwardGqa(benchmark::State& state) {
   run_gqa(state, true);
 }
 
+void BM_ForwardBf16(benchmark::State& state) {
+  run_bf16(state, false);
+}
+void BM_BackwardBf16(benchmark::State& state) {
+  run_bf16(state, true);
+}
+
+BENCHMARK(BM_ForwardBf16)
+    ->Args({4096, 8, 128, 0, 1})
+    ->Args({4096, 8, 64, 0, 1})
+    ->Args({4096, 8, 256, 0, 1})
+    ->Args({4096, 8, 128, 1, 1})
+    ->Args({4096, 8, 128, 0, 2})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_BackwardBf16)
+    ->Args({4096, 8, 128, 0, 1})
+    ->Args({4096, 8, 128, 1, 1})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(BM_Forward)
     ->Args({4096, 8, 128, 0, 1})
     ->Args({4096, 8, 64, 0, 1})

@@ -339,6 +339,7 @@ void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const C
   const std::int64_t Bq = config.block_q, Bk = config.block_kv;
   const std::int64_t D32 = round_up(D, kTileDepth);  // the head dim padded to whole tile depths (zeros)
   const std::int64_t q_blocks = (Sq + Bq - 1) / Bq, kv_blocks = (Skv + Bk - 1) / Bk;
+  const std::int64_t W = 2 * Bk;  // the width of a softmax step: a pair of kv blocks
   const float factor = static_cast<float>(scale * kLog2eDouble);
   const bool segments = mask.has_segments();
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -367,8 +368,8 @@ void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const C
     const std::int64_t rows = round_up(qb.length, kGroupRows);
     Workspace& w = spaces[worker];
     w.qb.assign(static_cast<std::size_t>(rows * D32), 0);
-    w.p.resize(static_cast<std::size_t>(rows * Bk));
-    w.s.resize(static_cast<std::size_t>(rows * Bk));
+    w.p.resize(static_cast<std::size_t>(rows * W));
+    w.s.resize(static_cast<std::size_t>(rows * W));
     w.acc.assign(static_cast<std::size_t>(rows * D32), 0.0f);
     w.m.assign(static_cast<std::size_t>(rows), neg_inf);
     w.l.assign(static_cast<std::size_t>(rows), 0.0f);
@@ -377,25 +378,44 @@ void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const C
     pack_bf16(q, b, h, qb, rows, D32, Layout::rows, w.qb.data());
     load_tile_config(amx);
     std::int64_t computed = 0, computed_full = 0;
-    for (std::int64_t kvi = 0; kvi < kv_blocks; ++kvi) {
-      const BlockMeta& kb = grid.kv[b][kvi];
-      const TileKind kind = classify_tile(qb, kb, mask.causal, segments, Bk);
-      if (kind == TileKind::empty) continue;
-      ++computed;
-      computed_full += kind == TileKind::full;
-      const std::int64_t at = (b * Hkv + hk) * kv_blocks + kvi;
-      // s: [rows][Bk] = Q K^T, then base-2 scores
-      product(amx, w.qb.data(), D32, kpack.data() + at * block_elems, Bk, rows, Bk, D32, w.s.data(), Bk,
-              false, nullptr, factor);
-      if (kind == TileKind::partial) {
-        apply_mask(w.s.data(), rows, Bk, Bk, 1, qb, kb, b, mask, Sq, Skv, neg_inf);
+    // The kv blocks in aligned pairs (2j, 2j + 1), one softmax step over both: half the per-step costs (the
+    // row statistics, the rescale). A block the q block does not see is -inf in its half and skipped in P V,
+    // an exact no-op for every row, so a row's result depends only on its own keys, whichever rows share its
+    // q block.
+    for (std::int64_t kv0 = 0; kv0 < kv_blocks; kv0 += 2) {
+      TileKind kinds[2] = {TileKind::empty, TileKind::empty};
+      for (std::int64_t j = 0; j < 2 && kv0 + j < kv_blocks; ++j) {
+        kinds[j] = classify_tile(qb, grid.kv[b][kv0 + j], mask.causal, segments, Bk);
+      }
+      if (kinds[0] == TileKind::empty && kinds[1] == TileKind::empty) continue;
+      for (std::int64_t j = 0; j < 2; ++j) {
+        float* s_half = w.s.data() + j * Bk;
+        if (kinds[j] == TileKind::empty) {
+          for (std::int64_t r = 0; r < rows; ++r) std::fill_n(s_half + r * W, Bk, neg_inf);
+          continue;
+        }
+        ++computed;
+        computed_full += kinds[j] == TileKind::full;
+        const std::int64_t at = (b * Hkv + hk) * kv_blocks + kv0 + j;
+        // s: [rows][W] = Q K^T in base-2 units, this block's half
+        product(amx, w.qb.data(), D32, kpack.data() + at * block_elems, Bk, rows, Bk, D32, s_half, W, false,
+                nullptr, factor);
+        if (kinds[j] == TileKind::partial) {
+          apply_mask(s_half, rows, Bk, W, 1, qb, grid.kv[b][kv0 + j], b, mask, Sq, Skv, neg_inf);
+        }
       }
       for (std::int64_t r = 0; r < rows; ++r) {
-        w.alpha[r] = softmax_row(w.s.data() + r * Bk, Bk, w.m[r], w.l[r], w.p.data() + r * Bk);
+        w.alpha[r] = softmax_row(w.s.data() + r * W, W, w.m[r], w.l[r], w.p.data() + r * W);
       }
-      // acc: [rows][D32] = acc * alpha + P V
-      product(amx, w.p.data(), Bk, vpack.data() + at * block_elems, D32, rows, D32, Bk, w.acc.data(), D32,
-              true, w.alpha.data());
+      // acc: [rows][D32] = acc * alpha + P V, a block at a time
+      bool first = true;
+      for (std::int64_t j = 0; j < 2; ++j) {
+        if (kinds[j] == TileKind::empty) continue;
+        const std::int64_t at = (b * Hkv + hk) * kv_blocks + kv0 + j;
+        product(amx, w.p.data() + j * Bk, W, vpack.data() + at * block_elems, D32, rows, D32, Bk, w.acc.data(),
+                D32, true, first ? w.alpha.data() : nullptr);
+        first = false;
+      }
     }
     release_tiles(amx);
     task_tiles[task] = computed;
