@@ -340,11 +340,12 @@ TEST(FlashKernel, Bf16ProductPathsMatchTheVectorPathAndTheReference) {
   EXPECT_FALSE(flash_uses_amx(DType::f32, amx));
   if (paths.empty()) GTEST_SKIP() << "neither AMX-BF16 nor AVX512-BF16 on this CPU";
   for (const auto& [path, config] : paths) {
-    if (path != Bf16Path::amx) std::printf("note: no AMX-BF16 on this CPU; the amx path is not tested here\n");
-    for (const Case& c :
-         {Case{1, 300, 4, 2, 40, true, {}, DType::bf16}, Case{2, 129, 8, 2, 128, false, {60, 69}, DType::bf16},
-          Case{1, 200, 2, 1, 256, true, {1, 120, 79}, DType::bf16},
-          Case{1, 70, 3, 3, 1, true, {}, DType::bf16}}) {
+    if (path != Bf16Path::amx)
+      std::printf("note: no AMX-BF16 on this CPU; the amx path is not tested here\n");
+    for (const Case& c : {Case{1, 300, 4, 2, 40, true, {}, DType::bf16},
+                          Case{2, 129, 8, 2, 128, false, {60, 69}, DType::bf16},
+                          Case{1, 200, 2, 1, 256, true, {1, 120, 79}, DType::bf16},
+                          Case{1, 70, 3, 3, 1, true, {}, DType::bf16}}) {
       SCOPED_TRACE(std::string(to_string(path)) + " " + c.name());
       const Inputs in = make_inputs(c, 5);
       const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
@@ -352,18 +353,20 @@ TEST(FlashKernel, Bf16ProductPathsMatchTheVectorPathAndTheReference) {
       const auto v = flash_attention_forward(in.q, in.k, in.v, in.mask(c.causal), scale, vector_path);
       const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, in.mask(c.causal), scale);
       const std::vector<float> vf = v.o.to_floats();
-      CPATTN_EXPECT_CLOSE(a.o.to_floats(), std::vector<double>(vf.begin(), vf.end()), 1e-2, "o path vs vector");
+      CPATTN_EXPECT_CLOSE(a.o.to_floats(), std::vector<double>(vf.begin(), vf.end()), 1e-2,
+                          "o path vs vector");
       CPATTN_EXPECT_CLOSE(a.o.to_floats(), ref.o, 2e-2, "o path vs reference");
       CPATTN_EXPECT_CLOSE(a.lse, ref.lse, 2e-2, "lse path vs reference");
       EXPECT_EQ(a.tiles.per_head, v.tiles.per_head);
       EXPECT_EQ(a.tiles.full, v.tiles.full);
       // The backward from the path's forward outputs, on either path.
-      const auto ga = flash_attention_backward(in.q, in.k, in.v, a.o, a.lse, in.d_out, in.mask(c.causal), scale,
-                                               config, DType::f32);
-      const auto gv = flash_attention_backward(in.q, in.k, in.v, a.o, a.lse, in.d_out, in.mask(c.causal), scale,
-                                               vector_path, DType::f32);
-      for (const auto& [got, want, name] : {std::tuple{&ga.dq, &gv.dq, "dq"},
-                                            std::tuple{&ga.dk, &gv.dk, "dk"}, std::tuple{&ga.dv, &gv.dv, "dv"}}) {
+      const auto ga = flash_attention_backward(in.q, in.k, in.v, a.o, a.lse, in.d_out, in.mask(c.causal),
+                                               scale, config, DType::f32);
+      const auto gv = flash_attention_backward(in.q, in.k, in.v, a.o, a.lse, in.d_out, in.mask(c.causal),
+                                               scale, vector_path, DType::f32);
+      for (const auto& [got, want, name] :
+           {std::tuple{&ga.dq, &gv.dq, "dq"}, std::tuple{&ga.dk, &gv.dk, "dk"},
+            std::tuple{&ga.dv, &gv.dv, "dv"}}) {
         const std::vector<float> w = want->to_floats();
         CPATTN_EXPECT_CLOSE(got->to_floats(), std::vector<double>(w.begin(), w.end()), 1e-2, name);
       }

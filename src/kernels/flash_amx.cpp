@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 
 #include "core/parallel_for.hpp"
@@ -13,6 +14,7 @@
 #include "kernels/exp2_poly.hpp"
 #include "kernels/masking.hpp"
 #include "kernels/row_io.hpp"
+#include "kernels/scratch.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define CPATTN_HAVE_AMX 1
@@ -34,6 +36,26 @@ namespace cpattn::kernels {
 #if defined(CPATTN_HAVE_AMX)
 
 namespace {
+
+// n zeroed values of T in the kernels' pooled scratch (kernels/scratch.hpp): a call's packed operands, whose
+// pages the next call of the same shape reuses instead of faulting in fresh ones.
+template <class T>
+class PooledArray {
+ public:
+  explicit PooledArray(std::size_t n)
+      : n_(n),
+        scratch_(std::make_unique<ScratchFloats>((n * sizeof(T) + sizeof(float) - 1) / sizeof(float))) {
+    if (n > 0) std::memset(scratch_->get(), 0, n * sizeof(T));
+  }
+  T* data() const { return reinterpret_cast<T*>(scratch_->get()); }
+  std::size_t size() const { return n_; }
+  T* begin() const { return data(); }
+  T& operator[](std::size_t i) const { return data()[i]; }
+
+ private:
+  std::size_t n_;
+  std::unique_ptr<ScratchFloats> scratch_;
+};
 
 #define CPATTN_AMX_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
@@ -147,8 +169,9 @@ CPATTN_AMX_TARGET void tile_product(const std::uint16_t* left, std::int64_t left
 // multiplies a loaded out row first and `out_scale` the result, in the same passes.
 CPATTN_BF16_TARGET void dot_product(const std::uint16_t* left, std::int64_t left_stride,
                                     const std::uint16_t* right, std::int64_t right_cols, std::int64_t rows,
-                                    std::int64_t cols, std::int64_t depth, float* out, std::int64_t out_stride,
-                                    bool load_out, const float* in_scale, float out_scale) {
+                                    std::int64_t cols, std::int64_t depth, float* out,
+                                    std::int64_t out_stride, bool load_out, const float* in_scale,
+                                    float out_scale) {
   constexpr int kRows = 8;
   for (std::int64_t m0 = 0; m0 < rows; m0 += kRows) {
     for (std::int64_t n0 = 0; n0 < cols; n0 += 32) {
@@ -195,7 +218,8 @@ CPATTN_AMX_TARGET void scale_row(float* row, std::int64_t width, float factor);
 // AMX tiles (the scalings as passes of their own) or AVX512-BF16 dot products (fused).
 void product(bool amx, const std::uint16_t* left, std::int64_t left_stride, const std::uint16_t* right,
              std::int64_t right_cols, std::int64_t rows, std::int64_t cols, std::int64_t depth, float* out,
-             std::int64_t out_stride, bool load_out, const float* in_scale = nullptr, float out_scale = 1.0f) {
+             std::int64_t out_stride, bool load_out, const float* in_scale = nullptr,
+             float out_scale = 1.0f) {
   if (!amx) {
     dot_product(left, left_stride, right, right_cols, rows, cols, depth, out, out_stride, load_out, in_scale,
                 out_scale);
@@ -307,8 +331,8 @@ void release_tiles(bool amx) {
 bool avx512_bf16_usable() {
   // Every instruction set of CPATTN_BF16_TARGET and of the shared softmax code (CPATTN_AMX_TARGET less AMX).
   static const bool usable = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                              __builtin_cpu_supports("avx512bf16");
+                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                             __builtin_cpu_supports("avx512bf16");
   return usable;
 }
 
@@ -348,8 +372,8 @@ void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const C
   // K as the right operand of S = Q K^T, [D32/2][Bk][2]; V as the right operand of O += P V, [Bk/2][D32][2];
   // both pair-interleaved, zero-padded, packed once per call.
   const std::int64_t block_elems = D32 * Bk;
-  std::vector<std::uint16_t> kpack(static_cast<std::size_t>(B * Hkv * kv_blocks * block_elems), 0);
-  std::vector<std::uint16_t> vpack(kpack.size(), 0);
+  const PooledArray<std::uint16_t> kpack(static_cast<std::size_t>(B * Hkv * kv_blocks * block_elems));
+  const PooledArray<std::uint16_t> vpack(kpack.size());
   parallel_for(B * Hkv * kv_blocks, config.threads, [&](std::int64_t task, int) {
     const std::int64_t b = task / (Hkv * kv_blocks), hk = (task / kv_blocks) % Hkv, kvi = task % kv_blocks;
     const BlockMeta& kb = grid.kv[b][kvi];
@@ -412,8 +436,8 @@ void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const C
       for (std::int64_t j = 0; j < 2; ++j) {
         if (kinds[j] == TileKind::empty) continue;
         const std::int64_t at = (b * Hkv + hk) * kv_blocks + kv0 + j;
-        product(amx, w.p.data() + j * Bk, W, vpack.data() + at * block_elems, D32, rows, D32, Bk, w.acc.data(),
-                D32, true, first ? w.alpha.data() : nullptr);
+        product(amx, w.p.data() + j * Bk, W, vpack.data() + at * block_elems, D32, rows, D32, Bk,
+                w.acc.data(), D32, true, first ? w.alpha.data() : nullptr);
         first = false;
       }
     }
@@ -443,8 +467,16 @@ namespace {
 // [D32][R32]. kv side, per (b, hk, kv block): K and V in pairs over d (right operands of S and dP), K in
 // pairs over tokens (right operand of dQ).
 struct AmxBackwardOperands {
-  std::vector<std::uint16_t> q_rows, do_rows, q_cols, do_cols;
-  std::vector<std::uint16_t> k_pairs_d, v_pairs_d, k_pairs_r;
+  AmxBackwardOperands(std::size_t q_size, std::size_t kv_size)
+      : q_rows(q_size),
+        do_rows(q_size),
+        q_cols(q_size),
+        do_cols(q_size),
+        k_pairs_d(kv_size),
+        v_pairs_d(kv_size),
+        k_pairs_r(kv_size) {}
+  PooledArray<std::uint16_t> q_rows, do_rows, q_cols, do_cols;
+  PooledArray<std::uint16_t> k_pairs_d, v_pairs_d, k_pairs_r;
 };
 
 // A worker's buffers, reused by its tasks.
@@ -469,9 +501,9 @@ struct AmxBackwardCall {
   double scale;
   float factor;
   bool segments;
-  std::vector<double>& head_dk;  // [B][Hq][stripe][D32][Bk] when G > 1
-  std::vector<double>& head_dv;
-  AlignedVector<float>& dq_acc;  // [B][Hq][q_blocks][R32][D32]
+  const PooledArray<double>& head_dk;  // [B][Hq][stripe][D32][Bk] when G > 1
+  const PooledArray<double>& head_dv;
+  const PooledArray<float>& dq_acc;  // [B][Hq][q_blocks][R32][D32]
   std::vector<std::int64_t>& task_tiles;
   std::atomic<std::int64_t>& full;
   std::atomic<std::int64_t>& partial;
@@ -484,11 +516,8 @@ AmxBackwardOperands pack_backward_operands(const ConstTensorRef& q, const ConstT
                                            std::int64_t Bk, int threads) {
   const std::int64_t B = q.shape.b, Hq = q.shape.h, Hkv = k.shape.h;
   const std::int64_t q_elems = R32 * D32, kv_elems = Bk * D32;
-  AmxBackwardOperands ops;
-  ops.q_rows.assign(static_cast<std::size_t>(B * Hq * q_blocks * q_elems), 0);
-  ops.do_rows.assign(ops.q_rows.size(), 0);
-  ops.q_cols.assign(ops.q_rows.size(), 0);
-  ops.do_cols.assign(ops.q_rows.size(), 0);
+  AmxBackwardOperands ops(static_cast<std::size_t>(B * Hq * q_blocks * q_elems),
+                          static_cast<std::size_t>(B * Hkv * kv_blocks * kv_elems));
   parallel_for(B * Hq * q_blocks, threads, [&](std::int64_t task, int) {
     const std::int64_t b = task / (Hq * q_blocks), h = (task / q_blocks) % Hq;
     const BlockMeta& qb = grid.q[b][task % q_blocks];
@@ -498,9 +527,6 @@ AmxBackwardOperands pack_backward_operands(const ConstTensorRef& q, const ConstT
     pack_bf16(q, b, h, qb, R32, D32, Layout::columns, ops.q_cols.data() + at);
     pack_bf16(d_out, b, h, qb, R32, D32, Layout::columns, ops.do_cols.data() + at);
   });
-  ops.k_pairs_d.assign(static_cast<std::size_t>(B * Hkv * kv_blocks * kv_elems), 0);
-  ops.v_pairs_d.assign(ops.k_pairs_d.size(), 0);
-  ops.k_pairs_r.assign(ops.k_pairs_d.size(), 0);
   parallel_for(B * Hkv * kv_blocks, threads, [&](std::int64_t task, int) {
     const std::int64_t b = task / (Hkv * kv_blocks), hk = (task / kv_blocks) % Hkv;
     const BlockMeta& kb = grid.kv[b][task % kv_blocks];
@@ -522,10 +548,10 @@ void amx_backward_tile(const AmxBackwardCall& call, AmxBackwardWorkspace& w, std
   const std::size_t q_at = static_cast<std::size_t>(((b * call.Hq + h) * call.q_blocks + qi) * call.q_elems);
   const std::int64_t row0 = (b * call.Hq + h) * call.sq_padded + qb.begin;
   // S = Q K^T, dP = dO V^T: [R32][Bk]
-  product(call.amx, ops.q_rows.data() + q_at, D32, ops.k_pairs_d.data() + kv_at, Bk, R32, Bk, D32, w.s.data(), Bk,
-               false);
-  product(call.amx, ops.do_rows.data() + q_at, D32, ops.v_pairs_d.data() + kv_at, Bk, R32, Bk, D32, w.dp.data(),
-               Bk, false);
+  product(call.amx, ops.q_rows.data() + q_at, D32, ops.k_pairs_d.data() + kv_at, Bk, R32, Bk, D32, w.s.data(),
+          Bk, false);
+  product(call.amx, ops.do_rows.data() + q_at, D32, ops.v_pairs_d.data() + kv_at, Bk, R32, Bk, D32,
+          w.dp.data(), Bk, false);
   // Rows past the block's length are zero rows of Q and dO; their P and dS are set to 0 here (their lse2
   // would be another block's).
   const std::int64_t live = qb.length;
@@ -540,15 +566,17 @@ void amx_backward_tile(const AmxBackwardCall& call, AmxBackwardWorkspace& w, std
   to_bf16_pairs(w.s.data(), R32, Bk, w.p_pairs.data(), nullptr);
   to_bf16_pairs(w.dp.data(), R32, Bk, w.ds_pairs.data(), w.ds_rows.data());
   // dV^T = dO^T P, dK^T = Q^T dS: [D32][Bk], summed over q blocks in fp64
-  product(call.amx, ops.do_cols.data() + q_at, R32, w.p_pairs.data(), Bk, D32, Bk, R32, w.dvt.data(), Bk, false);
-  product(call.amx, ops.q_cols.data() + q_at, R32, w.ds_pairs.data(), Bk, D32, Bk, R32, w.dkt.data(), Bk, false);
+  product(call.amx, ops.do_cols.data() + q_at, R32, w.p_pairs.data(), Bk, D32, Bk, R32, w.dvt.data(), Bk,
+          false);
+  product(call.amx, ops.q_cols.data() + q_at, R32, w.ds_pairs.data(), Bk, D32, Bk, R32, w.dkt.data(), Bk,
+          false);
   for (std::int64_t i = 0; i < call.kv_elems; ++i) {
     w.sum_k[i] += w.dkt[i];
     w.sum_v[i] += w.dvt[i];
   }
   // dQ += dS K: [R32][D32], continuing each row's sum over the kv blocks in order
   product(call.amx, w.ds_rows.data(), Bk, ops.k_pairs_r.data() + kv_at, D32, R32, D32, Bk,
-               call.dq_acc.data() + q_at, D32, true);
+          call.dq_acc.data() + q_at, D32, true);
 }
 
 // [D32][Bk] sums -> rows of dK (times scale) and dV.
@@ -650,12 +678,9 @@ void flash_backward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const 
   // As the vector path: stripes of kv blocks keep the per-q-head fp64 partials of dK^T, dV^T ([D32][Bk] per
   // kv block) under the budget; dQ accumulates in fp32 over every stripe.
   const std::int64_t stripe = backward_stripe_blocks(config, B, Hq, G, D32, kv_blocks);
-  std::vector<double> head_dk, head_dv;
-  if (G > 1) {
-    head_dk.assign(static_cast<std::size_t>(B * Hq * stripe * kv_elems), 0.0);
-    head_dv.assign(head_dk.size(), 0.0);
-  }
-  AlignedVector<float> dq_acc(static_cast<std::size_t>(B * Hq * q_blocks * q_elems), 0.0f);
+  const PooledArray<double> head_dk(G > 1 ? static_cast<std::size_t>(B * Hq * stripe * kv_elems) : 0);
+  const PooledArray<double> head_dv(head_dk.size());
+  const PooledArray<float> dq_acc(static_cast<std::size_t>(B * Hq * q_blocks * q_elems));
   const AmxBackwardCall call{.mask = mask,
                              .grid = grid,
                              .lse2 = lse2,

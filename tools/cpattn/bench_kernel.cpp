@@ -10,8 +10,8 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <tuple>
 #include <thread>
+#include <tuple>
 
 #include "bench_command.hpp"
 #include "cpattn/flash.hpp"
@@ -91,8 +91,8 @@ KernelTimes time_kernels(const Tensor& q, const Tensor& k, const Tensor& v, cons
   });
   if (!opt.single_run) {
     t.backward_s = best_seconds(opt.min_seconds, [&] {
-      flash_backward(cref(q), cref(k), cref(v), cref(t.fwd.o), t.fwd.lse.data(), cref(d_out), mask, scale, cfg,
-                     ref(t.grads.dq), ref(t.grads.dk), ref(t.grads.dv));
+      flash_backward(cref(q), cref(k), cref(v), cref(t.fwd.o), t.fwd.lse.data(), cref(d_out), mask, scale,
+                     cfg, ref(t.grads.dq), ref(t.grads.dk), ref(t.grads.dv));
     });
   }
   return t;
@@ -120,9 +120,10 @@ std::optional<ErrorItem> apply_bf16_path(const KernelOptions& opt, FlashConfig& 
   if (opt.no_amx && opt.bf16_path == "amx") {
     return ErrorItem{{"bf16_path"}, opt.bf16_path, "--bf16-path amx contradicts --no-amx"};
   }
-  return ErrorItem{{"bf16_path"}, opt.bf16_path,
-                     "--bf16-path '" + opt.bf16_path + "' is not a path this CPU can run (available: " +
-                         available + ")"};
+  return ErrorItem{
+      {"bf16_path"},
+      opt.bf16_path,
+      "--bf16-path '" + opt.bf16_path + "' is not a path this CPU can run (available: " + available + ")"};
 }
 
 double peak_rss_bytes() {
@@ -171,8 +172,8 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
   // bf16: the fp32 kernels on the same values (the bf16 inputs widened), in the same run, as the baseline.
   std::optional<KernelTimes> fp32;
   if (a.dtype == DType::bf16) {
-    fp32 = time_kernels(q.to(DType::f32), k.to(DType::f32), v.to(DType::f32), d_out.to(DType::f32), mask, scale,
-                        cfg, opt);
+    fp32 = time_kernels(q.to(DType::f32), k.to(DType::f32), v.to(DType::f32), d_out.to(DType::f32), mask,
+                        scale, cfg, opt);
   }
   const double peak_after = measure_fma_peak_gflops(opt.threads);
   const double tile_after = measure_tile_peak_gflops(opt.threads);
@@ -256,13 +257,14 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
             << "backward        " << backward_s << " s  " << backward_gflops << " GFLOP/s  "
             << backward_gflops / fma_peak << " of the FMA peak, " << backward_gflops / tile_peak
             << " of the tile ceiling\n"
-            << (fp32 ? "fp32 baseline   forward " + std::to_string(fp32->forward_s) + " s, backward " +
-                           std::to_string(fp32->backward_s) + " s (the same values in fp32, this run): bf16 " +
-                           std::to_string(fp32->forward_s / forward_s) + "x / " +
-                           std::to_string(fp32->backward_s / backward_s) + "x faster; " +
-                           std::to_string(forward_gflops / std::max(bf16_peak, 1e-9)) + " / " +
-                           std::to_string(backward_gflops / std::max(bf16_peak, 1e-9)) + " of the bf16 peak\n"
-                     : std::string())
+            << (fp32
+                    ? "fp32 baseline   forward " + std::to_string(fp32->forward_s) + " s, backward " +
+                          std::to_string(fp32->backward_s) + " s (the same values in fp32, this run): bf16 " +
+                          std::to_string(fp32->forward_s / forward_s) + "x / " +
+                          std::to_string(fp32->backward_s / backward_s) + "x faster; " +
+                          std::to_string(forward_gflops / std::max(bf16_peak, 1e-9)) + " / " +
+                          std::to_string(backward_gflops / std::max(bf16_peak, 1e-9)) + " of the bf16 peak\n"
+                    : std::string())
             << "peak RSS        " << rss / 1048576.0 << " MiB = " << rss / tensor_bytes
             << "x the inputs, outputs and gradients (" << tensor_bytes / 1048576.0 << " MiB)\n";
   if (!steady) {
