@@ -72,6 +72,49 @@ TEST(ContextParallel, StrategiesMatchTheSingleDeviceKernelOverACoveringSet) {
   for (const CpCase& c : cases) expect_matches_single_device(c);
 }
 
+// bf16 on every path this CPU has (forced for the ranks and the single device alike): the forward is the same
+// bits as the single-device kernel for ulysses (with replication), all_gather with and without load balance,
+// at cp 2 to 8, packed, batch 2; the same bits at 1 and 2 threads per rank; ring within its bf16 bounds.
+TEST(ContextParallel, Bf16OnEveryPathIsBitIdenticalAcrossStrategiesCpAndThreads) {
+  for (const auto& [path, kernel] : testing::bf16_paths()) {
+    for (const auto& [strategy, lb, cp] :
+         {std::tuple{Strategy::ulysses, false, 4}, std::tuple{Strategy::all_gather, true, 2},
+          std::tuple{Strategy::all_gather, false, 8}}) {
+      CpCase c;
+      c.dtype = DType::bf16;
+      c.kernel = kernel;
+      c.strategy = strategy;
+      c.load_balance = lb;
+      c.cp = cp;
+      c.hq = 8;
+      c.hkv = 2;
+      c.dim = 80;
+      c.batch = 2;
+      c.seq = 320;
+      c.segments = {200, 115, 5};
+      expect_matches_single_device(c);
+      if (strategy == Strategy::ulysses) {
+        const auto in = testing::make_whole_inputs(c, 9);
+        const auto one = testing::run_context_parallel(c, in, 1),
+                   two = testing::run_context_parallel(c, in, 2);
+        EXPECT_EQ(testing::count_bit_differences(one.o, two.o), 0) << to_string(path);
+        EXPECT_EQ(testing::count_bit_differences(one.lse, two.lse), 0) << to_string(path);
+      }
+    }
+    CpCase ring;
+    ring.dtype = DType::bf16;
+    ring.kernel = kernel;
+    ring.strategy = Strategy::ring;
+    ring.load_balance = true;
+    ring.cp = 4;
+    ring.hq = 8;
+    ring.hkv = 2;
+    ring.seq = 512;
+    ring.segments = {300, 212};
+    testing::expect_ring_matches_single_device(ring);
+  }
+}
+
 TEST(ContextParallel, UlyssesMatchesReferenceWhenKvHeadsFewerThanRanks) {
   // The seed's configuration, scaled down: Hq = 32, Hkv = 2 at cp = 4 (rep 2) and cp = 8 (rep 4).
   for (std::int64_t cp : {4, 8}) {

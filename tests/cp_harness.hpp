@@ -26,6 +26,7 @@ struct CpCase {
   std::vector<std::int64_t> segments;  // document lengths; empty: one document
   DType dtype = DType::f32;
   NegativeControl control = NegativeControl::none;
+  FlashConfig kernel;  // block sizes and the bf16 path, for the ranks and the single-device kernel alike
 
   std::string name() const {
     std::string s = std::string(to_string(strategy)) + (load_balance ? "_lb" : "") + (remat ? "_remat" : "") +
@@ -33,6 +34,7 @@ struct CpCase {
                     "_D" + std::to_string(dim) + "_S" + std::to_string(seq) + "_B" + std::to_string(batch) +
                     (causal ? "_causal" : "_full") + (segments.empty() ? "" : "_packed") + "_" +
                     to_string(dtype);
+    if (dtype == DType::bf16) s += std::string("_") + to_string(flash_bf16_path(kernel));
     return s;
   }
   AttentionSpec attention() const {
@@ -85,6 +87,7 @@ inline CpRun run_context_parallel(const CpCase& c, const WholeInputs& in, int th
   harness::RunSettings settings;
   settings.options.remat = c.remat;
   settings.options.threads = threads_per_rank;
+  settings.options.kernel = c.kernel;
   settings.negative_control = c.control;
   const harness::WholeResult w = harness::run_in_process(c.attention(), c.parallel(), settings, in);
   CpRun r{w.o.to_floats(), w.lse, w.dq.to_floats(), w.dk.to_floats(), w.dv.to_floats(), {}, {}};
@@ -99,9 +102,11 @@ inline CpRun run_single_device(const CpCase& c, const WholeInputs& in) {
   const auto pos = natural_positions(c.batch, c.seq);
   const AttentionMask mask{pos, pos, in.segment_ids, in.segment_ids, c.causal};
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
-  const auto fwd = flash_attention_forward(in.q, in.k, in.v, mask, scale, {});
+  FlashConfig cfg = c.kernel;
+  cfg.threads = 1;
+  const auto fwd = flash_attention_forward(in.q, in.k, in.v, mask, scale, cfg);
   const auto bwd =
-      flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, mask, scale, {}, c.dtype);
+      flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, mask, scale, cfg, c.dtype);
   CpRun r;
   r.o = fwd.o.to_floats();
   r.lse = fwd.lse;

@@ -62,11 +62,10 @@ Inputs make_inputs(const Case& c, std::uint32_t seed) {
 }
 
 // Runs kernel and reference; fp32 within `tol` of max |ref|; bf16 against the reference on the bf16 values.
-void check_against_reference(const Case& c, double tol, int threads = 1) {
+void check_against_reference(const Case& c, double tol, int threads = 1, FlashConfig cfg = {}) {
   SCOPED_TRACE(c.name());
   const Inputs in = make_inputs(c, 17);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
-  FlashConfig cfg;
   cfg.threads = threads;
   const auto fwd = flash_attention_forward(in.q, in.k, in.v, in.mask(c.causal), scale, cfg);
   const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, in.mask(c.causal),
@@ -129,15 +128,31 @@ TEST(FlashKernel, MatchesReferenceWithTwoThreads) {
   check_against_reference({2, 257, 8, 2, 64, true, {100, 157}}, 1e-5, 2);
 }
 
-TEST(FlashKernel, Bf16MatchesReferenceOnRoundedInputs) {
-  for (Case c : std::vector<Case>{{1, 200, 8, 2, 64, true, {}}, {2, 129, 4, 1, 128, false, {60, 69}}}) {
-    c.dtype = DType::bf16;
-    check_against_reference(c, 2e-2);
+// bf16 on every path this CPU has, against the float64 reference on the bf16-rounded inputs: awkward sizes
+// (S = 1, 7, 63, 65, 1000; D = 64, 80, 128, 256), causal and packed, GQA and MQA, one and two threads.
+TEST(FlashKernel, Bf16MatchesReferenceOnRoundedInputsOnEveryPath) {
+  const std::vector<Case> cases = {
+      {1, 200, 8, 2, 64, true, {}},
+      {2, 129, 4, 1, 128, false, {60, 69}},
+      {1, 1, 2, 1, 64, true, {}},
+      {1, 7, 4, 2, 80, false, {3, 4}},
+      {2, 63, 4, 1, 128, true, {}},
+      {1, 65, 2, 2, 256, false, {30, 35}},
+      {1, 1000, 4, 1, 128, true, {1, 500, 499}},
+      {1, 1000, 2, 2, 80, false, {}},
+  };
+  for (const auto& [path, cfg] : testing::bf16_paths()) {
+    SCOPED_TRACE(to_string(path));
+    for (Case c : cases) {
+      c.dtype = DType::bf16;
+      check_against_reference(c, 2e-2, c.seq == 1000 ? 2 : 1, cfg);
+    }
   }
 }
 
 TEST(FlashKernel, MatchesIndependentVectors) {
   const std::filesystem::path root = CPATTN_TEST_DATA_DIR "/attention";
+  const auto paths = testing::bf16_paths();
   int cases = 0;
   for (const auto& dir : std::filesystem::directory_iterator(root)) {
     if (!dir.is_directory()) continue;
@@ -161,6 +176,20 @@ TEST(FlashKernel, MatchesIndependentVectors) {
     CPATTN_EXPECT_CLOSE(bwd.dq.to_floats(), load("dq.npy").as_doubles(), 1e-5, "dq");
     CPATTN_EXPECT_CLOSE(bwd.dk.to_floats(), load("dk.npy").as_doubles(), 1e-5, "dk");
     CPATTN_EXPECT_CLOSE(bwd.dv.to_floats(), load("dv.npy").as_doubles(), 1e-5, "dv");
+    // bf16 on every path: the inputs rounded to bf16, against PyTorch's float64 outputs for the unrounded
+    // ones (the rounding itself moves them well under the bound).
+    for (const auto& [path, cfg] : paths) {
+      SCOPED_TRACE(to_string(path));
+      const Tensor qb = q.to(DType::bf16), kb = k.to(DType::bf16), vb = v.to(DType::bf16),
+                   db = d_out.to(DType::bf16);
+      const auto f = flash_attention_forward(qb, kb, vb, mask, scale, cfg);
+      const auto g = flash_attention_backward(qb, kb, vb, f.o, f.lse, db, mask, scale, cfg, DType::f32);
+      CPATTN_EXPECT_CLOSE(f.o.to_floats(), load("o.npy").as_doubles(), 2e-2, "o bf16");
+      CPATTN_EXPECT_CLOSE(f.lse, load("lse.npy").as_doubles(), 2e-2, "lse bf16");
+      CPATTN_EXPECT_CLOSE(g.dq.to_floats(), load("dq.npy").as_doubles(), 2e-2, "dq bf16");
+      CPATTN_EXPECT_CLOSE(g.dk.to_floats(), load("dk.npy").as_doubles(), 2e-2, "dk bf16");
+      CPATTN_EXPECT_CLOSE(g.dv.to_floats(), load("dv.npy").as_doubles(), 2e-2, "dv bf16");
+    }
   }
   EXPECT_EQ(cases, 6);
 }
@@ -380,20 +409,28 @@ TEST(FlashKernel, Bf16ProductPathsMatchTheVectorPathAndTheReference) {
 
 // NaN and Inf in the inputs: no crash, and a row's outputs are non-finite exactly where the float64
 // reference's are (a NaN must not turn into a silent 0); the other rows are unaffected and match as usual.
+// bf16 on every path this CPU has; with and without a non-finite V (with one, the forward takes the vector
+// path; without, a bf16 product path's forward sees the NaN Q and Inf K).
 TEST(FlashKernel, NonFiniteInputsPropagateLikeTheReference) {
   const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
-  for (DType dtype : {DType::f32, DType::bf16}) {
+  std::vector<std::tuple<DType, FlashConfig, bool>> runs = {{DType::f32, FlashConfig{}, true}};
+  for (const auto& [path, cfg] : testing::bf16_paths()) {
+    runs.emplace_back(DType::bf16, cfg, true);
+    runs.emplace_back(DType::bf16, cfg, false);
+  }
+  for (const auto& [dtype, cfg, v_inf] : runs) {
     Case c{1, 150, 4, 2, 32, true, {}, dtype};
-    SCOPED_TRACE(c.name());
+    SCOPED_TRACE(c.name() + " " + to_string(flash_bf16_path(cfg)) + (v_inf ? " with" : " without") +
+                 " a non-finite V");
     Inputs in = make_inputs(c, 41);
-    in.q.set(0, 10, 1, 3, nan);    // one query row of head 1
-    in.k.set(0, 70, 0, 5, inf);    // one key of kv head 0: every later query of heads 0, 1 sees it
-    in.v.set(0, 120, 1, 0, -inf);  // one value of kv head 1
+    in.q.set(0, 10, 1, 3, nan);               // one query row of head 1
+    in.k.set(0, 70, 0, 5, inf);               // one key of kv head 0: every later query of heads 0, 1 sees it
+    if (v_inf) in.v.set(0, 120, 1, 0, -inf);  // one value of kv head 1
     in.d_out.set(0, 30, 2, 7, nan);
     const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
-    const auto fwd = flash_attention_forward(in.q, in.k, in.v, in.mask(true), scale, {});
+    const auto fwd = flash_attention_forward(in.q, in.k, in.v, in.mask(true), scale, cfg);
     const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, in.mask(true),
-                                              scale, {}, DType::f32);
+                                              scale, cfg, DType::f32);
     const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, in.mask(true), scale);
     const std::vector<float> o = fwd.o.to_floats(), dq = bwd.dq.to_floats(), dk = bwd.dk.to_floats(),
                              dv = bwd.dv.to_floats();

@@ -8,12 +8,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
+#include "cpattn/flash.hpp"
 #include "cpattn/sequence_layout.hpp"
 #include "cpattn/tensor.hpp"
 #include "harness/check.hpp"
@@ -53,6 +57,25 @@ std::int64_t count_bit_differences(const A& got, const B& want) {
     if (std::memcmp(&g, &w, sizeof(float)) != 0) ++bad;
   }
   return bad;
+}
+
+// The bf16 paths this CPU can run, each forced by its config (AMX, AVX512-BF16 dot products, the converting
+// vector path); the ones it cannot are named on stdout as skipped.
+inline std::vector<std::pair<Bf16Path, FlashConfig>> bf16_paths() {
+  std::vector<std::pair<Bf16Path, FlashConfig>> paths;
+  for (const auto& [path, amx, dot] :
+       {std::tuple{Bf16Path::amx, true, false}, std::tuple{Bf16Path::avx512_bf16, false, true},
+        std::tuple{Bf16Path::vector, false, false}}) {
+    FlashConfig cfg;
+    cfg.allow_amx = amx;
+    cfg.allow_avx512_bf16 = dot;
+    if (flash_bf16_path(cfg) == path) {
+      paths.emplace_back(path, cfg);
+    } else {
+      std::printf("note: bf16 path %s skipped: this CPU lacks it\n", to_string(path));
+    }
+  }
+  return paths;
 }
 
 }  // namespace cpattn::testing
