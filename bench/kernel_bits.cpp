@@ -1,5 +1,6 @@
-// The kernels' bits as one hash: O, LSE, dQ, dK, dV of the vector path (and the AMX path where the CPU has
-// it) over causal and packed masks, D = 64 / 80 / 128, S = 100 / 1000, GQA, fp32 and bf16, 2 threads. A
+// The kernels' bits as one hash: O, LSE, dQ, dK, dV of the vector path (fp32 and bf16), then of each bf16
+// product path the CPU has (AVX512-BF16, AMX), over causal and packed masks, D = 64 / 80 / 128,
+// S = 100 / 1000, GQA, 2 threads; printed also is the vector path's own hash. A
 // kernel change that should not move a bit (a refactoring, a reordering of independent work) leaves the hash
 // as it was; run it before and after, on the same machine and build flags (the SIMD target changes the bits).
 //   build/bench/cpattn_kernel_bits [--verbose]
@@ -30,10 +31,17 @@ struct Fnv {
 int main(int argc, char** argv) {
   using namespace cpattn;
   const bool verbose = argc > 1 && std::strcmp(argv[1], "--verbose") == 0;
-  Fnv all;
+  Fnv all, vector_only;
+  std::string product_paths;
   for (DType dtype : {DType::f32, DType::bf16}) {
-    for (bool amx : {false, true}) {
-      if (amx && dtype != DType::bf16) continue;
+    for (Bf16Path path : {Bf16Path::vector, Bf16Path::avx512_bf16, Bf16Path::amx}) {
+      FlashConfig config;
+      config.threads = 2;
+      config.allow_amx = path == Bf16Path::amx;
+      config.allow_avx512_bf16 = path == Bf16Path::avx512_bf16;
+      if (path != Bf16Path::vector && (dtype != DType::bf16 || flash_bf16_path(config) != path)) continue;
+      if (path != Bf16Path::vector)
+        product_paths += std::string(product_paths.empty() ? "" : ", ") + to_string(path);
       for (std::int64_t S : {100, 1000}) {
         for (std::int64_t D : {64, 80, 128}) {
           for (int mask_kind = 0; mask_kind < 3; ++mask_kind) {  // causal, causal + packed, full
@@ -47,15 +55,14 @@ int main(int argc, char** argv) {
             const auto seg = mask_kind == 1 ? segment_ids_from_lengths(B, {S * 3 / 5, S - S * 3 / 5})
                                             : std::vector<std::int32_t>{};
             const AttentionMask mask{pos, pos, seg, seg, causal};
-            FlashConfig config;
-            config.threads = 2;
-            config.allow_amx = amx;
             const double scale = 1.0 / std::sqrt(static_cast<double>(D));
             const auto fwd = flash_attention_forward(q, k, v, mask, scale, config);
             const auto bwd =
                 flash_attention_backward(q, k, v, fwd.o, fwd.lse, d_out, mask, scale, config, dtype);
             Fnv one;
-            for (Fnv* f : {&one, &all}) {
+            std::vector<Fnv*> hashes = {&one, &all};
+            if (path == Bf16Path::vector) hashes.push_back(&vector_only);
+            for (Fnv* f : hashes) {
               f->add(fwd.o);
               f->add(fwd.lse);
               f->add(bwd.dq);
@@ -63,7 +70,7 @@ int main(int argc, char** argv) {
               f->add(bwd.dv);
             }
             if (verbose) {
-              std::printf("%s%s S=%lld D=%lld mask=%d %016llx\n", to_string(dtype), amx ? " amx" : "",
+              std::printf("%s %s S=%lld D=%lld mask=%d %016llx\n", to_string(dtype), to_string(path),
                           static_cast<long long>(S), static_cast<long long>(D), mask_kind,
                           static_cast<unsigned long long>(one.h));
             }
@@ -72,8 +79,9 @@ int main(int argc, char** argv) {
       }
     }
   }
-  std::printf("kernel bits: %016llx (vector target %s, AMX %s)\n", static_cast<unsigned long long>(all.h),
-              flash_vector_target().c_str(),
-              flash_uses_amx(DType::bf16, FlashConfig{}) ? "used" : "not used");
+  std::printf(
+      "kernel bits: %016llx (vector target %s; the vector path alone %016llx; bf16 product paths: %s)\n",
+      static_cast<unsigned long long>(all.h), flash_vector_target().c_str(),
+      static_cast<unsigned long long>(vector_only.h), product_paths.empty() ? "none" : product_paths.c_str());
   return 0;
 }

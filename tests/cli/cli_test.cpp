@@ -298,6 +298,36 @@ TEST(CliBench, CommJsonHasEveryCollectiveWithItsKeys) {
   EXPECT_EQ(j["results"][4]["collective"], "all_to_all_v");
 }
 
+// bf16: the path is the best this CPU has unless --bf16-path forces one; the fp32 baseline of the same run
+// and the fractions of the bf16 peak are reported; a path that is not one, or that the CPU lacks, is exit 2.
+TEST(CliBench, KernelBf16PathIsForcedAndComparedWithFp32) {
+  const std::string base =
+      "bench kernel --json --dtype bf16 --seq 64 --q-heads 2 --kv-heads 1 --head-dim 32 --min-seconds 0 ";
+  Result r = run(base + "--bf16-path vector");
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["forward_path"], "vector");
+  for (const char* k : {"fp32_forward_seconds", "fp32_backward_seconds", "forward_speedup_over_fp32",
+                        "backward_speedup_over_fp32"}) {
+    EXPECT_GT(j[k].get<double>(), 0.0) << k;
+  }
+  EXPECT_TRUE(j.contains("forward_fraction_of_bf16_peak"));
+  r = run(base);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string best = nlohmann::json::parse(r.out)["forward_path"];
+  EXPECT_TRUE(best == "amx" || best == "avx512_bf16" || best == "vector") << best;
+  r = run(base + "--bf16-path " + best);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["forward_path"], best);
+  r = run(base + "--bf16-path tpu");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--bf16-path 'tpu' is not a path this CPU can run (available: "), std::string::npos)
+      << r.err;
+  r = run(base + "--bf16-path amx --no-amx");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("--bf16-path"), std::string::npos) << r.err;
+}
+
 TEST(CliBench, KernelJsonNamesItsPathAndTarget) {
   const Result r = run("bench kernel --json --seq 64 --q-heads 2 --kv-heads 1 --head-dim 32 --min-seconds 0");
   ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
