@@ -84,13 +84,6 @@ TileConfig full_tiles() {
   return c;
 }
 
-std::uint16_t bf16_bits(const ConstTensorRef& t, std::int64_t b, std::int64_t s, std::int64_t h,
-                        std::int64_t d) {
-  std::uint16_t bits;
-  std::memcpy(&bits, static_cast<const bf16*>(t.ptr) + t.offset(b, s, h) + d, sizeof(bits));
-  return bits;
-}
-
 // Token rows [begin, begin + length) of head h as the layouts the tile products read, zero-padded:
 //   rows:        out[r][d]                 [rows][D32]          (a left operand: Q, dO)
 //   columns:     out[d][r]                 [D32][rows]          (a left operand: Q^T, dO^T)
@@ -99,24 +92,41 @@ std::uint16_t bf16_bits(const ConstTensorRef& t, std::int64_t b, std::int64_t s,
 enum class Layout { rows, columns, pairs_over_d, pairs_over_r };
 void pack_bf16(const ConstTensorRef& t, std::int64_t b, std::int64_t h, const BlockMeta& blk,
                std::int64_t rows, std::int64_t d32, Layout layout, std::uint16_t* out) {
-  for (std::int64_t r = 0; r < blk.length; ++r) {
-    for (std::int64_t d = 0; d < t.shape.d; ++d) {
-      const std::uint16_t x = bf16_bits(t, b, blk.begin + r, h, d);
-      switch (layout) {
-        case Layout::rows:
-          out[r * d32 + d] = x;
-          break;
-        case Layout::columns:
-          out[d * rows + r] = x;
-          break;
-        case Layout::pairs_over_d:
-          out[((d / 2) * rows + r) * 2 + (d & 1)] = x;
-          break;
-        case Layout::pairs_over_r:
-          out[((r / 2) * d32 + d) * 2 + (r & 1)] = x;
-          break;
+  const std::int64_t D = t.shape.d;
+  auto row = [&](std::int64_t r) {
+    return static_cast<const std::uint16_t*>(t.ptr) + t.offset(b, blk.begin + r, h);
+  };
+  switch (layout) {
+    case Layout::rows:
+      for (std::int64_t r = 0; r < blk.length; ++r)
+        std::memcpy(out + r * d32, row(r), D * sizeof(std::uint16_t));
+      return;
+    case Layout::columns:
+      for (std::int64_t r = 0; r < blk.length; ++r) {
+        const std::uint16_t* x = row(r);
+        for (std::int64_t d = 0; d < D; ++d) out[d * rows + r] = x[d];
       }
-    }
+      return;
+    case Layout::pairs_over_d:
+      // A token's (d, d + 1) pairs as 32-bit words, one word per pair (an odd D's last pair half zero).
+      for (std::int64_t r = 0; r < blk.length; ++r) {
+        const std::uint16_t* x = row(r);
+        for (std::int64_t d = 0; d + 1 < D; d += 2) {
+          std::uint32_t pair;
+          std::memcpy(&pair, x + d, sizeof(pair));
+          std::memcpy(out + ((d / 2) * rows + r) * 2, &pair, sizeof(pair));
+        }
+        if (D % 2 != 0) out[((D / 2) * rows + r) * 2] = x[D - 1];
+      }
+      return;
+    case Layout::pairs_over_r:
+      // Two tokens' rows interleaved value by value.
+      for (std::int64_t r = 0; r < blk.length; ++r) {
+        const std::uint16_t* x = row(r);
+        std::uint16_t* o = out + (r / 2) * d32 * 2 + (r & 1);
+        for (std::int64_t d = 0; d < D; ++d) o[2 * d] = x[d];
+      }
+      return;
   }
 }
 
