@@ -82,17 +82,17 @@ TEST(ScratchFloats, SmallScratchIsNotKeptAndTheKeptTotalIsBounded) {
   // More blocks than the bound holds, all alive at once, then freed: the oldest go.
   const std::size_t block = 16 * kMiB;
   std::vector<std::unique_ptr<ScratchFloats>> live;
-  for (std::size_t total = 0; total <= ScratchFloats::kKeptScratchBytes + block; total += block)
+  for (std::size_t total = 0; total <= ScratchFloats::kept_limit() + block; total += block)
     live.push_back(std::make_unique<ScratchFloats>(block / sizeof(float)));
   const float* newest = live.back()->get();
   for (auto& s : live) s.reset();  // front to back: the last freed is the newest
-  EXPECT_LE(ScratchFloats::kept_bytes(), ScratchFloats::kKeptScratchBytes);
-  EXPECT_GT(ScratchFloats::kept_bytes(), ScratchFloats::kKeptScratchBytes - block);
+  EXPECT_LE(ScratchFloats::kept_bytes(), ScratchFloats::kept_limit());
+  EXPECT_GT(ScratchFloats::kept_bytes(), ScratchFloats::kept_limit() - block);
   const ScratchFloats again(block / sizeof(float));
   EXPECT_EQ(again.get(), newest);  // the most recently freed is taken first
   // A block larger than the bound is never kept.
-  { const ScratchFloats huge(2 * ScratchFloats::kKeptScratchBytes / sizeof(float)); }
-  EXPECT_LE(ScratchFloats::kept_bytes(), ScratchFloats::kKeptScratchBytes);
+  { const ScratchFloats huge(2 * ScratchFloats::kept_limit() / sizeof(float)); }
+  EXPECT_LE(ScratchFloats::kept_bytes(), ScratchFloats::kept_limit());
   ScratchFloats::release_kept();
 }
 

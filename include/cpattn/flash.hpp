@@ -116,9 +116,10 @@ std::string flash_vector_target();
 // valid targets for any other name.
 void flash_force_vector_target(const std::string& name);
 
-// The kernels pack their operands into scratch blocks; a freed block of 2 MiB or more is kept (up to 128 MiB
-// in all) for the next call that needs one of its size, so that calls of one shape do not take fresh pages
-// each time. flash_kept_scratch_bytes(): what is kept now; flash_release_scratch(): frees it.
+// The kernels pack their operands and keep their accumulators in scratch blocks; a freed block of 2 MiB or more
+// is kept (up to 1 GiB in all, or an eighth of the machine's memory where that is less) for the next call that
+// needs one of its size, so that calls of one shape do not take fresh pages each time.
+// flash_kept_scratch_bytes(): what is kept now; flash_release_scratch(): frees it.
 std::size_t flash_kept_scratch_bytes();
 void flash_release_scratch();
 

@@ -37,26 +37,6 @@ namespace cpattn::kernels {
 
 namespace {
 
-// n zeroed values of T in the kernels' pooled scratch (kernels/scratch.hpp): a call's packed operands, whose
-// pages the next call of the same shape reuses instead of faulting in fresh ones.
-template <class T>
-class PooledArray {
- public:
-  explicit PooledArray(std::size_t n)
-      : n_(n),
-        scratch_(std::make_unique<ScratchFloats>((n * sizeof(T) + sizeof(float) - 1) / sizeof(float))) {
-    if (n > 0) std::memset(scratch_->get(), 0, n * sizeof(T));
-  }
-  T* data() const { return reinterpret_cast<T*>(scratch_->get()); }
-  std::size_t size() const { return n_; }
-  T* begin() const { return data(); }
-  T& operator[](std::size_t i) const { return data()[i]; }
-
- private:
-  std::size_t n_;
-  std::unique_ptr<ScratchFloats> scratch_;
-};
-
 #define CPATTN_AMX_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 

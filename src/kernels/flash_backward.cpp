@@ -85,9 +85,9 @@ struct BackwardCall {
   std::int64_t Sq, Skv, Hq, Hkv, D, G, Bq, Bk, Dp, q_blocks, kv_blocks, sq_padded, stripe;
   bool segments;
   double dk_scale;
-  std::vector<double>& head_dk;  // [B][Hq][stripe][Bk][Dp] when G > 1
-  std::vector<double>& head_dv;
-  AlignedVector<float>& dq_acc;  // [B][Hq][Sq padded][Dp]
+  const PooledArray<double>& head_dk;  // [B][Hq][stripe][Bk][Dp] when G > 1
+  const PooledArray<double>& head_dv;
+  const PooledArray<float>& dq_acc;  // [B][Hq][Sq padded][Dp]
   std::vector<std::int64_t>& task_tiles;
   std::atomic<std::int64_t>& full;
   std::atomic<std::int64_t>& partial;
@@ -336,13 +336,10 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
   // grow with the sequence; with G = 1 there are no partials and one stripe. dQ accumulates in fp32 over
   // every stripe, [B][Hq][Sq padded][Dp].
   const std::int64_t stripe = backward_stripe_blocks(config, B, Hq, G, Dp, kv_blocks);
-  std::vector<double> head_dk, head_dv;
-  if (G > 1) {
-    head_dk.assign(static_cast<std::size_t>(B * Hq * stripe * Bk * Dp), 0.0);
-    head_dv.assign(head_dk.size(), 0.0);
-  }
+  const PooledArray<double> head_dk(G > 1 ? static_cast<std::size_t>(B * Hq * stripe * Bk * Dp) : 0);
+  const PooledArray<double> head_dv(head_dk.size());
   const PackedBlocks krows(k, grid.kv, Bk, Dp, PackLayout::rows, 1.0f, config.threads);  // K as rows, for dQ
-  AlignedVector<float> dq_acc(static_cast<std::size_t>(B * Hq * sq_padded * Dp), 0.0f);
+  const PooledArray<float> dq_acc(static_cast<std::size_t>(B * Hq * sq_padded * Dp));
   // dK is summed from Q' = q_factor * Q (the packed scores operand) instead of a second, unscaled copy of Q:
   // dK = scale * sum dS Q = (scale / q_factor) * sum dS Q'.
   const double dk_scale = scale / static_cast<double>(q_factor);

@@ -1,6 +1,7 @@
 #include "kernels/scratch.hpp"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -33,14 +34,14 @@ class ScratchPool {
     }
     return nullptr;
   }
-  // Keeps p, freeing the oldest blocks while more than kKeptScratchBytes are kept.
+  // Keeps p, freeing the oldest blocks while more than kept_limit() bytes are kept.
   void give(void* p, std::size_t bytes) {
     std::vector<Block> drop;
     {
       const std::lock_guard<std::mutex> lock(mutex_);
       kept_.push_back({p, bytes});
       total_ += bytes;
-      while (total_ > ScratchFloats::kKeptScratchBytes) {
+      while (total_ > ScratchFloats::kept_limit()) {
         drop.push_back(kept_.front());
         total_ -= kept_.front().bytes;
         kept_.erase(kept_.begin());
@@ -112,11 +113,21 @@ ScratchFloats::ScratchFloats(std::size_t n) {
 ScratchFloats::~ScratchFloats() {
   if (bytes_ == 0) {
     std::free(data_);
-  } else if (bytes_ <= kKeptScratchBytes) {
+  } else if (bytes_ <= kept_limit()) {
     scratch_pool().give(data_, bytes_);
   } else {
     munmap(data_, bytes_);
   }
+}
+
+std::size_t ScratchFloats::kept_limit() {
+  static const std::size_t limit = [] {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    const std::size_t gib = std::size_t{1} << 30;
+    if (pages <= 0 || page <= 0) return gib / 8;
+    return std::min(gib, static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 8);
+  }();
+  return limit;
 }
 
 void ScratchFloats::release_kept() {

@@ -3,18 +3,21 @@
 #pragma once
 
 #include <cstddef>
+#include <cstring>
+#include <memory>
 
 namespace cpattn::kernels {
 
 // Scratch of n floats, uninitialized, for a call's packed operands. From 2 MiB on it is its own mapping
 // (mmap, apart from malloc's heap), aligned to 2 MiB and advised as transparent huge pages (madvise: under
 // THP mode "madvise" 4 KiB pages would cost a page fault per 4 KiB), and when freed it is kept for the next
-// call that needs a block of its size (kKeptScratchBytes in all, the most recently freed kept first): fresh
-// pages cost every call their faults and zeroing (docs/performance.md, decisions), while calls of one shape
-// ask for the same sizes each time.
+// call that needs a block of its size (kept_limit() in all, the most recently freed kept first): fresh pages
+// cost every call their faults and zeroing (docs/performance.md, decisions), while calls of one shape ask for
+// the same sizes each time. The limit is 1 GiB, or an eighth of the machine's memory where that is less: the
+// ranks of an in-process group (ring: several kernel calls a step) each keep their own call's blocks.
 class ScratchFloats {
  public:
-  static constexpr std::size_t kKeptScratchBytes = std::size_t{128} << 20;
+  static std::size_t kept_limit();
   explicit ScratchFloats(std::size_t n);
   ~ScratchFloats();
   ScratchFloats(const ScratchFloats&) = delete;
@@ -27,6 +30,26 @@ class ScratchFloats {
  private:
   float* data_ = nullptr;
   std::size_t bytes_ = 0;  // what was allocated (0: malloc'd, not kept)
+};
+
+// n zeroed values of T in pooled scratch: a call's accumulators and partials, whose pages the next call of
+// the same shape reuses instead of faulting in fresh ones.
+template <class T>
+class PooledArray {
+ public:
+  explicit PooledArray(std::size_t n)
+      : n_(n),
+        scratch_(std::make_unique<ScratchFloats>((n * sizeof(T) + sizeof(float) - 1) / sizeof(float))) {
+    if (n > 0) std::memset(static_cast<void*>(scratch_->get()), 0, n * sizeof(T));
+  }
+  T* data() const { return reinterpret_cast<T*>(scratch_->get()); }
+  std::size_t size() const { return n_; }
+  T* begin() const { return data(); }
+  T& operator[](std::size_t i) const { return data()[i]; }
+
+ private:
+  std::size_t n_;
+  std::unique_ptr<ScratchFloats> scratch_;
 };
 
 }  // namespace cpattn::kernels
