@@ -76,8 +76,9 @@ enum class Bf16Path { amx, avx512_bf16, vector };
 const char* to_string(Bf16Path path);
 
 // The path bf16 inputs take under this config on this CPU: AMX where allowed and usable, else AVX512-BF16
-// where allowed and present, else the vector path. Inputs holding NaN or Inf take the vector path whatever
-// this says (the bf16 products cannot skip a masked pair's 0 * Inf).
+// where allowed and present, else the vector path. Whatever this says, a forward whose V holds NaN or Inf, and
+// a backward with any non-finite input, take the vector path (a product cannot skip a masked pair's 0 * Inf;
+// NaN or Inf in Q or K reach only the scores, which the mask replaces by selection).
 Bf16Path flash_bf16_path(const FlashConfig& config);
 
 // Tiles the kernel computed, counted on its own (Bq, Bk) grid. For one causal document of S tokens at

@@ -62,9 +62,11 @@ class MpiCommunicator final : public Communicator {
     int count = 0;
     MPI_Datatype type = MPI_BYTE;
   };
-  // A data collective as per-peer MPI_Irecv / MPI_Isend (the rank's own block included), completed against
-  // the timeout: past it, the ranks whose blocks never came are named.
-  void exchange(const std::vector<PeerBlock>& sends, const std::vector<PeerBlock>& recvs, const char* what);
+  // A data collective as per-peer MPI_Irecv / MPI_Isend (the rank's own block included) on the collective's
+  // own tag, completed against the timeout: past it, the ranks whose blocks never came are named; a peer that
+  // sent less than expected is a collective mismatch (Error(communication)).
+  void exchange(const std::vector<PeerBlock>& sends, const std::vector<PeerBlock>& recvs, const char* what,
+                int tag);
   // Completes n requests polling against the timeout (no MPI wait blocks forever); past it, prints which call
   // made no progress (and, when the first requests are receives from the ranks `from`, which of those never
   // came) and ends the job.

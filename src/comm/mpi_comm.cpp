@@ -116,7 +116,7 @@ void MpiCommunicator::all_to_all(const void* send, void* recv, std::int64_t coun
     sends.push_back({static_cast<const char*>(send) + p * block, n, mpi_type(dtype)});
     recvs.push_back({static_cast<char*>(recv) + p * block, n, mpi_type(dtype)});
   }
-  exchange(sends, recvs, "all_to_all");
+  exchange(sends, recvs, "all_to_all", 7010);
   this->count(CollectiveKind::all_to_all, count, dtype);
 }
 
@@ -138,7 +138,7 @@ void MpiCommunicator::all_to_all_strided(const void* send, const BlockStrides& s
     sends.push_back({static_cast<const char*>(send) + p * send_strides.block * e, 1, send_type});
     recvs.push_back({static_cast<char*>(recv) + p * recv_strides.block * e, 1, recv_type});
   }
-  exchange(sends, recvs, "all_to_all_strided");
+  exchange(sends, recvs, "all_to_all_strided", 7011);
   MPI_Type_free(&send_type);
   MPI_Type_free(&recv_type);
   this->count(CollectiveKind::all_to_all, shape.count(), dtype);
@@ -166,7 +166,7 @@ CollectiveCost MpiCommunicator::agree_on_blocks(const BlockList& send_blocks, co
     sends.push_back({mine.data() + 3 * p, 3, MPI_INT64_T});
     recvs.push_back({theirs.data() + 3 * p, 3, MPI_INT64_T});
   }
-  exchange(sends, recvs, "all_to_all_v (block shapes)");
+  exchange(sends, recvs, "all_to_all_v (block shapes)", 7012);
   std::string disagreement;
   std::int64_t pair = 0;  // 1 + sender * n + receiver of the first disagreement this rank saw, 0 when none
   for (std::size_t p = 0; p < n && disagreement.empty(); ++p) {
@@ -228,7 +228,7 @@ void MpiCommunicator::all_to_all_v(const void* send, const BlockList& send_block
                     block_type(recv_blocks.shape[p], {0, recv_blocks.outer, recv_blocks.inner}, dtype)};
       }
     }
-    exchange(sends, recvs, "all_to_all_v");
+    exchange(sends, recvs, "all_to_all_v", 7013);
     for (std::size_t p = 0; p < n; ++p) {
       if (sends[p].count > 0) MPI_Type_free(&sends[p].type);
       if (recvs[p].count > 0) MPI_Type_free(&recvs[p].type);
@@ -266,7 +266,7 @@ void MpiCommunicator::exchange_packed(const void* send, const BlockList& send_bl
     sends.push_back({a.data() + sdispls[p] * e, scounts[p], mpi_type(dtype)});
     recvs.push_back({b.data() + rdispls[p] * e, rcounts[p], mpi_type(dtype)});
   }
-  exchange(sends, recvs, "all_to_all_v");
+  exchange(sends, recvs, "all_to_all_v", 7013);
   for (std::size_t p = 0; p < n; ++p) {
     const BlockShape& s = recv_blocks.shape[p];
     if (s.count() == 0) continue;
@@ -288,6 +288,8 @@ class MpiShift final : public PendingShift {
   ~MpiShift() override {
     stop_progress();
     if (done_) return;
+    // An MPI error seen by the progress thread: some requests may still be active on the caller's buffers.
+    if (finished_ && rc_ != MPI_SUCCESS) comm_.fail(rc_, "a ring shift");
     // The rank is failing with this shift in flight: its buffers may go only once both requests are done (a
     // matched receive cannot be cancelled). Give them a short while; if they cannot finish, end the job
     // rather than let MPI touch freed memory.
@@ -324,10 +326,11 @@ class MpiShift final : public PendingShift {
     if (progress_.joinable()) {
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        ok = cv_.wait_until(lock, t0 + comm_.timeout_, [this] { return finished_; });
+        cv_.wait_until(lock, t0 + comm_.timeout_, [this] { return finished_; });
       }
-      stop_progress();
-      if (rc_ != MPI_SUCCESS) comm_.fail(rc_, "a ring shift");
+      stop_progress();  // joined: finished_ and rc_ are final (it may have finished at the deadline)
+      if (finished_ && rc_ != MPI_SUCCESS) comm_.fail(rc_, "a ring shift");
+      ok = finished_;
     } else {
       ok = poll(comm_.timeout_);
     }
@@ -419,7 +422,7 @@ void MpiCommunicator::all_gather(const void* send, void* recv, std::int64_t coun
   const auto block = static_cast<std::ptrdiff_t>(count * static_cast<std::int64_t>(comm_dtype_size(dtype)));
   std::vector<PeerBlock> sends(static_cast<std::size_t>(size_), {send, n, mpi_type(dtype)}), recvs;
   for (int p = 0; p < size_; ++p) recvs.push_back({static_cast<char*>(recv) + p * block, n, mpi_type(dtype)});
-  exchange(sends, recvs, "all_gather");
+  exchange(sends, recvs, "all_gather", 7014);
   this->count(CollectiveKind::all_gather, count, dtype);
 }
 
@@ -439,7 +442,7 @@ void MpiCommunicator::reduce_scatter_sum(const void* send, void* recv, std::int6
     sends.push_back({static_cast<const char*>(send) + p * block, n, mpi_type(dtype)});
     recvs.push_back({gathered_.data() + p * block, n, mpi_type(dtype)});
   }
-  exchange(sends, recvs, "reduce_scatter");
+  exchange(sends, recvs, "reduce_scatter", 7015);
   if (count > 0) {
     std::vector<const void*> blocks;
     for (int p = 0; p < size_; ++p) blocks.push_back(gathered_.data() + bytes / size_ * p);
@@ -529,8 +532,7 @@ void MpiCommunicator::fail(int rc, const char* what) {
 }
 
 void MpiCommunicator::exchange(const std::vector<PeerBlock>& sends, const std::vector<PeerBlock>& recvs,
-                               const char* what) {
-  constexpr int kDataTag = 7003;
+                               const char* what, int tag) {
   std::vector<MPI_Request> requests;
   std::vector<int> from;
   for (int p = 0; p < size_; ++p) {
@@ -538,18 +540,33 @@ void MpiCommunicator::exchange(const std::vector<PeerBlock>& sends, const std::v
     if (r.count == 0) continue;
     requests.emplace_back();
     from.push_back(p);
-    const int rc =
-        MPI_Irecv(const_cast<void*>(r.data), r.count, r.type, p, kDataTag, comm_, &requests.back());
+    const int rc = MPI_Irecv(const_cast<void*>(r.data), r.count, r.type, p, tag, comm_, &requests.back());
     if (rc != MPI_SUCCESS) fail(rc, what);
   }
   for (int p = 0; p < size_; ++p) {
     const PeerBlock& s = sends[static_cast<std::size_t>(p)];
     if (s.count == 0) continue;
     requests.emplace_back();
-    const int rc = MPI_Isend(s.data, s.count, s.type, p, kDataTag, comm_, &requests.back());
+    const int rc = MPI_Isend(s.data, s.count, s.type, p, tag, comm_, &requests.back());
     if (rc != MPI_SUCCESS) fail(rc, what);
   }
-  complete(requests.data(), static_cast<int>(requests.size()), what, &from);
+  std::vector<MPI_Status> statuses(requests.size());
+  complete(requests.data(), static_cast<int>(requests.size()), what, &from, statuses.data());
+  // A peer that sent less than this rank expects (more is MPI's truncation error, which ends the job).
+  for (std::size_t i = 0; i < from.size(); ++i) {
+    const PeerBlock& r = recvs[static_cast<std::size_t>(from[i])];
+    int got = 0;
+    MPI_Get_count(&statuses[i], r.type, &got);
+    if (got != r.count) {
+      int bytes = 0, size = 0;
+      MPI_Get_count(&statuses[i], MPI_BYTE, &bytes);
+      MPI_Type_size(r.type, &size);
+      throw Error(ErrorKind::communication, "collective", what,
+                  "collective mismatch in " + std::string(what) + ": rank " + std::to_string(from[i]) +
+                      " sent rank " + std::to_string(rank_) + " " + std::to_string(bytes) +
+                      " bytes where it expects " + std::to_string(static_cast<std::int64_t>(size) * r.count));
+    }
+  }
 }
 
 void MpiCommunicator::complete(MPI_Request* requests, int n, const char* what, const std::vector<int>* from,

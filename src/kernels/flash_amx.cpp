@@ -153,8 +153,8 @@ CPATTN_AMX_TARGET void tile_product(const std::uint16_t* left, std::int64_t left
 #define CPATTN_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
 // tile_product's contract with AVX512-BF16 dot products instead of the tile unit: VDPBF16PS adds a pair of
-// bf16 products per fp32 lane. Micro-tiles of 8 rows x 32 columns (16 fp32 sums held in registers over the
-// whole depth); each step multiplies a left row's broadcast pair (d, d+1) with 16 columns' pairs. A row's
+// bf16 products per fp32 lane. Micro-tiles of 8 rows x 32 columns (16 registers of fp32 sums over the whole
+// depth); each step multiplies a left row's broadcast pair (d, d+1) with 16 columns' pairs. A row's
 // sums depend only on that row and the depth order, as on the tile unit. `in_scale` (per row, or null)
 // multiplies a loaded out row first and `out_scale` the result, in the same passes.
 CPATTN_BF16_TARGET void dot_product(const std::uint16_t* left, std::int64_t left_stride,

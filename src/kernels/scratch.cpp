@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <fstream>
 #include <iterator>
 #include <mutex>
 #include <new>
@@ -120,12 +121,26 @@ ScratchFloats::~ScratchFloats() {
   }
 }
 
+namespace {
+// The memory this process may use: the machine's, or its cgroup's limit (v2 memory.max, v1
+// memory.limit_in_bytes) where that is less; 0 when unknown.
+std::size_t usable_memory() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  std::size_t bytes =
+      pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) : 0;
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream f(path);
+    unsigned long long limit = 0;
+    if (f >> limit && limit > 0 && (bytes == 0 || limit < bytes)) bytes = static_cast<std::size_t>(limit);
+  }
+  return bytes;
+}
+}  // namespace
+
 std::size_t ScratchFloats::kept_limit() {
   static const std::size_t limit = [] {
-    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    const std::size_t gib = std::size_t{1} << 30;
-    if (pages <= 0 || page <= 0) return gib / 8;
-    return std::min(gib, static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 8);
+    const std::size_t gib = std::size_t{1} << 30, memory = usable_memory();
+    return memory == 0 ? gib / 8 : std::min(gib, memory / 8);
   }();
   return limit;
 }

@@ -13,8 +13,9 @@ namespace cpattn::kernels {
 // THP mode "madvise" 4 KiB pages would cost a page fault per 4 KiB), and when freed it is kept for the next
 // call that needs a block of its size (kept_limit() in all, the most recently freed kept first): fresh pages
 // cost every call their faults and zeroing (docs/performance.md, decisions), while calls of one shape ask for
-// the same sizes each time. The limit is 1 GiB, or an eighth of the machine's memory where that is less: the
-// ranks of an in-process group (ring: several kernel calls a step) each keep their own call's blocks.
+// the same sizes each time. The limit is 1 GiB, or an eighth of the memory the process may use (the
+// machine's, or its cgroup's limit) where that is less: the ranks of an in-process group (ring: several
+// kernel calls a step) each keep their own call's blocks.
 class ScratchFloats {
  public:
   static std::size_t kept_limit();
