@@ -76,9 +76,9 @@ enum class Bf16Path { amx, avx512_bf16, vector };
 const char* to_string(Bf16Path path);
 
 // The path bf16 inputs take under this config on this CPU: AMX where allowed and usable, else AVX512-BF16
-// where allowed and present, else the vector path. Whatever this says, a forward whose V holds NaN or Inf, and
-// a backward with any non-finite input, take the vector path (a product cannot skip a masked pair's 0 * Inf;
-// NaN or Inf in Q or K reach only the scores, which the mask replaces by selection).
+// where allowed and present, else the vector path. Whatever this says, a forward whose V holds NaN or Inf,
+// and a backward with any non-finite input, take the vector path (a product cannot skip a masked pair's 0 *
+// Inf; NaN or Inf in Q or K reach only the scores, which the mask replaces by selection).
 Bf16Path flash_bf16_path(const FlashConfig& config);
 
 // Tiles the kernel computed, counted on its own (Bq, Bk) grid. For one causal document of S tokens at
@@ -117,9 +117,9 @@ std::string flash_vector_target();
 // valid targets for any other name.
 void flash_force_vector_target(const std::string& name);
 
-// The kernels pack their operands and keep their accumulators in scratch blocks; a freed block of 2 MiB or more
-// is kept (up to 1 GiB in all, or an eighth of the machine's memory where that is less) for the next call that
-// needs one of its size, so that calls of one shape do not take fresh pages each time.
+// The kernels pack their operands and keep their accumulators in scratch blocks; a freed block of 2 MiB or
+// more is kept (up to 1 GiB in all, or an eighth of the machine's memory where that is less) for the next
+// call that needs one of its size, so that calls of one shape do not take fresh pages each time.
 // flash_kept_scratch_bytes(): what is kept now; flash_release_scratch(): frees it.
 std::size_t flash_kept_scratch_bytes();
 void flash_release_scratch();
