@@ -156,11 +156,11 @@ TEST(InProcessGroup, CountersFollowTheAccounting) {
   });
   const auto rec = group.communicator(2).counters().records();
   ASSERT_EQ(rec.size(), 4u);
-  EXPECT_EQ(rec[0], (CollectiveRecord{CollectiveKind::all_to_all, "forward", 2, 2 * 1600, 2 * 1200}));
-  EXPECT_EQ(rec[1], (CollectiveRecord{CollectiveKind::all_gather, "forward", 1, 400, 300}));
-  EXPECT_EQ(rec[2], (CollectiveRecord{CollectiveKind::reduce_scatter, "forward", 1, 1600, 1200}));
+  EXPECT_EQ(rec[0], (CollectiveRecord{CollectiveKind::all_to_all, "forward", 2, 2 * 1600, 2 * 1200, ""}));
+  EXPECT_EQ(rec[1], (CollectiveRecord{CollectiveKind::all_gather, "forward", 1, 400, 300, ""}));
+  EXPECT_EQ(rec[2], (CollectiveRecord{CollectiveKind::reduce_scatter, "forward", 1, 1600, 1200, ""}));
   // A permute's bytes are its operand; sent per rank is the largest over ranks (0 for the identity).
-  EXPECT_EQ(rec[3], (CollectiveRecord{CollectiveKind::collective_permute, "forward", 2, 80, 40}));
+  EXPECT_EQ(rec[3], (CollectiveRecord{CollectiveKind::collective_permute, "forward", 2, 80, 40, ""}));
   group.communicator(2).counters().reset();
   EXPECT_TRUE(group.communicator(2).counters().records().empty());
 }
@@ -266,7 +266,7 @@ TEST(InProcessGroup, AllToAllVCountsTheLargestOperandAndTheLargestSent) {
   for (const auto& r : records) {
     ASSERT_EQ(r.size(), 1u);
     EXPECT_EQ(r[0],
-              (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1, 3 * 3 * 2 * 4, 2 * 3 * 2 * 4}));
+              (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1, 3 * 3 * 2 * 4, 2 * 3 * 2 * 4, ""}));
   }
 }
 
@@ -284,7 +284,8 @@ TEST(InProcessGroup, ShiftsCountAsAPermuteAndAFailureMidShiftIsAnErrorOnEveryRan
     });
     for (const auto& r : records) {
       ASSERT_EQ(r.size(), 1u);
-      EXPECT_EQ(r[0], (CollectiveRecord{CollectiveKind::collective_permute, "forward", 2, 2 * 40, 2 * 40}));
+      EXPECT_EQ(r[0],
+                (CollectiveRecord{CollectiveKind::collective_permute, "forward", 2, 2 * 40, 2 * 40, ""}));
     }
   }
   std::vector<std::string> messages(4);
@@ -356,7 +357,8 @@ TEST(InProcessGroup, StridedAllToAllRefusesANegativeStrideAndCountsLikeAllToAll)
   });
   const auto rec = counted.communicator(1).counters().records();
   ASSERT_EQ(rec.size(), 1u);
-  EXPECT_EQ(rec[0], (CollectiveRecord{CollectiveKind::all_to_all, "unspecified", 1, 4 * 60 * 2, 3 * 60 * 2}));
+  EXPECT_EQ(rec[0],
+            (CollectiveRecord{CollectiveKind::all_to_all, "unspecified", 1, 4 * 60 * 2, 3 * 60 * 2, ""}));
 }
 
 // A communicator that only has the contiguous all_to_all, so all_to_all_strided takes the base class's
@@ -440,6 +442,100 @@ TEST(InProcessGroup, BadPermutationsAreRefusedBeforeWaiting) {
     c.collective_permute(&x, &y, 1, CommDType::f32, {1, 1});
   }),
                Error);
+}
+
+// Sub-communicators (the hybrid strategy's ulysses and ring groups): cp = 8 as U = 2 x R = 4, rank
+// c = ring_rank * U + u_rank. Every collective is exact inside each group, ranks follow the key, each group's
+// calls are counted in the parent's counters under its label, and a second split of the same colors makes
+// new groups.
+TEST(InProcessGroup, SplitsIntoGroupsThatWorkSideBySide) {
+  constexpr int kU = 2, kR = 4;
+  InProcessGroup group(kU * kR);
+  std::vector<std::int64_t> wrong(kU * kR, -1);
+  std::vector<std::vector<int>> members(kU * kR);
+  std::vector<std::vector<CollectiveRecord>> records(kU * kR);
+  group.run([&](Communicator& c) {
+    const int r = c.rank();
+    auto ulysses = c.split(r / kU, r % kU);
+    auto ring = c.split(r % kU, kR - 1 - r / kU);  // keys reversed: ring rank R-1-(r/U)
+    EXPECT_EQ(ulysses->size(), kU);
+    EXPECT_EQ(ulysses->rank(), r % kU);
+    EXPECT_EQ(ring->size(), kR);
+    EXPECT_EQ(ring->rank(), kR - 1 - r / kU);
+    wrong[r] = testing::wrong_in_all_cases(*ulysses) + testing::wrong_in_all_cases(*ring);
+    // Who is in my ring group, in ring-rank order.
+    std::int32_t mine = r;
+    std::vector<std::int32_t> all(kR);
+    ring->all_gather(&mine, all.data(), 1, CommDType::i32);
+    members[r].assign(all.begin(), all.end());
+    CollectiveCounters::PhaseScope phase(c.counters(), "forward");
+    ulysses->report_to(c.counters(), "ulysses");
+    ring->report_to(c.counters(), "ring");
+    std::vector<float> a(4 * kR, 1.0f), b(4 * kR);
+    ring->all_to_all(a.data(), b.data(), 4, CommDType::f32);
+    ulysses->all_gather(a.data(), b.data(), 4, CommDType::f32);
+    ring->all_to_all(a.data(), b.data(), 4, CommDType::f32);
+    auto again = c.split(r / kU, r % kU);
+    EXPECT_EQ(again->rank(), r % kU);
+    EXPECT_EQ(testing::wrong_in_all_cases(*again), 0);
+    records[r] = c.counters().records();
+  });
+  for (int r = 0; r < kU * kR; ++r) {
+    EXPECT_EQ(wrong[r], 0) << "rank " << r;
+    std::vector<int> expect;
+    for (int q = kR - 1; q >= 0; --q) expect.push_back(q * kU + r % kU);
+    EXPECT_EQ(members[r], expect) << "rank " << r;
+    ASSERT_EQ(records[r].size(), 2u) << "rank " << r;
+    EXPECT_EQ(records[r][0], (CollectiveRecord{CollectiveKind::all_to_all, "forward", 2, 2 * 4 * kR * 4,
+                                               2 * 4 * (kR - 1) * 4, "ring"}));
+    EXPECT_EQ(records[r][1],
+              (CollectiveRecord{CollectiveKind::all_gather, "forward", 1, 4 * kU * 4, 4 * 4, "ulysses"}));
+  }
+}
+
+// A rank that fails while the others wait in different sub-groups (or in the parent) ends every wait with an
+// error naming it by its rank in the whole group, promptly; a color < 0 is refused.
+TEST(InProcessGroup, AFailureInOneSubGroupReachesEveryRankOfEveryGroup) {
+  InProcessGroup group(6, {std::chrono::seconds(60)});
+  std::vector<std::string> messages(6);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_THROW(group.run([&](Communicator& c) {
+    try {
+      auto sub = c.split(c.rank() / 3, c.rank());
+      if (c.rank() == 4) throw std::runtime_error("injected fault");
+      std::vector<float> a(3, 1.0f), b(9);
+      if (c.rank() < 3) {
+        for (int i = 0; i < 3; ++i) sub->all_gather(a.data(), b.data(), 1, CommDType::f32);
+        c.barrier();  // waits for rank 4, which never comes
+      } else {
+        sub->all_gather(a.data(), b.data(), 1, CommDType::f32);  // rank 4 missing
+      }
+    } catch (const std::exception& e) {
+      messages[c.rank()] = e.what();
+      throw;
+    }
+  }),
+               std::runtime_error);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+  for (int r : {0, 1, 2, 3, 5}) {
+    EXPECT_NE(messages[r].find("rank " + std::to_string(r) +
+                               ": the in-process group was aborted because rank 4 "
+                               "failed: injected fault"),
+              std::string::npos)
+        << messages[r];
+  }
+  InProcessGroup two(2);
+  std::vector<std::string> refused(2);
+  EXPECT_THROW(two.run([&](Communicator& c) {
+    try {
+      c.split(-1, 0);
+    } catch (const Error& e) {
+      refused[c.rank()] = e.what();
+      throw;
+    }
+  }),
+               Error);
+  EXPECT_NE(refused[0].find("split color (-1) must be >= 0"), std::string::npos) << refused[0];
 }
 
 }  // namespace

@@ -35,6 +35,9 @@ struct CollectiveRecord {
   std::int64_t count = 0;
   std::int64_t bytes = 0;
   std::int64_t bytes_sent_per_rank = 0;
+  // The sub-communicator the calls ran on (the hybrid strategy's `ulysses` or `ring` group); empty for the
+  // single-group strategies.
+  std::string group;
   bool operator==(const CollectiveRecord&) const = default;
 };
 
@@ -57,11 +60,11 @@ CollectiveCost collective_cost(CollectiveKind kind, std::int64_t count, std::siz
 CollectiveCost all_to_all_v_cost(const std::vector<std::vector<std::int64_t>>& sent,
                                  std::size_t element_size);
 
-// Adds one call to a (kind, phase)-aggregated list, keeping first-seen order.
+// Adds one call to a (kind, phase, group)-aggregated list, keeping first-seen order.
 void add_to_records(std::vector<CollectiveRecord>& records, CollectiveKind kind, const std::string& phase,
-                    const CollectiveCost& cost);
+                    const CollectiveCost& cost, const std::string& group = "");
 
-// Thread-safe per-communicator counters; records stay in first-seen order of (kind, phase).
+// Thread-safe per-communicator counters; records stay in first-seen order of (kind, phase, group).
 class CollectiveCounters {
  public:
   CollectiveCounters();
@@ -69,7 +72,7 @@ class CollectiveCounters {
   CollectiveCounters(const CollectiveCounters&) = delete;
   CollectiveCounters& operator=(const CollectiveCounters&) = delete;
 
-  void record(CollectiveKind kind, const CollectiveCost& cost);
+  void record(CollectiveKind kind, const CollectiveCost& cost, const std::string& group = "");
   std::vector<CollectiveRecord> records() const;
   void reset();
   void set_phase(std::string phase);

@@ -106,8 +106,17 @@ class Communicator {
   // Small control values (shapes, error flags); not counted.
   virtual void all_reduce(std::int64_t* values, int n, ReduceOp op) = 0;
 
+  // The ranks of the same `color` as a communicator of their own (MPI_Comm_split), ranked by (key, rank);
+  // every rank calls it, in the same order as its collectives. Failures in a sub-communicator reach every
+  // communicator of the group it came from (in-process: one abort for the whole family; MPI: the deadline).
+  // The default throws Error(invalid_config): the backend cannot split.
+  virtual std::unique_ptr<Communicator> split(int color, int key);
+
   // What this communicator counted. A communicator that forwards to another returns the other's.
   virtual CollectiveCounters& counters() { return counters_; }
+  // From now on this communicator's accounting goes into `into` (its phase) with `group` on every record
+  // (the hybrid strategy counts its two sub-communicators in the caller's counters). `into` must outlive it.
+  void report_to(CollectiveCounters& into, std::string group);
 
  protected:
   // The accounting for one call; backends call it once per collective, after it succeeded.
@@ -119,6 +128,8 @@ class Communicator {
 
  private:
   CollectiveCounters counters_;
+  CollectiveCounters* report_to_ = nullptr;  // report_to's target; null: counters_
+  std::string group_;
   struct PackBuffers;  // all_to_all_strided's fallback buffers, kept between calls
   std::unique_ptr<PackBuffers> pack_;
 };

@@ -41,6 +41,9 @@ class MpiCommunicator final : public Communicator {
                                             CommDType dtype) override;
   void barrier() override;
   void all_reduce(std::int64_t* values, int n, ReduceOp op) override;
+  // MPI_Comm_split (after an all_reduce that every rank reaches within the timeout); the sub-communicator
+  // keeps this one's timeout, and its messages name ranks of MPI_COMM_WORLD.
+  std::unique_ptr<Communicator> split(int color, int key) override;
 
   MPI_Comm comm() const { return comm_; }
   // How long any wait of this communicator (a collective's, a shift's) polls before the rank prints what made
@@ -75,8 +78,12 @@ class MpiCommunicator final : public Communicator {
   // An MPI error while requests are in flight: print it and end the job.
   [[noreturn]] void fail(int rc, const char* what);
 
+  // Rank r of this communicator as a rank of MPI_COMM_WORLD (what messages name).
+  int world(int r) const { return world_.empty() ? r : world_[static_cast<std::size_t>(r)]; }
+
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
+  std::vector<int> world_;               // world(r) for each rank r
   std::vector<unsigned char> gathered_;  // reduce_scatter's blocks from every rank, kept between calls
   std::chrono::milliseconds timeout_{std::chrono::seconds(600)};
   bool progress_thread_ = false;

@@ -8,11 +8,21 @@ namespace cpattn {
 void Communicator::count(CollectiveKind kind, std::int64_t count, CommDType dtype,
                          const std::vector<int>* dest) {
   const CollectiveCost c = collective_cost(kind, count, comm_dtype_size(dtype), size(), dest);
-  counters_.record(kind, c);
+  count_cost(kind, c);
 }
 
 void Communicator::count_cost(CollectiveKind kind, const CollectiveCost& cost) {
-  counters_.record(kind, cost);
+  (report_to_ != nullptr ? *report_to_ : counters_).record(kind, cost, group_);
+}
+
+void Communicator::report_to(CollectiveCounters& into, std::string group) {
+  report_to_ = &into;
+  group_ = std::move(group);
+}
+
+std::unique_ptr<Communicator> Communicator::split(int, int) {
+  throw Error(ErrorKind::invalid_config, "backend", backend(),
+              std::string("the ") + backend() + " communicator cannot split into sub-communicators");
 }
 
 void Communicator::count_shift(std::int64_t count, CommDType dtype) {

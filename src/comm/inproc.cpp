@@ -1,11 +1,13 @@
 #include "cpattn/inproc.hpp"
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <exception>
 #include <map>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "cpattn/bf16.hpp"
 #include "cpattn/error.hpp"
@@ -95,31 +97,62 @@ std::string describe(const Slot& s) {
 
 }  // namespace
 
-struct InProcessGroup::State {
-  int size = 0;
-  InProcessOptions options;
+// What every group split from one InProcessGroup shares: one lock and one wake-up, so that one abort reaches
+// every rank waiting in any of them, and the failure that caused it.
+struct InProcessFamily {
   std::mutex mutex;
   std::condition_variable cv;
+  bool aborted = false;
+  int failed_rank = -1;  // in the ranks of the InProcessGroup
+  std::string reason;
+  // Sub-groups being picked up by their members (split): (parent, the parent's split number, color) -> the
+  // sub-group and how many members have yet to take it.
+  std::map<std::tuple<const void*, std::uint64_t, std::int64_t>,
+           std::pair<std::shared_ptr<InProcessGroup::State>, int>>
+      pending;
+};
+
+struct InProcessGroup::State {
+  State(std::shared_ptr<InProcessFamily> f, std::vector<int> members, InProcessOptions o)
+      : family(std::move(f)),
+        mutex(family->mutex),
+        cv(family->cv),
+        size(static_cast<int>(members.size())),
+        world(std::move(members)),
+        options(o),
+        slots(static_cast<std::size_t>(size)),
+        calls(static_cast<std::size_t>(size), 0),
+        shift_send(static_cast<std::size_t>(size)),
+        shift_received(static_cast<std::size_t>(size)),
+        shift_cancelled(static_cast<std::size_t>(size)),
+        shifts_started(static_cast<std::size_t>(size), 0) {}
+
+  std::shared_ptr<InProcessFamily> family;
+  std::mutex& mutex;
+  std::condition_variable& cv;
+  int size = 0;
+  std::vector<int> world;  // each rank's rank in the InProcessGroup (messages name those)
+  InProcessOptions options;
   std::vector<Slot> slots;
   std::vector<std::int64_t> calls;  // collectives each rank has entered
   int arrived = 0;
   std::uint64_t generation = 0;
-  bool aborted = false;
-  int failed_rank = -1;
-  std::string reason;
-  std::vector<std::unique_ptr<Communicator>> comms;
+  std::vector<std::unique_ptr<Communicator>> comms;  // the InProcessGroup's own ranks (not a split's)
+
+  std::string name(int rank) const { return "rank " + std::to_string(world[rank]); }
+  bool aborted() const { return family->aborted; }
 
   [[noreturn]] void throw_aborted(int rank) const {
-    throw Error(ErrorKind::communication, "rank", std::to_string(failed_rank),
-                "rank " + std::to_string(rank) + ": the in-process group was aborted because rank " +
-                    std::to_string(failed_rank) + " failed: " + reason);
+    throw Error(ErrorKind::communication, "rank", std::to_string(family->failed_rank),
+                name(rank) + ": the in-process group was aborted because rank " +
+                    std::to_string(family->failed_rank) + " failed: " + family->reason);
   }
 
   void abort_locked(int rank, const std::string& why) {
-    if (!aborted) {
-      aborted = true;
-      failed_rank = rank;
-      reason = why;
+    if (!family->aborted) {
+      family->aborted = true;
+      family->failed_rank = world[rank];
+      family->reason = why;
     }
     cv.notify_all();
   }
@@ -135,12 +168,12 @@ struct InProcessGroup::State {
       return;
     }
     const auto deadline = std::chrono::steady_clock::now() + options.timeout;
-    while (generation == gen && !(abortable && aborted)) {
+    while (generation == gen && !(abortable && aborted())) {
       if (cv.wait_until(lock, deadline) == std::cv_status::timeout && generation == gen && abortable &&
-          !aborted) {
+          !aborted()) {
         std::string missing;
         for (int p = 0; p < size; ++p) {
-          if (calls[p] < calls[rank]) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+          if (calls[p] < calls[rank]) missing += (missing.empty() ? "" : ", ") + std::to_string(world[p]);
         }
         abort_locked(rank, std::string(call_name(call)) + " timed out after " +
                                std::to_string(options.timeout.count()) + " ms waiting for rank(s) [" +
@@ -186,13 +219,13 @@ void InProcessGroup::State::copy_shift(int rank, std::uint64_t seq, unsigned cha
     const auto it = shift_send[pred].find(seq);
     return it != shift_send[pred].end() && it->second.state == SendState::posted;
   };
-  cv.wait(lock, [&] { return aborted || shift_cancelled[rank].count(seq) != 0 || posted(); });
-  if (aborted || shift_cancelled[rank].count(seq) != 0) return;
+  cv.wait(lock, [&] { return aborted() || shift_cancelled[rank].count(seq) != 0 || posted(); });
+  if (aborted() || shift_cancelled[rank].count(seq) != 0) return;
   ShiftSend& from = shift_send[pred].at(seq);
   if (from.bytes != bytes) {
-    abort_locked(rank, "shift mismatch: rank " + std::to_string(pred) + " sends rank " +
-                           std::to_string(rank) + " " + std::to_string(from.bytes) + " bytes but rank " +
-                           std::to_string(rank) + " expects " + std::to_string(bytes));
+    abort_locked(rank, "shift mismatch: " + name(pred) + " sends " + name(rank) + " " +
+                           std::to_string(from.bytes) + " bytes but " + name(rank) + " expects " +
+                           std::to_string(bytes));
     return;
   }
   from.state = SendState::copying;
@@ -210,13 +243,13 @@ void InProcessGroup::State::wait_shift(int rank, std::uint64_t seq) {
   const auto deadline = std::chrono::steady_clock::now() + options.timeout;
   auto came = [&] { return shift_received[rank].count(seq) != 0; };
   auto taken = [&] { return shift_send[rank].at(seq).state == SendState::consumed; };
-  while (!aborted && !(came() && taken())) {
-    if (cv.wait_until(lock, deadline) == std::cv_status::timeout && !aborted && !(came() && taken())) {
+  while (!aborted() && !(came() && taken())) {
+    if (cv.wait_until(lock, deadline) == std::cv_status::timeout && !aborted() && !(came() && taken())) {
       const int pred = (rank + size - 1) % size, succ = (rank + 1) % size;
-      abort_locked(rank, "shift " + std::to_string(seq) + " timed out after " +
-                             std::to_string(options.timeout.count()) + " ms: " +
-                             (!came() ? "no data from rank " + std::to_string(pred)
-                                      : "rank " + std::to_string(succ) + " did not take this rank's data"));
+      abort_locked(
+          rank, "shift " + std::to_string(seq) + " timed out after " +
+                    std::to_string(options.timeout.count()) + " ms: " +
+                    (!came() ? "no data from " + name(pred) : name(succ) + " did not take this rank's data"));
     }
   }
   if (!(came() && taken())) throw_aborted(rank);
@@ -273,6 +306,9 @@ class InProcessShift final : public PendingShift {
 class InProcessCommunicator final : public Communicator {
  public:
   InProcessCommunicator(InProcessGroup::State& state, int rank) : state_(state), rank_(rank) {}
+  // A rank of a split: it shares the sub-group with the other members.
+  InProcessCommunicator(std::shared_ptr<InProcessGroup::State> sub, int rank)
+      : keep_(std::move(sub)), state_(*keep_), rank_(rank) {}
   int rank() const override { return rank_; }
   int size() const override { return state_.size; }
   const char* backend() const override { return "inproc"; }
@@ -331,7 +367,7 @@ class InProcessCommunicator final : public Communicator {
     std::uint64_t seq = 0;
     {
       std::lock_guard<std::mutex> lock(state_.mutex);
-      if (state_.aborted) state_.throw_aborted(rank_);
+      if (state_.aborted()) state_.throw_aborted(rank_);
       seq = ++state_.shifts_started[rank_];
       state_.shift_send[rank_][seq] = {static_cast<const unsigned char*>(send), bytes,
                                        InProcessGroup::State::SendState::posted};
@@ -346,11 +382,52 @@ class InProcessCommunicator final : public Communicator {
   void all_reduce(std::int64_t* values, int n, ReduceOp op) override {
     state_.collective(rank_, make_slot(Call::all_reduce, values, values, n, CommDType::i32, nullptr, op));
   }
+  std::unique_ptr<Communicator> split(int color, int key) override;
 
  private:
+  std::shared_ptr<InProcessGroup::State> keep_;  // a split's sub-group (the group's own ranks: null)
   InProcessGroup::State& state_;
   int rank_;
+  std::uint64_t splits_ = 0;  // splits made so far (every rank makes the same ones in the same order)
 };
+
+// Every rank's (color, key) by an all_reduce; the first member to arrive creates the sub-group, the others
+// take it from the family's table.
+std::unique_ptr<Communicator> InProcessCommunicator::split(int color, int key) {
+  if (color < 0) {
+    throw Error(ErrorKind::invalid_input, "color", std::to_string(color),
+                "split color (" + std::to_string(color) + ") must be >= 0");
+  }
+  const int n = size();
+  std::vector<std::int64_t> ck(static_cast<std::size_t>(2 * n), 0);
+  ck[2 * rank_] = color;
+  ck[2 * rank_ + 1] = key;
+  all_reduce(ck.data(), 2 * n, ReduceOp::sum);
+  std::vector<int> members;  // parent ranks of this color, by (key, rank)
+  for (int p = 0; p < n; ++p) {
+    if (ck[2 * p] == color) members.push_back(p);
+  }
+  std::stable_sort(members.begin(), members.end(),
+                   [&](int a, int b) { return ck[2 * a + 1] < ck[2 * b + 1]; });
+  const int sub_rank = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
+  const std::uint64_t seq = ++splits_;
+  std::shared_ptr<InProcessGroup::State> sub;
+  {
+    std::lock_guard<std::mutex> lock(state_.mutex);
+    if (state_.aborted()) state_.throw_aborted(rank_);
+    const auto id = std::make_tuple(static_cast<const void*>(&state_), seq, std::int64_t{color});
+    auto& entry = state_.family->pending[id];
+    if (!entry.first) {
+      std::vector<int> world;
+      for (const int p : members) world.push_back(state_.world[p]);
+      entry = {std::make_shared<InProcessGroup::State>(state_.family, std::move(world), state_.options),
+               static_cast<int>(members.size())};
+    }
+    sub = entry.first;
+    if (--entry.second == 0) state_.family->pending.erase(id);
+  }
+  return std::make_unique<InProcessCommunicator>(std::move(sub), sub_rank);
+}
 
 void sum_blocks(const std::vector<Slot>& slots, int rank, std::int64_t count, CommDType dtype, void* out) {
   const std::size_t off =
@@ -362,7 +439,8 @@ void sum_blocks(const std::vector<Slot>& slots, int rank, std::int64_t count, Co
 
 // all_to_all_v: what each rank sends each peer must be what the peer expects, checked over every pair so
 // that every rank reaches the same verdict; then the call's accounting.
-CollectiveCost check_variable_blocks(const std::vector<Slot>& slots, int rank) {
+CollectiveCost check_variable_blocks(const std::vector<Slot>& slots, int rank,
+                                     const std::vector<int>& world) {
   const int n = static_cast<int>(slots.size());
   std::vector<std::vector<std::int64_t>> sent(static_cast<std::size_t>(n));
   for (int p = 0; p < n; ++p) {
@@ -371,9 +449,10 @@ CollectiveCost check_variable_blocks(const std::vector<Slot>& slots, int rank) {
       const BlockShape& in = slots[q].recv_blocks->shape[p];
       if (!(out == in)) {
         throw Error(ErrorKind::communication, "collective", "all_to_all_v",
-                    "collective mismatch (seen by rank " + std::to_string(rank) + "): in all_to_all_v rank " +
-                        std::to_string(p) + " sends rank " + std::to_string(q) + " a block of " +
-                        shape_text(out) + " but rank " + std::to_string(q) + " expects " + shape_text(in));
+                    "collective mismatch (seen by rank " + std::to_string(world[rank]) +
+                        "): in all_to_all_v rank " + std::to_string(world[p]) + " sends rank " +
+                        std::to_string(world[q]) + " a block of " + shape_text(out) + " but rank " +
+                        std::to_string(world[q]) + " expects " + shape_text(in));
       }
       sent[p].push_back(out.count());
     }
@@ -386,7 +465,7 @@ CollectiveCost check_variable_blocks(const std::vector<Slot>& slots, int rank) {
 void InProcessGroup::State::collective(int rank, const Slot& mine) {
   {
     std::unique_lock<std::mutex> lock(mutex);
-    if (aborted) throw_aborted(rank);
+    if (aborted()) throw_aborted(rank);
     slots[rank] = mine;
     ++calls[rank];
     arrive_and_wait(lock, rank, mine.call, true);
@@ -403,11 +482,11 @@ void InProcessGroup::State::collective(int rank, const Slot& mine) {
                         s.shape == mine.shape;
       if (!same) {
         throw Error(ErrorKind::communication, "collective", describe(s),
-                    "collective mismatch: rank " + std::to_string(rank) + " called " + describe(mine) +
-                        " but rank " + std::to_string(p) + " called " + describe(s));
+                    "collective mismatch: " + name(rank) + " called " + describe(mine) + " but " + name(p) +
+                        " called " + describe(s));
       }
     }
-    if (mine.call == Call::all_to_all_v) *mine.cost = check_variable_blocks(slots, rank);
+    if (mine.call == Call::all_to_all_v) *mine.cost = check_variable_blocks(slots, rank, world);
   } catch (const Error&) {
     mismatch = std::current_exception();
   }
@@ -486,19 +565,14 @@ void InProcessGroup::State::collective(int rank, const Slot& mine) {
   arrive_and_wait(lock, rank, mine.call, false);
 }
 
-InProcessGroup::InProcessGroup(int size, InProcessOptions options) : state_(std::make_unique<State>()) {
+InProcessGroup::InProcessGroup(int size, InProcessOptions options) {
   if (size < 1) {
     throw Error(ErrorKind::invalid_config, "cp", std::to_string(size),
                 "the in-process group needs at least 1 rank");
   }
-  state_->size = size;
-  state_->options = options;
-  state_->slots.resize(static_cast<std::size_t>(size));
-  state_->calls.assign(static_cast<std::size_t>(size), 0);
-  state_->shift_send.resize(static_cast<std::size_t>(size));
-  state_->shift_received.resize(static_cast<std::size_t>(size));
-  state_->shift_cancelled.resize(static_cast<std::size_t>(size));
-  state_->shifts_started.assign(static_cast<std::size_t>(size), 0);
+  std::vector<int> members(static_cast<std::size_t>(size));
+  for (int r = 0; r < size; ++r) members[r] = r;
+  state_ = std::make_unique<State>(std::make_shared<InProcessFamily>(), std::move(members), options);
   for (int r = 0; r < size; ++r) state_->comms.push_back(std::make_unique<InProcessCommunicator>(*state_, r));
 }
 
@@ -520,7 +594,7 @@ void InProcessGroup::abort(int rank, const std::string& reason) {
 
 bool InProcessGroup::aborted() const {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->aborted;
+  return state_->aborted();
 }
 
 void InProcessGroup::run(const std::function<void(Communicator&)>& fn) {
@@ -544,7 +618,7 @@ void InProcessGroup::run(const std::function<void(Communicator&)>& fn) {
   int root = -1;
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
-    root = state_->failed_rank;
+    root = state_->family->failed_rank;
   }
   if (root >= 0 && errors[root]) std::rethrow_exception(errors[root]);
   for (auto& e : errors) {

@@ -95,6 +95,17 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm) {
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
+  {
+    MPI_Group mine = MPI_GROUP_NULL, all = MPI_GROUP_NULL;
+    MPI_Comm_group(comm_, &mine);
+    MPI_Comm_group(MPI_COMM_WORLD, &all);
+    std::vector<int> ranks(static_cast<std::size_t>(size_));
+    for (int r = 0; r < size_; ++r) ranks[r] = r;
+    world_.resize(ranks.size());
+    MPI_Group_translate_ranks(mine, size_, ranks.data(), all, world_.data());
+    MPI_Group_free(&mine);
+    MPI_Group_free(&all);
+  }
   int level = MPI_THREAD_SINGLE;
   MPI_Query_thread(&level);
   const char* env = std::getenv("CPATTN_MPI_PROGRESS_THREAD");
@@ -173,11 +184,11 @@ CollectiveCost MpiCommunicator::agree_on_blocks(const BlockList& send_blocks, co
     const BlockShape got{theirs[3 * p], theirs[3 * p + 1], theirs[3 * p + 2]};
     if (!(got == recv_blocks.shape[p])) {
       pair = 1 + static_cast<std::int64_t>(p) * size_ + rank_;
-      disagreement = "rank " + std::to_string(p) + " sends rank " + std::to_string(rank_) + " a block of " +
-                     std::to_string(got.outer) + "x" + std::to_string(got.inner) + " rows of " +
-                     std::to_string(got.row) + " but rank " + std::to_string(rank_) + " expects " +
-                     std::to_string(recv_blocks.shape[p].outer) + "x" +
-                     std::to_string(recv_blocks.shape[p].inner) + " rows of " +
+      disagreement = "rank " + std::to_string(world(static_cast<int>(p))) + " sends rank " +
+                     std::to_string(world(rank_)) + " a block of " + std::to_string(got.outer) + "x" +
+                     std::to_string(got.inner) + " rows of " + std::to_string(got.row) + " but rank " +
+                     std::to_string(world(rank_)) + " expects " + std::to_string(recv_blocks.shape[p].outer) +
+                     "x" + std::to_string(recv_blocks.shape[p].inner) + " rows of " +
                      std::to_string(recv_blocks.shape[p].row);
     }
   }
@@ -196,12 +207,14 @@ CollectiveCost MpiCommunicator::agree_on_blocks(const BlockList& send_blocks, co
   }
   if (agreed[0] != 0) {
     const std::int64_t sender = (agreed[0] - 1) / size_, receiver = (agreed[0] - 1) % size_;
-    throw Error(ErrorKind::communication, "collective", "all_to_all_v",
-                "collective mismatch in all_to_all_v (rank " + std::to_string(rank_) + "): " +
-                    (disagreement.empty() ? "the block rank " + std::to_string(sender) + " sends rank " +
-                                                std::to_string(receiver) + " is not the block rank " +
-                                                std::to_string(receiver) + " expects"
-                                          : disagreement));
+    throw Error(
+        ErrorKind::communication, "collective", "all_to_all_v",
+        "collective mismatch in all_to_all_v (rank " + std::to_string(world(rank_)) + "): " +
+            (disagreement.empty()
+                 ? "the block rank " + std::to_string(world(static_cast<int>(sender))) + " sends rank " +
+                       std::to_string(world(static_cast<int>(receiver))) + " is not the block rank " +
+                       std::to_string(world(static_cast<int>(receiver))) + " expects"
+                 : disagreement));
   }
   return {agreed[1], agreed[2]};
 }
@@ -294,7 +307,8 @@ class MpiShift final : public PendingShift {
     // matched receive cannot be cancelled). Give them a short while; if they cannot finish, end the job
     // rather than let MPI touch freed memory.
     if (!finished_ && !poll(std::chrono::seconds(5))) {
-      std::fprintf(stderr, "rank %d: a ring shift was abandoned in flight; ending the job\n", comm_.rank_);
+      std::fprintf(stderr, "rank %d: a ring shift was abandoned in flight; ending the job\n",
+                   comm_.world(comm_.rank_));
       std::fflush(stderr);
       MPI_Abort(comm_.comm_, 1);
     }
@@ -344,7 +358,7 @@ class MpiShift final : public PendingShift {
           received ? (comm_.rank_ + 1) % comm_.size_ : (comm_.rank_ + comm_.size_ - 1) % comm_.size_;
       std::fprintf(stderr,
                    "rank %d: no progress from rank %d in %.0f s (a ring shift's %s); ending the job\n",
-                   comm_.rank_, peer, s, received ? "send" : "receive");
+                   comm_.world(comm_.rank_), comm_.world(peer), s, received ? "send" : "receive");
       std::fflush(stderr);
       MPI_Abort(comm_.comm_, 1);
     }
@@ -353,8 +367,9 @@ class MpiShift final : public PendingShift {
     MPI_Get_count(&status_, mpi_type(dtype_), &got);
     if (got != count_) {
       throw Error(ErrorKind::communication, "collective", "shift",
-                  "shift mismatch: rank " + std::to_string((comm_.rank_ + comm_.size_ - 1) % comm_.size_) +
-                      " sent rank " + std::to_string(comm_.rank_) + " " + std::to_string(got) +
+                  "shift mismatch: rank " +
+                      std::to_string(comm_.world((comm_.rank_ + comm_.size_ - 1) % comm_.size_)) +
+                      " sent rank " + std::to_string(comm_.world(comm_.rank_)) + " " + std::to_string(got) +
                       " elements but it expects " + std::to_string(count_));
     }
     comm_.count_shift(count_, dtype_);
@@ -505,9 +520,9 @@ void MpiCommunicator::all_reduce(std::int64_t* values, int n, ReduceOp op) {
     MPI_Get_count(&statuses[i], MPI_INT64_T, &got);
     if (got != n) {
       throw Error(ErrorKind::communication, "collective", "all_reduce",
-                  "collective mismatch: rank " + std::to_string(from[i]) + " passed " + std::to_string(got) +
-                      " values to all_reduce (or barrier) where rank " + std::to_string(rank_) + " passed " +
-                      std::to_string(n));
+                  "collective mismatch: rank " + std::to_string(world(from[i])) + " passed " +
+                      std::to_string(got) + " values to all_reduce (or barrier) where rank " +
+                      std::to_string(world(rank_)) + " passed " + std::to_string(n));
     }
   }
   for (std::size_t i = 0; i < un; ++i) theirs[un * rank_ + i] = values[i];
@@ -521,11 +536,32 @@ void MpiCommunicator::all_reduce(std::int64_t* values, int n, ReduceOp op) {
   }
 }
 
+std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
+  if (color < 0) {
+    throw Error(ErrorKind::invalid_input, "color", std::to_string(color),
+                "split color (" + std::to_string(color) + ") must be >= 0");
+  }
+  // MPI_Comm_split blocks with no deadline: first meet every rank under this communicator's.
+  barrier();
+  MPI_Comm sub = MPI_COMM_NULL;
+  check(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split", world(rank_));
+  std::unique_ptr<MpiCommunicator> out;
+  try {
+    out = std::make_unique<MpiCommunicator>(sub);
+  } catch (...) {
+    MPI_Comm_free(&sub);
+    throw;
+  }
+  MPI_Comm_free(&sub);
+  out->set_timeout(timeout_);
+  return out;
+}
+
 void MpiCommunicator::fail(int rc, const char* what) {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   MPI_Error_string(rc, text, &len);
-  std::fprintf(stderr, "rank %d: %s failed: %.*s; ending the job\n", rank_, what, len, text);
+  std::fprintf(stderr, "rank %d: %s failed: %.*s; ending the job\n", world(rank_), what, len, text);
   std::fflush(stderr);
   MPI_Abort(comm_, 1);
   std::abort();  // MPI_Abort does not return; the compiler cannot know
@@ -562,8 +598,8 @@ void MpiCommunicator::exchange(const std::vector<PeerBlock>& sends, const std::v
       MPI_Get_count(&statuses[i], MPI_BYTE, &bytes);
       MPI_Type_size(r.type, &size);
       throw Error(ErrorKind::communication, "collective", what,
-                  "collective mismatch in " + std::string(what) + ": rank " + std::to_string(from[i]) +
-                      " sent rank " + std::to_string(rank_) + " " + std::to_string(bytes) +
+                  "collective mismatch in " + std::string(what) + ": rank " + std::to_string(world(from[i])) +
+                      " sent rank " + std::to_string(world(rank_)) + " " + std::to_string(bytes) +
                       " bytes where it expects " + std::to_string(static_cast<std::int64_t>(size) * r.count));
     }
   }
@@ -588,15 +624,15 @@ void MpiCommunicator::complete(MPI_Request* requests, int n, const char* what, c
   for (std::size_t i = 0; from != nullptr && i < from->size(); ++i) {
     int done = 0;
     MPI_Test(&requests[i], &done, MPI_STATUS_IGNORE);
-    if (!done) missing += (missing.empty() ? "" : ", ") + std::to_string((*from)[i]);
+    if (!done) missing += (missing.empty() ? "" : ", ") + std::to_string(world((*from)[i]));
   }
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (missing.empty()) {
     std::fprintf(stderr,
-                 "rank %d: no progress in %s for %.0f s (a peer is stopped or gone); ending the job\n", rank_,
-                 what, s);
+                 "rank %d: no progress in %s for %.0f s (a peer is stopped or gone); ending the job\n",
+                 world(rank_), what, s);
   } else {
-    std::fprintf(stderr, "rank %d: no progress from rank %s in %s for %.0f s; ending the job\n", rank_,
+    std::fprintf(stderr, "rank %d: no progress from rank %s in %s for %.0f s; ending the job\n", world(rank_),
                  missing.c_str(), what, s);
   }
   std::fflush(stderr);

@@ -72,16 +72,16 @@ CollectiveCost all_to_all_v_cost(const std::vector<std::vector<std::int64_t>>& s
 }
 
 void add_to_records(std::vector<CollectiveRecord>& records, CollectiveKind kind, const std::string& phase,
-                    const CollectiveCost& cost) {
+                    const CollectiveCost& cost, const std::string& group) {
   for (auto& r : records) {
-    if (r.kind == kind && r.phase == phase) {
+    if (r.kind == kind && r.phase == phase && r.group == group) {
       ++r.count;
       r.bytes += cost.bytes;
       r.bytes_sent_per_rank += cost.bytes_sent_per_rank;
       return;
     }
   }
-  records.push_back({kind, phase, 1, cost.bytes, cost.bytes_sent_per_rank});
+  records.push_back({kind, phase, 1, cost.bytes, cost.bytes_sent_per_rank, group});
 }
 
 struct CollectiveCounters::State {
@@ -93,9 +93,9 @@ struct CollectiveCounters::State {
 CollectiveCounters::CollectiveCounters() : state_(std::make_unique<State>()) {}
 CollectiveCounters::~CollectiveCounters() = default;
 
-void CollectiveCounters::record(CollectiveKind kind, const CollectiveCost& cost) {
+void CollectiveCounters::record(CollectiveKind kind, const CollectiveCost& cost, const std::string& group) {
   std::lock_guard<std::mutex> lock(state_->mutex);
-  add_to_records(state_->records, kind, state_->phase, cost);
+  add_to_records(state_->records, kind, state_->phase, cost, group);
 }
 
 std::vector<CollectiveRecord> CollectiveCounters::records() const {

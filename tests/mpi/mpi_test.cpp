@@ -43,6 +43,38 @@ TEST(MpiCommunicator, ShiftsProgressOnAThreadUnderThreadMultiple) {
   EXPECT_EQ(recv.back(), static_cast<float>((r + n - 1) % n));
 }
 
+// MPI_Comm_split: at np 4, two groups of two (color = rank / 2) and, crossing them, two of two (color =
+// rank % 2, keys reversed); every collective is exact in each, and each counts into the parent's counters
+// under its label.
+TEST(MpiCommunicator, SplitsIntoGroupsThatWorkSideBySide) {
+  MpiCommunicator comm;
+  const int n = comm.size(), r = comm.rank();
+  if (n % 2 != 0) GTEST_SKIP() << "needs an even number of processes";
+  auto inner = comm.split(r / 2, r % 2);
+  auto outer = comm.split(r % 2, n - r);
+  EXPECT_EQ(inner->size(), 2);
+  EXPECT_EQ(inner->rank(), r % 2);
+  EXPECT_EQ(outer->size(), n / 2);
+  EXPECT_EQ(outer->rank(), n / 2 - 1 - r / 2);
+  std::int64_t wrong = testing::wrong_in_all_cases(*inner) + testing::wrong_in_all_cases(*outer);
+  comm.all_reduce(&wrong, 1, ReduceOp::sum);
+  EXPECT_EQ(wrong, 0) << "wrong elements over all ranks and groups";
+  std::int32_t mine = r;
+  std::vector<std::int32_t> all(static_cast<std::size_t>(n / 2));
+  outer->all_gather(&mine, all.data(), 1, CommDType::i32);
+  for (int q = 0; q < n / 2; ++q) EXPECT_EQ(all[q], (n / 2 - 1 - q) * 2 + r % 2);
+  CollectiveCounters counters;
+  inner->report_to(counters, "ulysses");
+  {
+    CollectiveCounters::PhaseScope phase(counters, "forward");
+    std::vector<float> a(200), b(200);
+    inner->all_to_all(a.data(), b.data(), 100, CommDType::f32);
+  }
+  const auto rec = counters.records();
+  ASSERT_EQ(rec.size(), 1u);
+  EXPECT_EQ(rec[0], (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1, 800, 400, "ulysses"}));
+}
+
 TEST(MpiCommunicator, CountersFollowTheAccounting) {
   MpiCommunicator comm;
   const int n = comm.size();
@@ -54,8 +86,9 @@ TEST(MpiCommunicator, CountersFollowTheAccounting) {
   }
   const auto rec = comm.counters().records();
   ASSERT_EQ(rec.size(), 2u);
-  EXPECT_EQ(rec[0], (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1, 400 * n, 400 * (n - 1)}));
-  EXPECT_EQ(rec[1], (CollectiveRecord{CollectiveKind::reduce_scatter, "forward", 1, 400 * n, 400 * (n - 1)}));
+  EXPECT_EQ(rec[0], (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1, 400 * n, 400 * (n - 1), ""}));
+  EXPECT_EQ(rec[1],
+            (CollectiveRecord{CollectiveKind::reduce_scatter, "forward", 1, 400 * n, 400 * (n - 1), ""}));
 }
 
 // A disagreement in an all_to_all_v's block shapes is an error on every rank, naming the pair, before any
@@ -67,8 +100,8 @@ TEST(MpiCommunicator, AllToAllVWithBlocksThatDisagreeIsAMismatchOnEveryRank) {
     CollectiveCounters::PhaseScope phase(comm.counters(), "forward");
     EXPECT_EQ(testing::all_to_all_v_error(comm, false), "");
   }
-  EXPECT_EQ(comm.counters().records().back(),
-            (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1, n * n * 2 * 4, (n - 1) * n * 2 * 4}));
+  EXPECT_EQ(comm.counters().records().back(), (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1,
+                                                                n * n * 2 * 4, (n - 1) * n * 2 * 4, ""}));
   const std::string m = testing::all_to_all_v_error(comm, true);
   EXPECT_NE(m.find("collective mismatch"), std::string::npos) << m;
   const std::string named =
