@@ -34,10 +34,10 @@ TEST(Schedule, UlyssesReplicatesKvSlotsAndSendsGradientsAsFp32) {
   ASSERT_EQ(s.forward.size(), 6u);
   // q: [1, 16, 32, 8] -> 8 heads per rank: 16 * 8 * 8 per block; k: 4 slots (rep 2) -> 1 per rank.
   EXPECT_EQ(s.forward[0], (ScheduledCollective{CollectiveKind::all_to_all, "forward", "q", 0, CommDType::bf16,
-                                               equal_blocks(4, 16 * 8 * 8)}));
+                                               equal_blocks(4, 16 * 8 * 8), "", 0}));
   EXPECT_EQ(s.forward[1].blocks, equal_blocks(4, 16 * 1 * 8));
   EXPECT_EQ(s.forward[3], (ScheduledCollective{
-                              CollectiveKind::all_gather, "forward", "segment_ids", 16, CommDType::i32, {}}));
+                              CollectiveKind::all_gather, "forward", "segment_ids", 16, CommDType::i32, {}, "", 0}));
   ASSERT_EQ(s.backward.size(), 4u);
   EXPECT_EQ(s.backward.back().dtype, CommDType::f32);
 }
@@ -83,21 +83,21 @@ TEST(ScheduledCommunicator, AnUnscheduledOrMissingCallIsAnError) {
     cp::ScheduledCommunicator scheduled(comm);
     std::vector<float> send(4, 1.0f), recv(4);
     // The scheduled call passes and is counted on the group's communicator.
-    scheduled.expect({{CollectiveKind::all_to_all, "forward", "q", 2, CommDType::f32, {}}});
+    scheduled.expect({{CollectiveKind::all_to_all, "forward", "q", 2, CommDType::f32, {}, "", 0}});
     scheduled.all_to_all(send.data(), recv.data(), 2, CommDType::f32);
     scheduled.finish();
     EXPECT_EQ(comm.counters().records().size(), 1u);
     // A wrong count, a wrong kind, one call too many, a call skipped: Error(internal), nothing sent.
-    scheduled.expect({{CollectiveKind::all_to_all, "forward", "q", 2, CommDType::f32, {}}});
+    scheduled.expect({{CollectiveKind::all_to_all, "forward", "q", 2, CommDType::f32, {}, "", 0}});
     EXPECT_THROW(scheduled.all_to_all(send.data(), recv.data(), 1, CommDType::f32), Error);
-    scheduled.expect({{CollectiveKind::all_to_all, "forward", "q", 2, CommDType::f32, {}}});
+    scheduled.expect({{CollectiveKind::all_to_all, "forward", "q", 2, CommDType::f32, {}, "", 0}});
     EXPECT_THROW(scheduled.all_gather(send.data(), recv.data(), 2, CommDType::f32), Error);
     scheduled.expect({});
     EXPECT_THROW(scheduled.all_to_all(send.data(), recv.data(), 2, CommDType::f32), Error);
-    scheduled.expect({{CollectiveKind::all_to_all, "forward", "q", 2, CommDType::f32, {}}});
+    scheduled.expect({{CollectiveKind::all_to_all, "forward", "q", 2, CommDType::f32, {}, "", 0}});
     EXPECT_THROW(scheduled.finish(), Error);
     // The phase is part of the schedule.
-    scheduled.expect({{CollectiveKind::all_to_all, "backward", "dq", 2, CommDType::f32, {}}});
+    scheduled.expect({{CollectiveKind::all_to_all, "backward", "dq", 2, CommDType::f32, {}, "", 0}});
     EXPECT_THROW(scheduled.all_to_all(send.data(), recv.data(), 2, CommDType::f32), Error);
     EXPECT_EQ(comm.counters().records().front().count, 1);
   });

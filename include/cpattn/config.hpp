@@ -12,8 +12,11 @@
 
 namespace cpattn {
 
-enum class Strategy { all_gather, ulysses, ring };
-// Every strategy: the planner plans each, and the tests that cover every strategy loop over it.
+// hybrid: ulysses inside groups of ulysses_degree ranks, ring across the groups (docs/design.md, "Ring
+// attention and the hybrid strategy").
+enum class Strategy { all_gather, ulysses, ring, hybrid };
+// The strategies on one group of ranks: the planner plans each (and hybrid once per factorisation of cp), and
+// the tests that cover every strategy loop over them.
 inline constexpr Strategy kAllStrategies[] = {Strategy::all_gather, Strategy::ulysses, Strategy::ring};
 // How the caller's sequence shards are laid out: contiguous (rank r holds [r*S/cp, (r+1)*S/cp)) or
 // dual_chunk_swap (2*cp chunks; rank r holds chunks r and 2*cp-1-r).
@@ -47,6 +50,11 @@ struct ParallelSpec {
   bool load_balance = false;
   std::optional<ShardLayout> layout;  // default: dual_chunk_swap with load balance, else contiguous
   std::int64_t tp = 1;                // tensor parallel degree over heads
+  // hybrid: U, the size of each ulysses group (rank c = ring_rank * U + ulysses_rank); the ring has
+  // R = cp / U ranks. 0 (unset) for the other strategies.
+  std::int64_t ulysses_degree = 0;
+
+  std::int64_t ring_degree() const { return ulysses_degree > 0 ? cp / ulysses_degree : cp; }
 
   ShardLayout effective_layout() const {
     return layout.value_or(load_balance ? ShardLayout::dual_chunk_swap : ShardLayout::contiguous);

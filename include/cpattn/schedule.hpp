@@ -22,12 +22,20 @@ struct ScheduledCollective {
   // An all_to_all_v (blocks of per-rank sizes): blocks[r][p] = the elements rank r sends rank p. Empty for
   // every other call.
   std::vector<std::vector<std::int64_t>> blocks;
+  // The hybrid strategy's sub-communicator (`ulysses` or `ring`) and its size; empty and 0 for the calls of
+  // the single-group strategies (over all cp ranks).
+  std::string group;
+  std::int64_t ranks = 0;
   bool operator==(const ScheduledCollective&) const = default;
 };
 
 struct ScheduleOptions {
   bool remat = false;   // backward re-gathers (all_gather) or re-exchanges (ulysses) its inputs
   bool packed = false;  // segment ids travel too
+  // Whose calls: hybrid's ring moves the kv heads of the rank's ulysses rank (rank % ulysses_degree), which
+  // differ between ulysses ranks when the heads do not split evenly. The other strategies' calls are the
+  // same on every rank.
+  std::int64_t rank = 0;
 };
 
 // One attention layer's calls: those of a forward, and those of the backward after it (remat calls included),
@@ -38,8 +46,8 @@ struct StrategySchedule {
 StrategySchedule strategy_schedule(const AttentionSpec& attention, const ParallelSpec& parallel,
                                    const ScheduleOptions& options);
 
-// The schedule's calls in the accounting of collectives.hpp, aggregated by (kind, phase) in issue order:
-// what a run's counters must show.
+// The schedule's calls in the accounting of collectives.hpp, aggregated by (kind, phase, group) in issue
+// order: what a run's counters must show.
 std::vector<CollectiveRecord> scheduled_records(const StrategySchedule& schedule, std::int64_t cp);
 
 }  // namespace cpattn

@@ -13,6 +13,8 @@ const char* to_string(Strategy strategy) {
       return "ulysses";
     case Strategy::ring:
       return "ring";
+    case Strategy::hybrid:
+      return "hybrid";
     case Strategy::all_gather:
       break;
   }
@@ -27,8 +29,9 @@ Strategy parse_strategy(const std::string& text, const std::string& field) {
   if (text == "all_gather") return Strategy::all_gather;
   if (text == "ulysses") return Strategy::ulysses;
   if (text == "ring") return Strategy::ring;
+  if (text == "hybrid") return Strategy::hybrid;
   throw Error(ErrorKind::invalid_config, field, text,
-              field + " '" + text + "' is not a strategy; valid: all_gather, ulysses or ring");
+              field + " '" + text + "' is not a strategy; valid: all_gather, ulysses, ring or hybrid");
 }
 
 ShardLayout parse_layout(const std::string& text, const std::string& field) {
@@ -64,6 +67,33 @@ class Rules {
 
 std::string str(std::int64_t v) {
   return std::to_string(v);
+}
+
+// hybrid: U = ulysses_degree ranks per ulysses group, a divisor of cp, each holding at least one q head;
+// ulysses_degree means nothing to the other strategies.
+void hybrid_rules(Rules& rules, const AttentionSpec& a, const ParallelSpec& p, bool tp_divides) {
+  const std::int64_t u = p.ulysses_degree;
+  if (p.strategy != Strategy::hybrid) {
+    if (u != 0) {
+      rules.add({"ulysses_degree", "strategy"}, str(u),
+                "ulysses_degree (" + str(u) + ") is for the hybrid strategy; strategy is " +
+                    to_string(p.strategy) + " (drop ulysses_degree, or set strategy hybrid)");
+    }
+    return;
+  }
+  if (u < 1 || u > p.cp || p.cp % u != 0) {
+    rules.add({"ulysses_degree", "cp"}, str(u),
+              "hybrid needs ulysses_degree (" + str(u) + ") to be a divisor of cp (" + str(p.cp) +
+                  "): the size of each ulysses group, ring_degree = cp / ulysses_degree");
+    return;
+  }
+  const std::int64_t hq = a.num_q_heads / p.tp;
+  if (tp_divides && u > hq) {
+    rules.add({"ulysses_degree", "num_q_heads"}, str(u),
+              "hybrid needs ulysses_degree (" + str(u) + ") <= num_q_heads" +
+                  (p.tp > 1 ? " per tp rank" : std::string()) + " (" + str(hq) +
+                  "): every rank of a ulysses group holds at least one q head");
+  }
 }
 
 }  // namespace
@@ -131,11 +161,13 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
   if (ulysses && p.load_balance) {
     rules.add(
         {"load_balance", "strategy"}, "true",
-        "load_balance (true) is for all_gather and ring; ulysses gives every rank the same work per head, "
+        "load_balance (true) is for all_gather, ring and hybrid; ulysses gives every rank the same work per "
+        "head, "
         "set load_balance to false");
   } else if (layout == ShardLayout::dual_chunk_swap && !p.load_balance) {
     rules.add({"layout", "load_balance"}, "dual_chunk_swap",
-              "layout dual_chunk_swap needs all_gather or ring with load_balance true; valid layout here: "
+              "layout dual_chunk_swap needs all_gather, ring or hybrid with load_balance true; valid layout "
+              "here: "
               "contiguous");
   } else if (layout == ShardLayout::contiguous && p.load_balance) {
     rules.add({"layout", "load_balance"}, "contiguous",
@@ -176,9 +208,10 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
           {"cp", "num_q_heads"}, str(p.cp),
           "ulysses needs cp (" + str(p.cp) + ") <= num_q_heads" + local + " (" + str(hq) +
               "): every rank holds at least one q head; more ranks than q heads need the hybrid strategy "
-              "(ulysses inside a ring; planned, docs/design.md) or all_gather");
+              "(ulysses groups of ulysses_degree <= num_q_heads ranks inside a ring), ring or all_gather");
     }
   }
+  hybrid_rules(rules, a, p, tp_divides);
   return rules.take();
 }
 

@@ -17,11 +17,11 @@ ContextParallelAttention::Impl::Impl(const AttentionSpec& a, const ParallelSpec&
                 "cp (" + std::to_string(parallel.cp) + ") differs from the communicator's size (" +
                     std::to_string(comm.size()) + ")");
   }
-  if (options.remat && parallel.strategy == Strategy::ring) {
-    throw Error(
-        ErrorKind::invalid_config, "remat", "true",
-        "remat means nothing for ring (its backward re-receives K/V and keeps only the local shards, O "
-        "and LSE); set remat to false");
+  if (options.remat && (parallel.strategy == Strategy::ring || parallel.strategy == Strategy::hybrid)) {
+    throw Error(ErrorKind::invalid_config, "remat", "true",
+                std::string("remat means nothing for ") + to_string(parallel.strategy) +
+                    " (its backward re-receives K/V round the ring and keeps only its rows' Q, K, V, O and "
+                    "LSE); set remat to false");
   }
   cp = parallel.cp;
   rank = comm.rank();
@@ -29,6 +29,53 @@ ContextParallelAttention::Impl::Impl(const AttentionSpec& a, const ParallelSpec&
   hq = attention.num_q_heads / parallel.tp;
   hkv = attention.num_kv_heads / parallel.tp;
   positions = rank_positions(parallel.effective_layout(), attention.seq_len, cp);
+  if (parallel.strategy == Strategy::hybrid) {
+    ulysses_degree = parallel.ulysses_degree;
+    ring_degree = cp / ulysses_degree;
+    const int u = static_cast<int>(ulysses_degree), r = static_cast<int>(rank);
+    ulysses_group = group.split(r / u, r % u);
+    ring_group = group.split(r % u, r / u);
+    ulysses_group->report_to(group.counters(), "ulysses");
+    ring_group->report_to(group.counters(), "ring");
+    ulysses_comm = std::make_unique<cp::ScheduledCommunicator>(*ulysses_group);
+    ring_comm = std::make_unique<cp::ScheduledCommunicator>(*ring_group);
+    // A ring of one rank holds the whole row in natural order (one kernel call per head run, as ulysses).
+    const ShardLayout ring_layout = ring_degree > 1 ? parallel.effective_layout() : ShardLayout::contiguous;
+    ring_positions = rank_positions(ring_layout, attention.seq_len, ring_degree);
+    ring_parts = ring_layout == ShardLayout::dual_chunk_swap ? 2 : 1;
+  }
+}
+
+namespace {
+
+// The calls of one group (hybrid: "ulysses" or "ring"; the single-group strategies: "").
+std::vector<ScheduledCollective> of_group(const std::vector<ScheduledCollective>& calls, const char* group) {
+  std::vector<ScheduledCollective> out;
+  for (const ScheduledCollective& c : calls) {
+    if (c.group == group) out.push_back(c);
+  }
+  return out;
+}
+
+}  // namespace
+
+void ContextParallelAttention::Impl::expect(const std::vector<ScheduledCollective>& calls, bool unchecked) {
+  std::vector<std::pair<cp::ScheduledCommunicator*, const char*>> comms = {{&comm, ""}};
+  if (ulysses_comm) comms.push_back({ulysses_comm.get(), "ulysses"});
+  if (ring_comm) comms.push_back({ring_comm.get(), "ring"});
+  for (auto& [c, name] : comms) {
+    if (unchecked) {
+      c->expect_anything();
+    } else {
+      c->expect(of_group(calls, name));
+    }
+  }
+}
+
+void ContextParallelAttention::Impl::finish() {
+  comm.finish();
+  if (ulysses_comm) ulysses_comm->finish();
+  if (ring_comm) ring_comm->finish();
 }
 
 FlashConfig ContextParallelAttention::Impl::kernel_config() const {
@@ -118,21 +165,18 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
   saved.reset();
   comm_wait_seconds = 0;
   seg_local.assign(seg.begin(), seg.end());
-  StrategySchedule schedule = strategy_schedule(attention, parallel, {options.remat, !seg.empty()});
+  StrategySchedule schedule = strategy_schedule(attention, parallel, {options.remat, !seg.empty(), rank});
   CollectiveCounters::PhaseScope phase(group.counters(), "forward");
   // The one negative control that moves other amounts than the schedule's runs unchecked, so that the
   // comparison with the reference is what catches it.
   const bool unscheduled = negative_control == NegativeControl::extra_q_heads_on_highest_ranks ||
                            negative_control == NegativeControl::ring_accumulator_one_hop_short;
-  if (unscheduled) {
-    comm.expect_anything();
-  } else {
-    comm.expect(std::move(schedule.forward));
-  }
-  AttentionOutput out = parallel.strategy == Strategy::ulysses ? ulysses_forward(q, k, v, forward_only)
-                        : parallel.strategy == Strategy::ring  ? ring_forward(q, k, v, forward_only)
-                                                               : all_gather_forward(q, k, v, forward_only);
-  comm.finish();
+  expect(schedule.forward, unscheduled);
+  AttentionOutput out = parallel.strategy == Strategy::ulysses  ? ulysses_forward(q, k, v, forward_only)
+                        : parallel.strategy == Strategy::ring   ? ring_forward(q, k, v, forward_only)
+                        : parallel.strategy == Strategy::hybrid ? hybrid_forward(q, k, v, forward_only)
+                                                                : all_gather_forward(q, k, v, forward_only);
+  finish();
   backward_calls = std::move(schedule.backward);
   return out;
 }
@@ -140,16 +184,13 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
 AttentionGradients ContextParallelAttention::Impl::backward(const Tensor& d_out) {
   check_grad_input(d_out);
   CollectiveCounters::PhaseScope phase(group.counters(), "backward");
-  if (negative_control == NegativeControl::extra_q_heads_on_highest_ranks ||
-      negative_control == NegativeControl::ring_accumulator_one_hop_short) {
-    comm.expect_anything();
-  } else {
-    comm.expect(backward_calls);
-  }
-  AttentionGradients grads = parallel.strategy == Strategy::ulysses ? ulysses_backward(d_out)
-                             : parallel.strategy == Strategy::ring  ? ring_backward(d_out)
-                                                                    : all_gather_backward(d_out);
-  comm.finish();
+  expect(backward_calls, negative_control == NegativeControl::extra_q_heads_on_highest_ranks ||
+                            negative_control == NegativeControl::ring_accumulator_one_hop_short);
+  AttentionGradients grads = parallel.strategy == Strategy::ulysses  ? ulysses_backward(d_out)
+                             : parallel.strategy == Strategy::ring   ? ring_backward(d_out)
+                             : parallel.strategy == Strategy::hybrid ? hybrid_backward(d_out)
+                                                                     : all_gather_backward(d_out);
+  finish();
   return grads;
 }
 

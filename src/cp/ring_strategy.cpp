@@ -14,6 +14,7 @@
 
 #include "context_parallel_impl.hpp"
 #include "cpattn/sequence_layout.hpp"
+#include "ring_pass.hpp"
 
 namespace cpattn {
 
@@ -73,25 +74,26 @@ struct Running {
         l(m.size(), 0.0f),
         o(DType::f32, s) {}
 
-  // Folds one call's normalised (O_c, LSE_c) of rows [row0, row0 + n) (o_call [B, n, H, D], lse_call
-  // [B, H, n]): rows with LSE_c = -inf saw no key and change nothing.
-  void fold(const Tensor& o_call, const std::vector<float>& lse_call, std::int64_t row0) {
+  // Folds one call's normalised (O_c, LSE_c) of rows [row0, row0 + n) and heads [h0, h0 + nh) (o_call
+  // [B, n, nh, D], lse_call [B, nh, n]): rows with LSE_c = -inf saw no key and change nothing.
+  void fold(const Tensor& o_call, const std::vector<float>& lse_call, std::int64_t row0, std::int64_t h0) {
     const Shape4 s = o.shape();
-    const std::int64_t n = o_call.shape().s;
+    const std::int64_t n = o_call.shape().s, nh = o_call.shape().h;
     const float* src = o_call.data<float>();
     float* dst = o.data<float>();
     for (std::int64_t b = 0; b < s.b; ++b) {
-      for (std::int64_t h = 0; h < s.h; ++h) {
+      for (std::int64_t c = 0; c < nh; ++c) {
+        const std::int64_t h = h0 + c;
         for (std::int64_t j = 0; j < n; ++j) {
           const std::int64_t i = row0 + j;
           const std::size_t row = static_cast<std::size_t>((b * s.h + h) * s.s + i);
-          const float x = lse_call[static_cast<std::size_t>((b * s.h + h) * n + j)];
+          const float x = lse_call[static_cast<std::size_t>((b * nh + c) * n + j)];
           if (x == -std::numeric_limits<float>::infinity()) continue;
           const float m_new = std::max(m[row], x);
           const float keep = std::exp(m[row] - m_new), add = std::exp(x - m_new);
           m[row] = m_new;
           l[row] = l[row] * keep + add;
-          const std::int64_t off = ((b * s.s + i) * s.h + h) * s.d, from = ((b * n + j) * s.h + h) * s.d;
+          const std::int64_t off = ((b * s.s + i) * s.h + h) * s.d, from = ((b * n + j) * nh + c) * s.d;
           for (std::int64_t d = 0; d < s.d; ++d) dst[off + d] = dst[off + d] * keep + src[from + d] * add;
         }
       }
@@ -163,23 +165,37 @@ Ref rows(Ref r, std::int64_t first, std::int64_t count) {
   return r;
 }
 
-// into[:, first:first+n] += piece (fp32 [B, S, H, D] and [B, n, H, D]).
-void add_rows(Tensor& into, std::int64_t first, const Tensor& piece) {
+// into[:, first:first+n, h0:h0+nh] += piece (fp32 [B, S, H, D] and [B, n, nh, D]).
+void add_rows(Tensor& into, std::int64_t first, std::int64_t h0, const Tensor& piece) {
   const Shape4 s = into.shape();
-  const std::int64_t n = piece.shape().s, row = s.h * s.d;
+  const std::int64_t n = piece.shape().s, nh = piece.shape().h;
   float* dst = into.data<float>();
   const float* src = piece.data<float>();
+  if (nh == s.h) {  // whole rows: one run per batch row
+    const std::int64_t row = s.h * s.d;
+    for (std::int64_t b = 0; b < s.b; ++b) {
+      for (std::int64_t i = 0; i < n * row; ++i) dst[(b * s.s + first) * row + i] += src[b * n * row + i];
+    }
+    return;
+  }
   for (std::int64_t b = 0; b < s.b; ++b) {
-    for (std::int64_t i = 0; i < n * row; ++i) dst[(b * s.s + first) * row + i] += src[b * n * row + i];
+    for (std::int64_t j = 0; j < n; ++j) {
+      float* d = dst + ((b * s.s + first + j) * s.h + h0) * s.d;
+      const float* x = src + (b * n + j) * nh * s.d;
+      for (std::int64_t i = 0; i < nh * s.d; ++i) d[i] += x[i];
+    }
   }
 }
 
-// lse [B, H, S] rows [first, first + n) -> [B, H, n].
+// lse [B, H, S] rows [first, first + n) of heads [h0, h0 + nh) -> [B, nh, n].
 std::vector<float> lse_rows(const std::vector<float>& lse, std::int64_t batch, std::int64_t heads,
-                            std::int64_t seq, std::int64_t first, std::int64_t n) {
-  std::vector<float> out(static_cast<std::size_t>(batch * heads * n));
-  for (std::int64_t bh = 0; bh < batch * heads; ++bh) {
-    std::copy_n(lse.begin() + bh * seq + first, n, out.begin() + bh * n);
+                            std::int64_t seq, std::int64_t first, std::int64_t n, std::int64_t h0,
+                            std::int64_t nh) {
+  std::vector<float> out(static_cast<std::size_t>(batch * nh * n));
+  for (std::int64_t b = 0; b < batch; ++b) {
+    for (std::int64_t c = 0; c < nh; ++c) {
+      std::copy_n(lse.begin() + ((b * heads + h0 + c) * seq + first), n, out.begin() + (b * nh + c) * n);
+    }
   }
   return out;
 }
@@ -189,13 +205,6 @@ void wait_for(PendingShift& shift, double& waited) {
   const auto t0 = std::chrono::steady_clock::now();
   shift.wait();
   waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-void add_tiles(TileCounts& into, const TileCounts& step) {
-  if (into.per_head.empty()) into.per_head.assign(step.per_head.size(), 0);
-  for (std::size_t i = 0; i < step.per_head.size(); ++i) into.per_head[i] += step.per_head[i];
-  into.full += step.full;
-  into.partial += step.partial;
 }
 
 // acc += (dk, dv) of one step, fp32.
@@ -230,138 +239,182 @@ std::vector<Piece> visiting(const RankPositions& positions, std::int64_t src, st
 
 }  // namespace
 
-AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, const Tensor& k,
-                                                             const Tensor& v, bool forward_only) {
-  const std::int64_t B = attention.batch, S = attention.seq_len;
-  std::vector<std::int32_t> seg_full;
-  if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, B, positions);
+namespace cp {
 
-  Pair current = kv_pair(k, v), next(attention.dtype, k.shape());
+AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const std::vector<std::int32_t>& seg_local,
+                                  const std::vector<std::int32_t>& seg_full) {
+  const AttentionSpec& a = ring.attention;
+  const std::int64_t B = a.batch, S = a.seq_len, D = a.head_dim;
+  const std::int64_t R = ring.comm.size(), rank = ring.comm.rank();
+  const std::int64_t L = q.shape().s, heads = q.shape().h, n = L / ring.parts;
+  Pair current = kv_pair(k, v), next(a.dtype, k.shape());
   Running run(q.shape());
-  const std::int64_t parts = parts_of(parallel.effective_layout());
-  const std::int64_t n = local_seq / parts;
-  Tensor o_call(DType::f32, {B, n, hq, attention.head_dim});
-  std::vector<float> lse_call(static_cast<std::size_t>(B * hq * n));
+  std::vector<Tensor> o_call;
+  std::vector<std::vector<float>> lse_call;
+  for (const KernelCall& c : ring.calls) {
+    o_call.emplace_back(DType::f32, Shape4{B, n, c.nq, D});
+    lse_call.emplace_back(static_cast<std::size_t>(B * c.nq * n));
+  }
   const bool packed = !seg_local.empty();
-  const auto mine = pieces(positions[rank], parts, B, packed,
-                           [&](std::int64_t b, std::int64_t t) { return seg_local[b * local_seq + t]; });
-  tiles = TileCounts{};
-  step_lses.clear();
-  for (std::int64_t s = 0; s < cp; ++s) {
-    const std::int64_t src = (rank - s + cp) % cp;
+  const auto mine = pieces(ring.positions[rank], ring.parts, B, packed,
+                           [&](std::int64_t b, std::int64_t t) { return seg_local[b * L + t]; });
+  *ring.tiles = TileCounts{};
+  if (ring.step_lses != nullptr) ring.step_lses->clear();
+  const bool keep_steps = ring.control == NegativeControl::ring_step_lse;
+  for (std::int64_t s = 0; s < R; ++s) {
+    const std::int64_t src = (rank - s + R) % R;
     std::unique_ptr<PendingShift> hop;
-    if (s + 1 < cp)
-      hop =
-          comm.start_shift(current.both.raw(), next.both.raw(), current.count(), comm_dtype(attention.dtype));
-    const auto theirs = visiting(positions, src, parts, B, S, seg_full,
-                                 negative_control == NegativeControl::ring_zigzag_swapped);
-    if (negative_control == NegativeControl::ring_step_lse) step_lses.emplace_back(lse_call.size() * parts);
+    if (s + 1 < R)
+      hop = ring.comm.start_shift(current.both.raw(), next.both.raw(), current.count(), comm_dtype(a.dtype));
+    const auto theirs = visiting(ring.positions, src, ring.parts, B, S, seg_full,
+                                 ring.control == NegativeControl::ring_zigzag_swapped);
+    if (keep_steps) ring.step_lses->emplace_back(static_cast<std::size_t>(B * heads * L));
     for (const Piece& qp : mine) {
       for (const Piece& kp : theirs) {
-        if (attention.causal && qp.hi < kp.lo) continue;  // every key in the future of every query
-        TileCounts t;
-        flash_forward(rows(cref(q), qp.first, n), rows(current.first(), kp.first, n),
-                      rows(current.second(), kp.first, n), mask(qp.pos, kp.pos, qp.seg, kp.seg),
-                      attention.scale(), kernel_config(), ref(o_call), lse_call.data(), &t);
-        add_tiles(tiles, t);
-        run.fold(o_call, lse_call, qp.first);
-        if (negative_control == NegativeControl::ring_step_lse) {
-          for (std::int64_t bh = 0; bh < B * hq; ++bh) {
-            std::copy_n(lse_call.begin() + bh * n, n, step_lses.back().begin() + bh * local_seq + qp.first);
+        if (a.causal && qp.hi < kp.lo) continue;  // every key in the future of every query
+        const AttentionMask m{qp.pos, kp.pos, qp.seg, kp.seg, a.causal};
+        for (std::size_t i = 0; i < ring.calls.size(); ++i) {
+          const KernelCall& c = ring.calls[i];
+          TileCounts t;
+          flash_forward(rows(cref(q), qp.first, n).heads(c.q0, c.nq),
+                        rows(current.first(), kp.first, n).heads(c.kv0, c.nkv),
+                        rows(current.second(), kp.first, n).heads(c.kv0, c.nkv), m, a.scale(), ring.kernel,
+                        ref(o_call[i]), lse_call[i].data(), &t);
+          add_call_tiles(*ring.tiles, t, B, heads, c);
+          run.fold(o_call[i], lse_call[i], qp.first, c.q0);
+          if (keep_steps) {
+            for (std::int64_t b = 0; b < B; ++b) {
+              for (std::int64_t h = 0; h < c.nq; ++h) {
+                std::copy_n(lse_call[i].begin() + (b * c.nq + h) * n, n,
+                            ring.step_lses->back().begin() + ((b * heads + c.q0 + h) * L + qp.first));
+              }
+            }
           }
         }
       }
     }
     if (hop) {
-      wait_for(*hop, comm_wait_seconds);
+      wait_for(*hop, *ring.waited);
       std::swap(current, next);
     }
   }
-  AttentionOutput out = std::move(run).finish(attention.dtype);
-  if (!forward_only) {
-    Saved saved_state;
-    saved_state.q = q;
-    saved_state.k = k;
-    saved_state.v = v;
-    saved_state.o = out.o;
-    saved_state.lse = out.lse;
-    saved_state.seg_local = seg_local;
-    saved_state.seg_full = std::move(seg_full);
-    saved = std::move(saved_state);
-  }
-  return out;
+  return std::move(run).finish(a.dtype);
 }
 
-AttentionGradients ContextParallelAttention::Impl::ring_backward(const Tensor& d_out) {
-  Saved& sv = *saved;
-  const std::int64_t B = attention.batch, S = attention.seq_len;
-  const Shape4 kv_shape = sv.k.shape();
-  Pair current = kv_pair(sv.k, sv.v), next(attention.dtype, kv_shape);
+RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const Tensor& o, const std::vector<float>& lse_in, const Tensor& d_out,
+                                 const std::vector<std::int32_t>& seg_local,
+                                 const std::vector<std::int32_t>& seg_full) {
+  const AttentionSpec& a = ring.attention;
+  const std::int64_t B = a.batch, S = a.seq_len, D = a.head_dim;
+  const std::int64_t R = ring.comm.size(), rank = ring.comm.rank();
+  const std::int64_t L = q.shape().s, heads = q.shape().h, n = L / ring.parts;
+  const Shape4 kv_shape = k.shape();
+  Pair current = kv_pair(k, v), next(a.dtype, kv_shape);
   // The dK/dV accumulator of the shard this rank holds, and the one arriving with the next shard.
   Pair acc(DType::f32, kv_shape), acc_next(DType::f32, kv_shape);
-  const std::int64_t parts = parts_of(parallel.effective_layout());
-  const std::int64_t n = local_seq / parts;
-  Tensor dq(DType::f32, sv.q.shape()), dq_call(DType::f32, {B, n, hq, attention.head_dim});
+  Tensor dq(DType::f32, q.shape());
+  std::vector<Tensor> dq_call, dk_call, dv_call;
+  for (const KernelCall& c : ring.calls) {
+    dq_call.emplace_back(DType::f32, Shape4{B, n, c.nq, D});
+    dk_call.emplace_back(DType::f32, Shape4{B, n, c.nkv, D});
+    dv_call.emplace_back(DType::f32, Shape4{B, n, c.nkv, D});
+  }
   Tensor dk_step(DType::f32, kv_shape), dv_step(DType::f32, kv_shape);
-  Tensor dk_call(DType::f32, {B, n, hkv, attention.head_dim}),
-      dv_call(DType::f32, {B, n, hkv, attention.head_dim});
-  const auto mine = pieces(positions[rank], parts, B, !sv.seg_local.empty(),
-                           [&](std::int64_t b, std::int64_t t) { return sv.seg_local[b * local_seq + t]; });
+  const auto mine = pieces(ring.positions[rank], ring.parts, B, !seg_local.empty(),
+                           [&](std::int64_t b, std::int64_t t) { return seg_local[b * L + t]; });
   std::unique_ptr<PendingShift> acc_hop;
-  for (std::int64_t s = 0; s < cp; ++s) {
-    const std::int64_t src = (rank - s + cp) % cp;
+  for (std::int64_t s = 0; s < R; ++s) {
+    const std::int64_t src = (rank - s + R) % R;
     std::unique_ptr<PendingShift> kv_hop;
-    if (s + 1 < cp)
-      kv_hop =
-          comm.start_shift(current.both.raw(), next.both.raw(), current.count(), comm_dtype(attention.dtype));
-    const auto theirs = visiting(positions, src, parts, B, S, sv.seg_full,
-                                 negative_control == NegativeControl::ring_zigzag_swapped);
+    if (s + 1 < R)
+      kv_hop = ring.comm.start_shift(current.both.raw(), next.both.raw(), current.count(), comm_dtype(a.dtype));
+    const auto theirs = visiting(ring.positions, src, ring.parts, B, S, seg_full,
+                                 ring.control == NegativeControl::ring_zigzag_swapped);
     // Every step uses the final O and LSE.
-    const std::vector<float>& lse =
-        negative_control == NegativeControl::ring_step_lse ? step_lses[s] : sv.lse;
+    const std::vector<float>& lse = ring.control == NegativeControl::ring_step_lse ? (*ring.step_lses)[s] : lse_in;
     std::fill_n(dk_step.data<float>(), dk_step.numel(), 0.0f);
     std::fill_n(dv_step.data<float>(), dv_step.numel(), 0.0f);
     for (const Piece& qp : mine) {
-      const std::vector<float> lse_piece = lse_rows(lse, B, hq, local_seq, qp.first, n);
+      std::vector<std::vector<float>> lse_piece;
+      for (const KernelCall& c : ring.calls) lse_piece.push_back(lse_rows(lse, B, heads, L, qp.first, n, c.q0, c.nq));
       for (const Piece& kp : theirs) {
-        if (attention.causal && qp.hi < kp.lo) continue;
-        flash_backward(rows(cref(sv.q), qp.first, n), rows(current.first(), kp.first, n),
-                       rows(current.second(), kp.first, n), rows(cref(sv.o), qp.first, n), lse_piece.data(),
-                       rows(cref(d_out), qp.first, n), mask(qp.pos, kp.pos, qp.seg, kp.seg),
-                       attention.scale(), kernel_config(), ref(dq_call), ref(dk_call), ref(dv_call));
-        add_rows(dq, qp.first, dq_call);
-        add_rows(dk_step, kp.first, dk_call);
-        add_rows(dv_step, kp.first, dv_call);
+        if (a.causal && qp.hi < kp.lo) continue;
+        const AttentionMask m{qp.pos, kp.pos, qp.seg, kp.seg, a.causal};
+        for (std::size_t i = 0; i < ring.calls.size(); ++i) {
+          const KernelCall& c = ring.calls[i];
+          flash_backward(rows(cref(q), qp.first, n).heads(c.q0, c.nq),
+                         rows(current.first(), kp.first, n).heads(c.kv0, c.nkv),
+                         rows(current.second(), kp.first, n).heads(c.kv0, c.nkv),
+                         rows(cref(o), qp.first, n).heads(c.q0, c.nq), lse_piece[i].data(),
+                         rows(cref(d_out), qp.first, n).heads(c.q0, c.nq), m, a.scale(), ring.kernel,
+                         ref(dq_call[i]), ref(dk_call[i]), ref(dv_call[i]));
+          add_rows(dq, qp.first, c.q0, dq_call[i]);
+          add_rows(dk_step, kp.first, c.kv0, dk_call[i]);
+          add_rows(dv_step, kp.first, c.kv0, dv_call[i]);
+        }
       }
     }
     if (acc_hop) {
-      wait_for(*acc_hop, comm_wait_seconds);  // src's accumulator, from the ranks before this one
+      wait_for(*acc_hop, *ring.waited);  // src's accumulator, from the ranks before this one
       acc_hop.reset();
       std::swap(acc, acc_next);
     }
     accumulate(acc, dk_step, dv_step);
     // With its shard to the next rank, or (after the last step) home to its owner, rank r + 1.
-    const bool last = s + 1 == cp;
-    if (last && negative_control == NegativeControl::ring_accumulator_one_hop_short) break;
-    if (cp > 1) acc_hop = comm.start_shift(acc.both.raw(), acc_next.both.raw(), acc.count(), CommDType::f32);
+    const bool last = s + 1 == R;
+    if (last && ring.control == NegativeControl::ring_accumulator_one_hop_short) break;
+    if (R > 1) acc_hop = ring.comm.start_shift(acc.both.raw(), acc_next.both.raw(), acc.count(), CommDType::f32);
     if (kv_hop) {
-      wait_for(*kv_hop, comm_wait_seconds);
+      wait_for(*kv_hop, *ring.waited);
       std::swap(current, next);
     }
   }
   if (acc_hop) {
-    wait_for(*acc_hop, comm_wait_seconds);
+    wait_for(*acc_hop, *ring.waited);
     std::swap(acc, acc_next);
   }
-  AttentionGradients g;
-  g.dq = dq.to(attention.dtype);
-  Tensor dk(DType::f32, kv_shape), dv(DType::f32, kv_shape);
-  const std::size_t bytes = static_cast<std::size_t>(dk.numel()) * sizeof(float);
-  std::memcpy(dk.raw(), acc.first().ptr, bytes);
-  std::memcpy(dv.raw(), acc.second().ptr, bytes);
-  g.dk = dk.to(attention.dtype);
-  g.dv = dv.to(attention.dtype);
+  RingGradients g{std::move(dq), Tensor(DType::f32, kv_shape), Tensor(DType::f32, kv_shape)};
+  const std::size_t bytes = static_cast<std::size_t>(g.dk.numel()) * sizeof(float);
+  std::memcpy(g.dk.raw(), acc.first().ptr, bytes);
+  std::memcpy(g.dv.raw(), acc.second().ptr, bytes);
   return g;
+}
+
+}  // namespace cp
+
+cp::RingPass ContextParallelAttention::Impl::ring_pass(Communicator& ring, const RankPositions& at,
+                                                       std::int64_t parts, std::vector<cp::KernelCall> calls) {
+  return {ring, at, parts, std::move(calls), attention, kernel_config(), negative_control, &comm_wait_seconds,
+          &tiles, &step_lses};
+}
+
+AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                             bool forward_only) {
+  std::vector<std::int32_t> seg_full;
+  if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, attention.batch, positions);
+  const cp::RingPass pass = ring_pass(comm, positions, parts_of(parallel.effective_layout()), {{0, hq, 0, hkv}});
+  AttentionOutput out = cp::ring_pass_forward(pass, q, k, v, seg_local, seg_full);
+  if (!forward_only) {
+    Saved s;
+    s.q = q;
+    s.k = k;
+    s.v = v;
+    s.o = out.o;
+    s.lse = out.lse;
+    s.seg_local = seg_local;
+    s.seg_full = std::move(seg_full);
+    saved = std::move(s);
+  }
+  return out;
+}
+
+AttentionGradients ContextParallelAttention::Impl::ring_backward(const Tensor& d_out) {
+  const Saved& s = *saved;
+  const cp::RingPass pass = ring_pass(comm, positions, parts_of(parallel.effective_layout()), {{0, hq, 0, hkv}});
+  cp::RingGradients g = cp::ring_pass_backward(pass, s.q, s.k, s.v, s.o, s.lse, d_out, s.seg_local, s.seg_full);
+  return {g.dq.to(attention.dtype), g.dk.to(attention.dtype), g.dv.to(attention.dtype)};
 }
 
 }  // namespace cpattn

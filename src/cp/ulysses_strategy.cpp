@@ -10,13 +10,14 @@
 #include "context_parallel_impl.hpp"
 #include "cpattn/placement.hpp"
 #include "cpattn/sequence_layout.hpp"
+#include "head_parts.hpp"
 
 namespace cpattn {
 
-namespace {
+namespace cp {
 
-// The placement a run uses: ulysses_heads, or one of the negative controls' wrong ones.
-UlyssesHeads run_placement(std::int64_t hq, std::int64_t hkv, std::int64_t cp, NegativeControl control) {
+UlyssesHeads run_placement(std::int64_t hq, std::int64_t hkv, std::int64_t ranks, NegativeControl control) {
+  const std::int64_t cp = ranks;
   UlyssesHeads u = ulysses_heads(hq, hkv, cp);
   const std::int64_t group = hq / hkv;
   switch (control) {
@@ -46,15 +47,6 @@ UlyssesHeads run_placement(std::int64_t hq, std::int64_t hkv, std::int64_t cp, N
   return u;
 }
 
-// Local q heads [q0, q0 + nq) against local kv heads [kv0, kv0 + nkv) in one kernel call.
-struct KernelCall {
-  std::int64_t q0, nq, kv0, nkv;
-};
-
-// q head h reads local kv slot h / G - first(kv) (clamped, so that a wrong placement reads a wrong head
-// rather than out of bounds). One call when the local q heads map onto the local kv heads uniformly (the
-// kernel's own GQA map); otherwise one call per local kv head with the run of q heads that read it (Hq=24,
-// Hkv=3, cp=4: rank 1 has q heads 6..11, two on kv 0 and four on kv 1). Either keeps each row's arithmetic.
 std::vector<KernelCall> kernel_calls(const HeadRange& q, const HeadRange& kv, std::int64_t group) {
   const std::int64_t n = q.size(), nkv = kv.size();
   auto slot = [&](std::int64_t i) {
@@ -73,18 +65,6 @@ std::vector<KernelCall> kernel_calls(const HeadRange& q, const HeadRange& kv, st
   return calls;
 }
 
-// lse rows [B, n, S] <-> a call's [B, nq, S] (from q0 on).
-void copy_lse_rows(const float* from, std::int64_t from_heads, std::int64_t from_h0, float* to,
-                   std::int64_t to_heads, std::int64_t to_h0, std::int64_t batch, std::int64_t heads,
-                   std::int64_t seq) {
-  for (std::int64_t b = 0; b < batch; ++b) {
-    std::copy_n(from + (b * from_heads + from_h0) * seq, heads * seq, to + (b * to_heads + to_h0) * seq);
-  }
-}
-
-// g: [B, S/cp, slots, D] fp32, slot s holding a contribution to kv head order[s] -> [B, S/cp, Hkv, D]: for
-// each head the sum of its contributions in slot (= rank) order, or one of the wrong variants kept as
-// negative controls.
 Tensor sum_contributions(const Tensor& g, const std::vector<std::int64_t>& order, std::int64_t hkv,
                          NegativeControl control) {
   const Shape4 s = g.shape();
@@ -112,12 +92,40 @@ Tensor sum_contributions(const Tensor& g, const std::vector<std::int64_t>& order
   return out;
 }
 
-bool is_identity(const std::vector<std::int64_t>& order) {
+bool contributions_shared(const std::vector<std::int64_t>& order, std::int64_t hkv) {
+  if (static_cast<std::int64_t>(order.size()) != hkv) return true;
   for (std::size_t i = 0; i < order.size(); ++i) {
-    if (order[i] != static_cast<std::int64_t>(i)) return false;
+    if (order[i] != static_cast<std::int64_t>(i)) return true;
   }
-  return true;
+  return false;
 }
+
+// Adds a call's tile counts (per_head [B, nq]) into the rank's ([B, n]).
+void add_call_tiles(TileCounts& into, const TileCounts& call, std::int64_t batch, std::int64_t n,
+               const KernelCall& c) {
+  if (into.per_head.empty()) into.per_head.assign(static_cast<std::size_t>(batch * n), 0);
+  for (std::int64_t b = 0; b < batch; ++b) {
+    for (std::int64_t i = 0; i < c.nq; ++i) into.per_head[b * n + c.q0 + i] += call.per_head[b * c.nq + i];
+  }
+  into.full += call.full;
+  into.partial += call.partial;
+}
+
+}  // namespace cp
+
+namespace {
+
+using cp::KernelCall;
+
+// lse rows [B, n, S] <-> a call's [B, nq, S] (from q0 on).
+void copy_lse_rows(const float* from, std::int64_t from_heads, std::int64_t from_h0, float* to,
+                   std::int64_t to_heads, std::int64_t to_h0, std::int64_t batch, std::int64_t heads,
+                   std::int64_t seq) {
+  for (std::int64_t b = 0; b < batch; ++b) {
+    std::copy_n(from + (b * from_heads + from_h0) * seq, heads * seq, to + (b * to_heads + to_h0) * seq);
+  }
+}
+
 
 struct HeadSharded {
   Tensor q, k, v;  // [B, S, n_r, D], [B, S, nkv_r, D]
@@ -132,23 +140,12 @@ HeadSharded to_heads(Communicator& comm, const Tensor& q, const Tensor& k, const
   return h;
 }
 
-// Adds a call's tile counts (per_head [B, nq]) into the rank's ([B, n]).
-void add_tiles(TileCounts& into, const TileCounts& call, std::int64_t batch, std::int64_t n,
-               const KernelCall& c) {
-  if (into.per_head.empty()) into.per_head.assign(static_cast<std::size_t>(batch * n), 0);
-  for (std::int64_t b = 0; b < batch; ++b) {
-    for (std::int64_t i = 0; i < c.nq; ++i) into.per_head[b * n + c.q0 + i] += call.per_head[b * c.nq + i];
-  }
-  into.full += call.full;
-  into.partial += call.partial;
-}
-
 }  // namespace
 
 AttentionOutput ContextParallelAttention::Impl::ulysses_forward(const Tensor& q, const Tensor& k,
                                                                 const Tensor& v, bool forward_only) {
   const std::int64_t B = attention.batch, S = attention.seq_len;
-  const UlyssesHeads u = run_placement(hq, hkv, cp, negative_control);
+  const UlyssesHeads u = cp::run_placement(hq, hkv, cp, negative_control);
   HeadSharded h = to_heads(comm, q, k, v, u);
   std::vector<std::int32_t> seg_full;
   if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, B, positions);
@@ -158,7 +155,7 @@ AttentionOutput ContextParallelAttention::Impl::ulysses_forward(const Tensor& q,
   const std::int64_t n = u.q[rank].size();
   Tensor o_heads(attention.dtype, h.q.shape());
   std::vector<float> lse_heads(static_cast<std::size_t>(B * n * S));
-  const auto calls = kernel_calls(u.q[rank], u.kv[rank], hq / hkv);
+  const auto calls = cp::kernel_calls(u.q[rank], u.kv[rank], hq / hkv);
   if (calls.size() == 1 && calls[0].nkv == u.kv[rank].size()) {  // every local head in one call
     flash_forward(cref(h.q), cref(h.k), cref(h.v), m, attention.scale(), kernel_config(), ref(o_heads),
                   lse_heads.data(), &tiles);
@@ -170,7 +167,7 @@ AttentionOutput ContextParallelAttention::Impl::ulysses_forward(const Tensor& q,
       flash_forward(cref(h.q).heads(c.q0, c.nq), cref(h.k).heads(c.kv0, c.nkv), cref(h.v).heads(c.kv0, c.nkv),
                     m, attention.scale(), kernel_config(), ref(o_heads).heads(c.q0, c.nq), lse.data(), &t);
       copy_lse_rows(lse.data(), c.nq, 0, lse_heads.data(), n, c.q0, B, c.nq, S);
-      add_tiles(tiles, t, B, n, c);
+      cp::add_call_tiles(tiles, t, B, n, c);
     }
   }
 
@@ -199,7 +196,7 @@ AttentionOutput ContextParallelAttention::Impl::ulysses_forward(const Tensor& q,
 AttentionGradients ContextParallelAttention::Impl::ulysses_backward(const Tensor& d_out) {
   Saved& s = *saved;
   const std::int64_t B = attention.batch, S = attention.seq_len;
-  const UlyssesHeads u = run_placement(hq, hkv, cp, negative_control);
+  const UlyssesHeads u = cp::run_placement(hq, hkv, cp, negative_control);
   Tensor do_heads = cp::all_to_all_sequence_to_heads(comm, d_out, u.q);
   HeadSharded h;
   if (options.remat) {
@@ -215,7 +212,7 @@ AttentionGradients ContextParallelAttention::Impl::ulysses_backward(const Tensor
   const std::int64_t n = u.q[rank].size();
   Tensor dq_heads(attention.dtype, q.shape());
   Tensor dk_heads(DType::f32, k.shape()), dv_heads(DType::f32, v.shape());
-  for (const KernelCall& c : kernel_calls(u.q[rank], u.kv[rank], hq / hkv)) {
+  for (const KernelCall& c : cp::kernel_calls(u.q[rank], u.kv[rank], hq / hkv)) {
     const bool all = c.nq == n;
     std::vector<float> lse;
     if (!all) {
@@ -235,9 +232,9 @@ AttentionGradients ContextParallelAttention::Impl::ulysses_backward(const Tensor
   const Tensor dk_all = cp::all_to_all_heads_to_sequence(comm, dk_heads, u.kv);
   const Tensor dv_all = cp::all_to_all_heads_to_sequence(comm, dv_heads, u.kv);
   const std::vector<std::int64_t> order = u.kv_head_order();
-  const bool shared = !is_identity(order) || static_cast<std::int64_t>(order.size()) != hkv;
-  g.dk = (shared ? sum_contributions(dk_all, order, hkv, negative_control) : dk_all).to(attention.dtype);
-  g.dv = (shared ? sum_contributions(dv_all, order, hkv, negative_control) : dv_all).to(attention.dtype);
+  const bool shared = cp::contributions_shared(order, hkv);
+  g.dk = (shared ? cp::sum_contributions(dk_all, order, hkv, negative_control) : dk_all).to(attention.dtype);
+  g.dv = (shared ? cp::sum_contributions(dv_all, order, hkv, negative_control) : dv_all).to(attention.dtype);
   return g;
 }
 

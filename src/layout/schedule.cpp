@@ -6,52 +6,107 @@ namespace cpattn {
 
 namespace {
 
-// The all_to_all_v of a ulysses swap: rank r sends rank p `elements(r, p)`.
+// The all_to_all_v of a ulysses swap over `ranks` ranks: rank r sends rank p `elements(r, p)`.
 template <class F>
-ScheduledCollective variable(const char* phase, const char* tensor, CommDType dtype, std::int64_t cp,
+ScheduledCollective variable(const char* phase, const char* tensor, CommDType dtype, std::int64_t ranks,
                              F elements) {
-  ScheduledCollective c{CollectiveKind::all_to_all, phase, tensor, 0, dtype, {}};
-  for (std::int64_t r = 0; r < cp; ++r) {
+  ScheduledCollective c{CollectiveKind::all_to_all, phase, tensor, 0, dtype, {}, "", 0};
+  for (std::int64_t r = 0; r < ranks; ++r) {
     c.blocks.emplace_back();
-    for (std::int64_t p = 0; p < cp; ++p) c.blocks.back().push_back(elements(r, p));
+    for (std::int64_t p = 0; p < ranks; ++p) c.blocks.back().push_back(elements(r, p));
   }
   return c;
 }
 
-// Any head counts (placement.hpp): q, d_out: [B, S/cp, Hq, D] -> [B, S, n_u, D], rank r sending rank p the
-// p's q heads of its tokens; k, v: [B, S/cp, Hkv, D] -> [B, S, nkv_u, D] likewise with KV(p); o, dq (and the
-// lse [B, n_u, S] -> [B, Hq, S/cp]) back, rank r sending its own heads of p's tokens; dk, dv: fp32
-// [B, S, nkv_u, D] -> [B, S/cp, sum_u nkv_u, D], each kv head's contributions summed on arrival.
+// The swaps of one ulysses group of `ranks` ranks holding `sl` tokens each, over any head counts
+// (placement.hpp): q, d_out: [B, sl, Hq, D] -> [B, ranks*sl, n_u, D], rank r sending rank p the p's q heads
+// of its tokens; k, v: [B, sl, Hkv, D] -> [B, ranks*sl, nkv_u, D] likewise with KV(p); o, dq (and the lse
+// [B, n_u, ranks*sl] -> [B, Hq, sl]) back, rank r sending its own heads of p's tokens; dk, dv: fp32
+// [B, ranks*sl, nkv_u, D] -> [B, sl, sum_u nkv_u, D], each kv head's contributions summed on arrival.
+struct Swaps {
+  std::int64_t ranks, batch, sl, head_dim;
+  UlyssesHeads heads;
+  const char* group;
+
+  ScheduledCollective to_heads(const char* phase, const char* tensor, CommDType t, bool kv) const {
+    const std::vector<HeadRange>& h = kv ? heads.kv : heads.q;
+    return label(variable(phase, tensor, t, ranks,
+                          [&](std::int64_t, std::int64_t p) { return batch * sl * h[p].size() * head_dim; }));
+  }
+  ScheduledCollective to_sequence(const char* phase, const char* tensor, CommDType t, bool kv,
+                                  std::int64_t row) const {
+    const std::vector<HeadRange>& h = kv ? heads.kv : heads.q;
+    return label(
+        variable(phase, tensor, t, ranks, [&](std::int64_t r, std::int64_t) { return batch * sl * h[r].size() * row; }));
+  }
+  ScheduledCollective label(ScheduledCollective c) const {
+    c.group = group;
+    c.ranks = *group != 0 ? ranks : 0;
+    return c;
+  }
+};
+
 StrategySchedule ulysses_schedule(const AttentionSpec& a, const ParallelSpec& p, const ScheduleOptions& o) {
   const std::int64_t cp = p.cp, B = a.batch, D = a.head_dim, sl = a.seq_len / cp;
-  const UlyssesHeads u = ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, cp);
+  const Swaps w{cp, B, sl, D, ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, cp), ""};
   const CommDType e = comm_dtype(a.dtype), f32 = CommDType::f32;
-  auto to_heads = [&](const char* phase, const char* tensor, CommDType t, const std::vector<HeadRange>& h) {
-    return variable(phase, tensor, t, cp,
-                    [&](std::int64_t, std::int64_t q) { return B * sl * h[q].size() * D; });
-  };
-  auto to_sequence = [&](const char* phase, const char* tensor, CommDType t, const std::vector<HeadRange>& h,
-                         std::int64_t row) {
-    return variable(phase, tensor, t, cp,
-                    [&](std::int64_t r, std::int64_t) { return B * sl * h[r].size() * row; });
+  StrategySchedule s;
+  s.forward = {w.to_heads("forward", "q", e, false), w.to_heads("forward", "k", e, true),
+               w.to_heads("forward", "v", e, true)};
+  if (o.packed)
+    s.forward.push_back({CollectiveKind::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "", 0});
+  s.forward.push_back(w.to_sequence("forward", "o", e, false, D));
+  s.forward.push_back(w.to_sequence("forward", "lse", f32, false, 1));
+
+  s.backward = {w.to_heads("backward", "d_out", e, false)};
+  if (o.remat) {
+    s.backward.push_back(w.to_heads("remat", "q", e, false));
+    s.backward.push_back(w.to_heads("remat", "k", e, true));
+    s.backward.push_back(w.to_heads("remat", "v", e, true));
+  }
+  s.backward.push_back(w.to_sequence("backward", "dq", e, false, D));
+  s.backward.push_back(w.to_sequence("backward", "dk", f32, true, D));
+  s.backward.push_back(w.to_sequence("backward", "dv", f32, true, D));
+  return s;
+}
+
+// hybrid (U x R): the ulysses swaps inside the rank's group of U (none at U = 1), the packed segment ids
+// gathered in the group and then around the ring, and between the swaps the ring over R ranks holding the
+// rank's ulysses heads for U*S/cp tokens: per step but the last, K||V [2, B, U*S/cp, nkv_u, D]; backward
+// K||V again and the fp32 dK||dV accumulator (none at R = 1).
+StrategySchedule hybrid_schedule(const AttentionSpec& a, const ParallelSpec& p, const ScheduleOptions& o) {
+  const std::int64_t U = p.ulysses_degree, R = p.cp / U, B = a.batch, D = a.head_dim, sl = a.seq_len / p.cp;
+  const Swaps w{U, B, sl, D, ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, U), "ulysses"};
+  const std::int64_t kv = 2 * B * U * sl * w.heads.kv[o.rank % U].size() * D;
+  const CommDType e = comm_dtype(a.dtype), f32 = CommDType::f32;
+  using K = CollectiveKind;
+  auto ring = [&](const char* phase, const char* tensor, CommDType t) {
+    return ScheduledCollective{K::collective_permute, phase, tensor, kv, t, {}, "ring", R};
   };
   StrategySchedule s;
-  s.forward = {to_heads("forward", "q", e, u.q), to_heads("forward", "k", e, u.kv),
-               to_heads("forward", "v", e, u.kv)};
-  if (o.packed)
-    s.forward.push_back({CollectiveKind::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}});
-  s.forward.push_back(to_sequence("forward", "o", e, u.q, D));
-  s.forward.push_back(to_sequence("forward", "lse", f32, u.q, 1));
-
-  s.backward = {to_heads("backward", "d_out", e, u.q)};
-  if (o.remat) {
-    s.backward.push_back(to_heads("remat", "q", e, u.q));
-    s.backward.push_back(to_heads("remat", "k", e, u.kv));
-    s.backward.push_back(to_heads("remat", "v", e, u.kv));
+  if (U > 1) {
+    s.forward = {w.to_heads("forward", "q", e, false), w.to_heads("forward", "k", e, true),
+                 w.to_heads("forward", "v", e, true)};
   }
-  s.backward.push_back(to_sequence("backward", "dq", e, u.q, D));
-  s.backward.push_back(to_sequence("backward", "dk", f32, u.kv, D));
-  s.backward.push_back(to_sequence("backward", "dv", f32, u.kv, D));
+  if (o.packed && U > 1)
+    s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "ulysses", U});
+  if (o.packed && R > 1)
+    s.forward.push_back({K::all_gather, "forward", "segment_ids", B * U * sl, CommDType::i32, {}, "ring", R});
+  for (std::int64_t step = 0; step + 1 < R; ++step) s.forward.push_back(ring("forward", "kv", e));
+  if (U > 1) {
+    s.forward.push_back(w.to_sequence("forward", "o", e, false, D));
+    s.forward.push_back(w.to_sequence("forward", "lse", f32, false, 1));
+    s.backward.push_back(w.to_heads("backward", "d_out", e, false));
+  }
+  for (std::int64_t step = 0; step < R && R > 1; ++step) {
+    if (step + 1 < R) s.backward.push_back(ring("backward", "kv", e));
+    s.backward.push_back(ring("backward", "dkv", f32));
+  }
+  if (U > 1) {
+    s.backward.push_back(w.to_sequence("backward", "dq", e, false, D));
+    s.backward.push_back(w.to_sequence("backward", "dk", f32, true, D));
+    s.backward.push_back(w.to_sequence("backward", "dv", f32, true, D));
+  }
   return s;
 }
 
@@ -63,14 +118,14 @@ StrategySchedule all_gather_schedule(const AttentionSpec& a, const ParallelSpec&
   const CommDType e = comm_dtype(a.dtype);
   using K = CollectiveKind;
   StrategySchedule s;
-  s.forward = {{K::all_gather, "forward", "k", kv, e, {}}, {K::all_gather, "forward", "v", kv, e, {}}};
-  if (o.packed) s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}});
+  s.forward = {{K::all_gather, "forward", "k", kv, e, {}, "", 0}, {K::all_gather, "forward", "v", kv, e, {}, "", 0}};
+  if (o.packed) s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "", 0});
   if (o.remat) {
-    s.backward.push_back({K::all_gather, "remat", "k", kv, e, {}});
-    s.backward.push_back({K::all_gather, "remat", "v", kv, e, {}});
+    s.backward.push_back({K::all_gather, "remat", "k", kv, e, {}, "", 0});
+    s.backward.push_back({K::all_gather, "remat", "v", kv, e, {}, "", 0});
   }
-  s.backward.push_back({K::reduce_scatter, "backward", "dk", kv, CommDType::f32, {}});
-  s.backward.push_back({K::reduce_scatter, "backward", "dv", kv, CommDType::f32, {}});
+  s.backward.push_back({K::reduce_scatter, "backward", "dk", kv, CommDType::f32, {}, "", 0});
+  s.backward.push_back({K::reduce_scatter, "backward", "dv", kv, CommDType::f32, {}, "", 0});
   return s;
 }
 
@@ -83,12 +138,12 @@ StrategySchedule ring_schedule(const AttentionSpec& a, const ParallelSpec& p, co
   const CommDType e = comm_dtype(a.dtype);
   using K = CollectiveKind;
   StrategySchedule s;
-  if (o.packed) s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}});
+  if (o.packed) s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "", 0});
   for (std::int64_t step = 0; step + 1 < cp; ++step)
-    s.forward.push_back({K::collective_permute, "forward", "kv", kv, e, {}});
+    s.forward.push_back({K::collective_permute, "forward", "kv", kv, e, {}, "", 0});
   for (std::int64_t step = 0; step < cp && cp > 1; ++step) {
-    if (step + 1 < cp) s.backward.push_back({K::collective_permute, "backward", "kv", kv, e, {}});
-    s.backward.push_back({K::collective_permute, "backward", "dkv", kv, CommDType::f32, {}});
+    if (step + 1 < cp) s.backward.push_back({K::collective_permute, "backward", "kv", kv, e, {}, "", 0});
+    s.backward.push_back({K::collective_permute, "backward", "dkv", kv, CommDType::f32, {}, "", 0});
   }
   return s;
 }
@@ -104,6 +159,8 @@ StrategySchedule strategy_schedule(const AttentionSpec& attention, const Paralle
       return ulysses_schedule(attention, parallel, options);
     case Strategy::all_gather:
       return all_gather_schedule(attention, parallel, options);
+    case Strategy::hybrid:
+      return hybrid_schedule(attention, parallel, options);
   }
   CPATTN_ASSERT(false);
 }
@@ -113,11 +170,13 @@ std::vector<CollectiveRecord> scheduled_records(const StrategySchedule& schedule
   for (const auto* calls : {&schedule.forward, &schedule.backward}) {
     for (const ScheduledCollective& c : *calls) {
       const std::size_t e = comm_dtype_size(c.dtype);
+      const int ranks = static_cast<int>(c.ranks > 0 ? c.ranks : cp);
       // A scheduled collective_permute is the ring's shift.
-      const std::vector<int> ring = ring_destinations(static_cast<int>(cp));
+      const std::vector<int> ring = ring_destinations(ranks);
       add_to_records(records, c.kind, c.phase,
-                     c.blocks.empty() ? collective_cost(c.kind, c.count, e, static_cast<int>(cp), &ring)
-                                      : all_to_all_v_cost(c.blocks, e));
+                     c.blocks.empty() ? collective_cost(c.kind, c.count, e, ranks, &ring)
+                                      : all_to_all_v_cost(c.blocks, e),
+                     c.group);
     }
   }
   return records;
