@@ -11,6 +11,7 @@
 #include "cp_harness.hpp"
 #include "cpattn/placement.hpp"
 #include "cpattn/planner.hpp"
+#include "cpattn/schedule.hpp"
 #include "cpattn/sequence_layout.hpp"
 #include "cpattn/shard.hpp"
 
@@ -241,6 +242,146 @@ TEST(ContextParallel, RingTilesAreEqualWithLoadBalanceOnOneCausalDocument) {
         EXPECT_EQ(sp.tiles_per_rank, odd.tiles_per_rank) << seq;
       }
     }
+  }
+}
+
+double max_rel(const std::vector<float>& got, const std::vector<float>& want);
+
+// hybrid (U x R) against the single-device kernel within the ring's bounds: (cp, U) in {(4,2), (8,2), (8,4)}
+// and (Hq, Hkv) in {(32,2), (8,2), (28,4)}, each pair once (a Latin square), on the rows of the two-level
+// orthogonal array above and their complements: causal, packed, load balance, bf16, batch 2, head dim 80; and
+// cp > Hq (Hq = 8 at cp 16, U = 8).
+TEST(ContextParallel, HybridMatchesTheSingleDeviceKernelOverACoveringSet) {
+  constexpr int kRows[8][6] = {{0, 0, 0, 0, 0, 0}, {0, 0, 0, 1, 1, 1}, {0, 1, 1, 0, 0, 1},
+                               {0, 1, 1, 1, 1, 0}, {1, 0, 1, 0, 1, 0}, {1, 0, 1, 1, 0, 1},
+                               {1, 1, 0, 0, 1, 1}, {1, 1, 0, 1, 0, 0}};
+  const std::pair<std::int64_t, std::int64_t> degrees[] = {{4, 2}, {8, 2}, {8, 4}};
+  const std::pair<std::int64_t, std::int64_t> heads[] = {{32, 2}, {8, 2}, {28, 4}};
+  for (int i = 0; i < 10; ++i) {
+    const int* row = kRows[i % 8];
+    auto on = [&](int column) { return (row[column] != 0) != (i >= 8); };
+    CpCase c;
+    c.strategy = Strategy::hybrid;
+    if (i < 9) {
+      std::tie(c.cp, c.ulysses_degree) = degrees[i % 3];
+      std::tie(c.hq, c.hkv) = heads[(i / 3 + i) % 3];
+    } else {
+      c.cp = 16;
+      c.ulysses_degree = 8;
+      c.hq = 8;
+      c.hkv = 2;
+    }
+    c.seq = 2 * c.cp * (12 + c.cp);  // chunks of 12 + cp tokens: not a multiple of the 64-token block
+    c.causal = on(0);
+    if (on(1)) c.segments = {c.seq / 2 + 3, c.seq / 2 - 8, 5};
+    c.load_balance = on(2);
+    c.dtype = on(3) ? DType::bf16 : DType::f32;
+    c.batch = on(4) ? 2 : 1;
+    c.dim = on(5) ? 80 : 32;
+    ASSERT_TRUE(validation_errors(c.attention(), c.parallel()).empty()) << c.name();
+    testing::expect_ring_matches_single_device(c);
+  }
+}
+
+// U = cp is ulysses (one ring rank: the same kernel calls on the same rows) and U = 1 is ring (a ulysses
+// group of one: no swap): the same bits, forward and backward, packed, with and without load balance.
+TEST(ContextParallel, HybridAtUEqualCpIsUlyssesAndAtUOneIsRingBitForBit) {
+  for (const bool lb : {false, true}) {
+    for (const DType dtype : {DType::f32, DType::bf16}) {
+      CpCase c;
+      c.hq = 12;
+      c.hkv = 3;
+      c.seq = 192;
+      c.dim = 32;
+      c.dtype = dtype;
+      c.segments = {100, 92};
+      const auto in = testing::make_whole_inputs(c, 21);
+      c.strategy = Strategy::ulysses;
+      const auto ulysses = testing::run_context_parallel(c, in);
+      c.strategy = Strategy::ring;
+      c.load_balance = lb;
+      const auto ring = testing::run_context_parallel(c, in);
+      c.strategy = Strategy::hybrid;
+      c.ulysses_degree = c.cp;
+      const auto u_cp = testing::run_context_parallel(c, in);
+      c.ulysses_degree = 1;
+      const auto u_one = testing::run_context_parallel(c, in);
+      const std::string name = c.name();
+      for (const auto& [got, want, what] :
+           {std::tuple{&u_cp, &ulysses, "U = cp vs ulysses"}, std::tuple{&u_one, &ring, "U = 1 vs ring"}}) {
+        EXPECT_EQ(testing::count_bit_differences(got->o, want->o), 0) << what << " o " << name;
+        EXPECT_EQ(testing::count_bit_differences(got->lse, want->lse), 0) << what << " lse " << name;
+        EXPECT_EQ(testing::count_bit_differences(got->dq, want->dq), 0) << what << " dq " << name;
+        EXPECT_EQ(testing::count_bit_differences(got->dk, want->dk), 0) << what << " dk " << name;
+        EXPECT_EQ(testing::count_bit_differences(got->dv, want->dv), 0) << what << " dv " << name;
+      }
+      EXPECT_EQ(testing::count_bit_differences(u_cp.o, testing::run_single_device(c, in).o), 0) << name;
+    }
+  }
+}
+
+// Each rank counts its groups' calls under their names, as the schedule (the planner's source) says, rank by
+// rank: at Hq = 24, Hkv = 3, U = 4 the ulysses ranks hold 1, 2, 2, 1 kv heads (q heads 6 each, groups of 8),
+// so the ring of ulysses rank 1 moves twice what the ring of ulysses rank 0 moves.
+TEST(ContextParallel, HybridCountsEachGroupAsItsSchedule) {
+  CpCase c;
+  c.strategy = Strategy::hybrid;
+  c.cp = 8;
+  c.ulysses_degree = 4;
+  c.hq = 24;
+  c.hkv = 3;
+  c.dim = 16;
+  c.seq = 256;
+  c.load_balance = true;
+  c.segments = {130, 126};
+  const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 8));
+  const std::int64_t kv_heads[] = {1, 2, 2, 1};
+  for (std::int64_t r = 0; r < c.cp; ++r) {
+    const auto& recs = run.records[r];
+    EXPECT_EQ(recs, scheduled_records(strategy_schedule(c.attention(), c.parallel(), {false, true, r}), c.cp))
+        << "rank " << r;
+    std::int64_t ring_forward = 0, ulysses_calls = 0;
+    for (const CollectiveRecord& x : recs) {
+      EXPECT_TRUE(x.group == "ulysses" || x.group == "ring") << x.group;
+      if (x.group == "ring" && x.kind == CollectiveKind::collective_permute && x.phase == "forward") {
+        ring_forward += x.bytes_sent_per_rank;
+      }
+      if (x.group == "ulysses") ulysses_calls += x.count;
+    }
+    // One shift of K||V [2, B, U*S/cp, nkv_u, D] fp32 per ring step but the last (R = 2).
+    EXPECT_EQ(ring_forward, 2 * 4 * (256 / 8) * kv_heads[r % 4] * 16 * 4) << "rank " << r;
+    EXPECT_EQ(ulysses_calls, 3 + 1 + 2 + 1 + 3) << "rank " << r;  // q k v, segments, o lse; d_out, dq dk dv
+  }
+}
+
+// The ring's and the placement's controls run through the hybrid too, and each is caught: Hq = 26, Hkv = 2
+// over U = 4 gives q heads 7, 7, 6, 6 (kv 0 on two ranks, kv 1 on three).
+TEST(ContextParallel, HybridControlsAreCaught) {
+  CpCase c;
+  c.strategy = Strategy::hybrid;
+  c.cp = 8;
+  c.ulysses_degree = 4;
+  c.hq = 26;
+  c.hkv = 2;
+  c.dim = 16;
+  c.seq = 256;
+  c.load_balance = true;
+  const auto in = testing::make_whole_inputs(c, 14);
+  const auto single = testing::run_single_device(c, in);
+  EXPECT_LE(max_rel(testing::run_context_parallel(c, in).dk, single.dk), 1e-5);
+  for (const NegativeControl control : {NegativeControl::shifted_kv_set, NegativeControl::ring_zigzag_swapped,
+                                        NegativeControl::extra_q_heads_on_highest_ranks}) {
+    c.control = control;
+    EXPECT_GT(max_rel(testing::run_context_parallel(c, in).o, single.o), 1e-2) << static_cast<int>(control);
+  }
+  for (const NegativeControl control :
+       {NegativeControl::first_kv_replica_only, NegativeControl::ring_step_lse,
+        NegativeControl::ring_accumulator_one_hop_short}) {
+    c.control = control;
+    const auto got = testing::run_context_parallel(c, in);
+    EXPECT_LE(max_rel(got.o, single.o), 5e-6) << "the forward is untouched";
+    EXPECT_GT(std::max(max_rel(got.dk, single.dk), max_rel(got.dq, single.dq)), 1e-2)
+        << static_cast<int>(control);
   }
 }
 

@@ -22,6 +22,7 @@ struct CpCase {
   bool load_balance = false;
   bool remat = false;
   std::int64_t cp = 4, hq = 32, hkv = 2, dim = 64, seq = 256, batch = 1;
+  std::int64_t ulysses_degree = 0;  // hybrid: U
   bool causal = true;
   std::vector<std::int64_t> segments;  // document lengths; empty: one document
   DType dtype = DType::f32;
@@ -30,10 +31,11 @@ struct CpCase {
 
   std::string name() const {
     std::string s = std::string(to_string(strategy)) + (load_balance ? "_lb" : "") + (remat ? "_remat" : "") +
-                    "_cp" + std::to_string(cp) + "_Hq" + std::to_string(hq) + "_Hkv" + std::to_string(hkv) +
-                    "_D" + std::to_string(dim) + "_S" + std::to_string(seq) + "_B" + std::to_string(batch) +
-                    (causal ? "_causal" : "_full") + (segments.empty() ? "" : "_packed") + "_" +
-                    to_string(dtype);
+                    "_cp" + std::to_string(cp) +
+                    (ulysses_degree > 0 ? "_U" + std::to_string(ulysses_degree) : std::string()) + "_Hq" +
+                    std::to_string(hq) + "_Hkv" + std::to_string(hkv) + "_D" + std::to_string(dim) + "_S" +
+                    std::to_string(seq) + "_B" + std::to_string(batch) + (causal ? "_causal" : "_full") +
+                    (segments.empty() ? "" : "_packed") + "_" + to_string(dtype);
     if (dtype == DType::bf16) s += std::string("_") + to_string(flash_bf16_path(kernel));
     return s;
   }
@@ -53,6 +55,7 @@ struct CpCase {
     p.cp = cp;
     p.strategy = strategy;
     p.load_balance = load_balance;
+    p.ulysses_degree = ulysses_degree;
     return p;
   }
 };
@@ -158,7 +161,7 @@ inline void expect_matches_single_device(const CpCase& c) {
 // --check` applies).
 inline void expect_ring_matches_single_device(const CpCase& c, std::uint32_t seed = 101) {
   SCOPED_TRACE(c.name());
-  const harness::Tolerances tol = harness::tolerances(Strategy::ring, c.dtype);
+  const harness::Tolerances tol = harness::tolerances(c.strategy, c.dtype);
   const auto in = make_whole_inputs(c, seed);
   const auto got = run_context_parallel(c, in);
   const auto single = run_single_device(c, in);

@@ -36,8 +36,9 @@ TEST(Schedule, UlyssesReplicatesKvSlotsAndSendsGradientsAsFp32) {
   EXPECT_EQ(s.forward[0], (ScheduledCollective{CollectiveKind::all_to_all, "forward", "q", 0, CommDType::bf16,
                                                equal_blocks(4, 16 * 8 * 8), "", 0}));
   EXPECT_EQ(s.forward[1].blocks, equal_blocks(4, 16 * 1 * 8));
-  EXPECT_EQ(s.forward[3], (ScheduledCollective{
-                              CollectiveKind::all_gather, "forward", "segment_ids", 16, CommDType::i32, {}, "", 0}));
+  EXPECT_EQ(s.forward[3],
+            (ScheduledCollective{
+                CollectiveKind::all_gather, "forward", "segment_ids", 16, CommDType::i32, {}, "", 0}));
   ASSERT_EQ(s.backward.size(), 4u);
   EXPECT_EQ(s.backward.back().dtype, CommDType::f32);
 }

@@ -112,8 +112,9 @@ class Communicator {
   // The default throws Error(invalid_config): the backend cannot split.
   virtual std::unique_ptr<Communicator> split(int color, int key);
 
-  // What this communicator counted. A communicator that forwards to another returns the other's.
-  virtual CollectiveCounters& counters() { return counters_; }
+  // What this communicator counted (after report_to, the counters it reports to). A communicator that
+  // forwards to another returns the other's.
+  virtual CollectiveCounters& counters() { return report_to_ != nullptr ? *report_to_ : counters_; }
   // From now on this communicator's accounting goes into `into` (its phase) with `group` on every record
   // (the hybrid strategy counts its two sub-communicators in the caller's counters). `into` must outlive it.
   void report_to(CollectiveCounters& into, std::string group);

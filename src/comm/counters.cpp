@@ -12,7 +12,7 @@ void Communicator::count(CollectiveKind kind, std::int64_t count, CommDType dtyp
 }
 
 void Communicator::count_cost(CollectiveKind kind, const CollectiveCost& cost) {
-  (report_to_ != nullptr ? *report_to_ : counters_).record(kind, cost, group_);
+  Communicator::counters().record(kind, cost, group_);
 }
 
 void Communicator::report_to(CollectiveCounters& into, std::string group) {

@@ -185,7 +185,7 @@ AttentionGradients ContextParallelAttention::Impl::backward(const Tensor& d_out)
   check_grad_input(d_out);
   CollectiveCounters::PhaseScope phase(group.counters(), "backward");
   expect(backward_calls, negative_control == NegativeControl::extra_q_heads_on_highest_ranks ||
-                            negative_control == NegativeControl::ring_accumulator_one_hop_short);
+                             negative_control == NegativeControl::ring_accumulator_one_hop_short);
   AttentionGradients grads = parallel.strategy == Strategy::ulysses  ? ulysses_backward(d_out)
                              : parallel.strategy == Strategy::ring   ? ring_backward(d_out)
                              : parallel.strategy == Strategy::hybrid ? hybrid_backward(d_out)

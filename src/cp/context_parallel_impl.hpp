@@ -35,11 +35,13 @@ class ContextParallelAttention::Impl {
   AttentionGradients ring_backward(const Tensor& d_out);
   AttentionOutput hybrid_forward(const Tensor& q, const Tensor& k, const Tensor& v, bool forward_only);
   AttentionGradients hybrid_backward(const Tensor& d_out);
-  // The ring's passes over `ring` (its ranks' rows at `at`, each cut in `parts` runs) with these kernel calls.
+  // The ring's passes over `ring` (its ranks' rows at `at`, each cut in `parts` runs) with these kernel
+  // calls.
   cp::RingPass ring_pass(Communicator& ring, const RankPositions& at, std::int64_t parts,
                          std::vector<cp::KernelCall> calls);
 
-  // The calls to expect from now on on each communicator (`unchecked`: any), and the check that all were made.
+  // The calls to expect from now on on each communicator (`unchecked`: any), and the check that all were
+  // made.
   void expect(const std::vector<ScheduledCollective>& calls, bool unchecked);
   void finish();
 
@@ -59,9 +61,9 @@ class ContextParallelAttention::Impl {
   TileCounts tiles;
   double comm_wait_seconds = 0;  // ring: time spent in shifts' wait() since the last forward began
 
-  // hybrid: U x R ranks, rank = ring_rank * U + ulysses_rank; the caller's communicator split into this rank's
-  // ulysses group (U ranks) and ring group (R ranks, the same ulysses rank), each checked against its part of
-  // the schedule and counted in the caller's counters under its group's name.
+  // hybrid: U x R ranks, rank = ring_rank * U + ulysses_rank; the caller's communicator split into this
+  // rank's ulysses group (U ranks) and ring group (R ranks, the same ulysses rank), each checked against its
+  // part of the schedule and counted in the caller's counters under its group's name.
   std::int64_t ulysses_degree = 1, ring_degree = 1;
   std::unique_ptr<Communicator> ulysses_group, ring_group;
   std::unique_ptr<cp::ScheduledCommunicator> ulysses_comm, ring_comm;
@@ -70,11 +72,12 @@ class ContextParallelAttention::Impl {
 
   // What forward keeps for backward.
   struct Saved {
-    Tensor q, k, v;          // all_gather, ring: local shards; ulysses: local shards (remat) or head-sharded;
-                             // hybrid: head-sharded rows of the ring rank
-    Tensor k_full, v_full;   // all_gather without remat: gathered K/V, natural order
-    Tensor o;                // all_gather, ring: local O; ulysses: head-sharded O
-    std::vector<float> lse;  // all_gather, ring: [B, Hq, S/cp]; ulysses: [B, n_r, S]; hybrid: [B, n_u, U*S/cp]
+    Tensor q, k, v;         // all_gather, ring: local shards; ulysses: local shards (remat) or head-sharded;
+                            // hybrid: head-sharded rows of the ring rank
+    Tensor k_full, v_full;  // all_gather without remat: gathered K/V, natural order
+    Tensor o;               // all_gather, ring: local O; ulysses: head-sharded O
+    std::vector<float>
+        lse;  // all_gather, ring: [B, Hq, S/cp]; ulysses: [B, n_r, S]; hybrid: [B, n_u, U*S/cp]
     std::vector<std::int32_t> seg_local, seg_full;  // [B, S/cp], [B, S] natural (empty: no segments)
   };
   std::optional<Saved> saved;

@@ -1,5 +1,5 @@
-// What ulysses and hybrid share about head-sharded attention (ulysses_strategy.cpp): the placement a run uses,
-// the kernel calls that map a rank's q heads onto its kv heads, and the sum of the kv heads' gradient
+// What ulysses and hybrid share about head-sharded attention (ulysses_strategy.cpp): the placement a run
+// uses, the kernel calls that map a rank's q heads onto its kv heads, and the sum of the kv heads' gradient
 // contributions on their way back.
 #pragma once
 

@@ -1,10 +1,10 @@
 // hybrid (docs/design.md, "Ring attention and the hybrid strategy"): cp = U x R ranks, rank c = ring_rank * U
-// + ulysses_rank. Inside each ulysses group of U ranks the ulysses swap (any head counts, placement.hpp) gives
-// each rank its heads for the whole group's tokens; the ring then runs over the R ranks that share a ulysses
-// rank, with those heads, and the reverse swap brings O and LSE back. With load balance the inputs are in the
-// dual_chunk_swap layout over all cp ranks and the receiver places member u's two chunks at slots u and
-// 2U-1-u, so that each ring rank holds the ring-level zigzag (its group's chunks r and 2R-1-r) with no extra
-// communication. Backward mirrors it: the ring's dK/dV accumulators come home, and each kv head's fp32
+// + ulysses_rank. Inside each ulysses group of U ranks the ulysses swap (any head counts, placement.hpp)
+// gives each rank its heads for the whole group's tokens; the ring then runs over the R ranks that share a
+// ulysses rank, with those heads, and the reverse swap brings O and LSE back. With load balance the inputs
+// are in the dual_chunk_swap layout over all cp ranks and the receiver places member u's two chunks at slots
+// u and 2U-1-u, so that each ring rank holds the ring-level zigzag (its group's chunks r and 2R-1-r) with no
+// extra communication. Backward mirrors it: the ring's dK/dV accumulators come home, and each kv head's fp32
 // contributions from the group's ranks are summed in rank order after the reverse swap.
 #include <algorithm>
 #include <cstring>
@@ -53,7 +53,8 @@ Tensor reorder_rows(const Tensor& x, const std::vector<std::int64_t>& from) {
   const Shape4 s = x.shape();
   Tensor y(x.dtype(), s);
   const std::int64_t chunk = s.s / static_cast<std::int64_t>(from.size());
-  move_chunks(x.raw(), y.raw(), s.b, static_cast<std::size_t>(chunk * s.h * s.d) * dtype_size(x.dtype()), from);
+  move_chunks(x.raw(), y.raw(), s.b, static_cast<std::size_t>(chunk * s.h * s.d) * dtype_size(x.dtype()),
+              from);
   return y;
 }
 
@@ -83,6 +84,7 @@ AttentionOutput ContextParallelAttention::Impl::hybrid_forward(const Tensor& q, 
   std::vector<std::int32_t> seg_rows = seg_local, seg_full;
   if (!seg_local.empty() && U > 1) {
     std::vector<std::int32_t> members(static_cast<std::size_t>(B * L));
+    seg_rows.resize(members.size());
     ulysses_comm->all_gather(seg_local.data(), members.data(), B * local_seq, CommDType::i32);
     // [U, B, S/cp] -> [B, U, S/cp] (member order) -> slot order.
     for (std::int64_t m = 0; m < U; ++m) {
@@ -93,15 +95,16 @@ AttentionOutput ContextParallelAttention::Impl::hybrid_forward(const Tensor& q, 
     }
     if (reorder) {
       const std::vector<std::int32_t> by_member = seg_rows;
-      move_chunks(by_member.data(), seg_rows.data(), B, static_cast<std::size_t>(local_seq / 2) * 4, to_slots(U));
+      move_chunks(by_member.data(), seg_rows.data(), B, static_cast<std::size_t>(local_seq / 2) * 4,
+                  to_slots(U));
     }
   }
   if (!seg_local.empty()) {
     seg_full = ring_degree > 1 ? cp::all_gather_segments(*ring_comm, seg_rows, B, ring_positions) : seg_rows;
   }
 
-  const cp::RingPass pass =
-      ring_pass(*ring_comm, ring_positions, ring_parts, cp::kernel_calls(u.q[u_rank], u.kv[u_rank], hq / hkv));
+  const cp::RingPass pass = ring_pass(*ring_comm, ring_positions, ring_parts,
+                                      cp::kernel_calls(u.q[u_rank], u.kv[u_rank], hq / hkv));
   AttentionOutput heads = cp::ring_pass_forward(pass, qr, kr, vr, seg_rows, seg_full);
 
   AttentionOutput out;
@@ -141,10 +144,10 @@ AttentionGradients ContextParallelAttention::Impl::hybrid_backward(const Tensor&
     do_heads = cp::all_to_all_sequence_to_heads(*ulysses_comm, d_out, u.q);
     if (reorder) do_heads = reorder_rows(do_heads, to_slots(U));
   }
-  const cp::RingPass pass =
-      ring_pass(*ring_comm, ring_positions, ring_parts, cp::kernel_calls(u.q[u_rank], u.kv[u_rank], hq / hkv));
-  cp::RingGradients g =
-      cp::ring_pass_backward(pass, s.q, s.k, s.v, s.o, s.lse, U > 1 ? do_heads : d_out, s.seg_local, s.seg_full);
+  const cp::RingPass pass = ring_pass(*ring_comm, ring_positions, ring_parts,
+                                      cp::kernel_calls(u.q[u_rank], u.kv[u_rank], hq / hkv));
+  cp::RingGradients g = cp::ring_pass_backward(pass, s.q, s.k, s.v, s.o, s.lse, U > 1 ? do_heads : d_out,
+                                               s.seg_local, s.seg_full);
   if (U == 1) return {g.dq.to(attention.dtype), g.dk.to(attention.dtype), g.dv.to(attention.dtype)};
 
   auto in_members = [&](Tensor t) { return reorder ? reorder_rows(t, to_members(U)) : t; };
@@ -155,8 +158,10 @@ AttentionGradients ContextParallelAttention::Impl::hybrid_backward(const Tensor&
   const Tensor dv_all = cp::all_to_all_heads_to_sequence(*ulysses_comm, in_members(std::move(g.dv)), u.kv);
   const std::vector<std::int64_t> order = u.kv_head_order();
   const bool shared = cp::contributions_shared(order, hkv);
-  out.dk = (shared ? cp::sum_contributions(dk_all, order, hkv, negative_control) : dk_all).to(attention.dtype);
-  out.dv = (shared ? cp::sum_contributions(dv_all, order, hkv, negative_control) : dv_all).to(attention.dtype);
+  out.dk =
+      (shared ? cp::sum_contributions(dk_all, order, hkv, negative_control) : dk_all).to(attention.dtype);
+  out.dv =
+      (shared ? cp::sum_contributions(dv_all, order, hkv, negative_control) : dv_all).to(attention.dtype);
   return out;
 }
 

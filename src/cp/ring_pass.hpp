@@ -1,5 +1,5 @@
-// The ring's two passes (ring_strategy.cpp) over any ring of ranks and any local heads: the ring strategy runs
-// them over all cp ranks with every head, the hybrid over its ring group with its ulysses heads.
+// The ring's two passes (ring_strategy.cpp) over any ring of ranks and any local heads: the ring strategy
+// runs them over all cp ranks with every head, the hybrid over its ring group with its ulysses heads.
 #pragma once
 
 #include <cstdint>
@@ -17,13 +17,13 @@ namespace cpattn::cp {
 struct RingPass {
   Communicator& comm;              // the ring; rank() is this rank's place in it
   const RankPositions& positions;  // each ring rank's local rows' global positions
-  std::int64_t parts = 1;          // contiguous runs in a rank's rows (2: the zigzag's chunks), each on its own grid
+  std::int64_t parts = 1;  // contiguous runs in a rank's rows (2: the zigzag's chunks), each on its own grid
   std::vector<KernelCall> calls;   // the local q heads onto the local kv heads
   const AttentionSpec& attention;  // batch, seq_len, causal, scale, dtype
   FlashConfig kernel;
   NegativeControl control = NegativeControl::none;
-  double* waited = nullptr;  // time spent in shifts' wait(), added to
-  TileCounts* tiles = nullptr;  // forward: the tiles computed, set
+  double* waited = nullptr;                              // time spent in shifts' wait(), added to
+  TileCounts* tiles = nullptr;                           // forward: the tiles computed, set
   std::vector<std::vector<float>>* step_lses = nullptr;  // negative control ring_step_lse: each step's LSE
 };
 

@@ -329,16 +329,19 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
     const std::int64_t src = (rank - s + R) % R;
     std::unique_ptr<PendingShift> kv_hop;
     if (s + 1 < R)
-      kv_hop = ring.comm.start_shift(current.both.raw(), next.both.raw(), current.count(), comm_dtype(a.dtype));
+      kv_hop =
+          ring.comm.start_shift(current.both.raw(), next.both.raw(), current.count(), comm_dtype(a.dtype));
     const auto theirs = visiting(ring.positions, src, ring.parts, B, S, seg_full,
                                  ring.control == NegativeControl::ring_zigzag_swapped);
     // Every step uses the final O and LSE.
-    const std::vector<float>& lse = ring.control == NegativeControl::ring_step_lse ? (*ring.step_lses)[s] : lse_in;
+    const std::vector<float>& lse =
+        ring.control == NegativeControl::ring_step_lse ? (*ring.step_lses)[s] : lse_in;
     std::fill_n(dk_step.data<float>(), dk_step.numel(), 0.0f);
     std::fill_n(dv_step.data<float>(), dv_step.numel(), 0.0f);
     for (const Piece& qp : mine) {
       std::vector<std::vector<float>> lse_piece;
-      for (const KernelCall& c : ring.calls) lse_piece.push_back(lse_rows(lse, B, heads, L, qp.first, n, c.q0, c.nq));
+      for (const KernelCall& c : ring.calls)
+        lse_piece.push_back(lse_rows(lse, B, heads, L, qp.first, n, c.q0, c.nq));
       for (const Piece& kp : theirs) {
         if (a.causal && qp.hi < kp.lo) continue;
         const AttentionMask m{qp.pos, kp.pos, qp.seg, kp.seg, a.causal};
@@ -365,7 +368,8 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
     // With its shard to the next rank, or (after the last step) home to its owner, rank r + 1.
     const bool last = s + 1 == R;
     if (last && ring.control == NegativeControl::ring_accumulator_one_hop_short) break;
-    if (R > 1) acc_hop = ring.comm.start_shift(acc.both.raw(), acc_next.both.raw(), acc.count(), CommDType::f32);
+    if (R > 1)
+      acc_hop = ring.comm.start_shift(acc.both.raw(), acc_next.both.raw(), acc.count(), CommDType::f32);
     if (kv_hop) {
       wait_for(*kv_hop, *ring.waited);
       std::swap(current, next);
@@ -385,16 +389,26 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
 }  // namespace cp
 
 cp::RingPass ContextParallelAttention::Impl::ring_pass(Communicator& ring, const RankPositions& at,
-                                                       std::int64_t parts, std::vector<cp::KernelCall> calls) {
-  return {ring, at, parts, std::move(calls), attention, kernel_config(), negative_control, &comm_wait_seconds,
-          &tiles, &step_lses};
+                                                       std::int64_t parts,
+                                                       std::vector<cp::KernelCall> calls) {
+  return {ring,
+          at,
+          parts,
+          std::move(calls),
+          attention,
+          kernel_config(),
+          negative_control,
+          &comm_wait_seconds,
+          &tiles,
+          &step_lses};
 }
 
-AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                             bool forward_only) {
+AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, const Tensor& k,
+                                                             const Tensor& v, bool forward_only) {
   std::vector<std::int32_t> seg_full;
   if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, attention.batch, positions);
-  const cp::RingPass pass = ring_pass(comm, positions, parts_of(parallel.effective_layout()), {{0, hq, 0, hkv}});
+  const cp::RingPass pass =
+      ring_pass(comm, positions, parts_of(parallel.effective_layout()), {{0, hq, 0, hkv}});
   AttentionOutput out = cp::ring_pass_forward(pass, q, k, v, seg_local, seg_full);
   if (!forward_only) {
     Saved s;
@@ -412,8 +426,10 @@ AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, co
 
 AttentionGradients ContextParallelAttention::Impl::ring_backward(const Tensor& d_out) {
   const Saved& s = *saved;
-  const cp::RingPass pass = ring_pass(comm, positions, parts_of(parallel.effective_layout()), {{0, hq, 0, hkv}});
-  cp::RingGradients g = cp::ring_pass_backward(pass, s.q, s.k, s.v, s.o, s.lse, d_out, s.seg_local, s.seg_full);
+  const cp::RingPass pass =
+      ring_pass(comm, positions, parts_of(parallel.effective_layout()), {{0, hq, 0, hkv}});
+  cp::RingGradients g =
+      cp::ring_pass_backward(pass, s.q, s.k, s.v, s.o, s.lse, d_out, s.seg_local, s.seg_full);
   return {g.dq.to(attention.dtype), g.dk.to(attention.dtype), g.dv.to(attention.dtype)};
 }
 

@@ -102,7 +102,7 @@ bool contributions_shared(const std::vector<std::int64_t>& order, std::int64_t h
 
 // Adds a call's tile counts (per_head [B, nq]) into the rank's ([B, n]).
 void add_call_tiles(TileCounts& into, const TileCounts& call, std::int64_t batch, std::int64_t n,
-               const KernelCall& c) {
+                    const KernelCall& c) {
   if (into.per_head.empty()) into.per_head.assign(static_cast<std::size_t>(batch * n), 0);
   for (std::int64_t b = 0; b < batch; ++b) {
     for (std::int64_t i = 0; i < c.nq; ++i) into.per_head[b * n + c.q0 + i] += call.per_head[b * c.nq + i];
@@ -125,7 +125,6 @@ void copy_lse_rows(const float* from, std::int64_t from_heads, std::int64_t from
     std::copy_n(from + (b * from_heads + from_h0) * seq, heads * seq, to + (b * to_heads + to_h0) * seq);
   }
 }
-
 
 struct HeadSharded {
   Tensor q, k, v;  // [B, S, n_r, D], [B, S, nkv_r, D]

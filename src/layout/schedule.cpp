@@ -36,8 +36,8 @@ struct Swaps {
   ScheduledCollective to_sequence(const char* phase, const char* tensor, CommDType t, bool kv,
                                   std::int64_t row) const {
     const std::vector<HeadRange>& h = kv ? heads.kv : heads.q;
-    return label(
-        variable(phase, tensor, t, ranks, [&](std::int64_t r, std::int64_t) { return batch * sl * h[r].size() * row; }));
+    return label(variable(phase, tensor, t, ranks,
+                          [&](std::int64_t r, std::int64_t) { return batch * sl * h[r].size() * row; }));
   }
   ScheduledCollective label(ScheduledCollective c) const {
     c.group = group;
@@ -54,7 +54,8 @@ StrategySchedule ulysses_schedule(const AttentionSpec& a, const ParallelSpec& p,
   s.forward = {w.to_heads("forward", "q", e, false), w.to_heads("forward", "k", e, true),
                w.to_heads("forward", "v", e, true)};
   if (o.packed)
-    s.forward.push_back({CollectiveKind::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "", 0});
+    s.forward.push_back(
+        {CollectiveKind::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "", 0});
   s.forward.push_back(w.to_sequence("forward", "o", e, false, D));
   s.forward.push_back(w.to_sequence("forward", "lse", f32, false, 1));
 
@@ -118,8 +119,10 @@ StrategySchedule all_gather_schedule(const AttentionSpec& a, const ParallelSpec&
   const CommDType e = comm_dtype(a.dtype);
   using K = CollectiveKind;
   StrategySchedule s;
-  s.forward = {{K::all_gather, "forward", "k", kv, e, {}, "", 0}, {K::all_gather, "forward", "v", kv, e, {}, "", 0}};
-  if (o.packed) s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "", 0});
+  s.forward = {{K::all_gather, "forward", "k", kv, e, {}, "", 0},
+               {K::all_gather, "forward", "v", kv, e, {}, "", 0}};
+  if (o.packed)
+    s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "", 0});
   if (o.remat) {
     s.backward.push_back({K::all_gather, "remat", "k", kv, e, {}, "", 0});
     s.backward.push_back({K::all_gather, "remat", "v", kv, e, {}, "", 0});
@@ -138,7 +141,8 @@ StrategySchedule ring_schedule(const AttentionSpec& a, const ParallelSpec& p, co
   const CommDType e = comm_dtype(a.dtype);
   using K = CollectiveKind;
   StrategySchedule s;
-  if (o.packed) s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "", 0});
+  if (o.packed)
+    s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "", 0});
   for (std::int64_t step = 0; step + 1 < cp; ++step)
     s.forward.push_back({K::collective_permute, "forward", "kv", kv, e, {}, "", 0});
   for (std::int64_t step = 0; step < cp && cp > 1; ++step) {
