@@ -183,6 +183,93 @@ TEST(Planner, PredictionsEqualWhatRunCountedAtAnyHeadCounts) {
   }
 }
 
+// hybrid: the planner's collectives are, field by field, the largest any rank counted (at Hq = 24, Hkv = 3,
+// U = 4 the ulysses ranks' rings move 1, 2, 2, 1 kv heads), with each call's group; its tiles per rank are
+// the ones the ranks computed; one entry per factorisation U x R with 1 < U < cp.
+TEST(Planner, HybridPredictionsEqualWhatRunCounted) {
+  auto key = [](const CollectiveRecord& a) { return std::tie(a.kind, a.phase, a.group); };
+  for (const bool packed : {false, true}) {
+    for (const bool lb : {false, true}) {
+      testing::CpCase c;
+      c.strategy = Strategy::hybrid;
+      c.cp = 8;
+      c.ulysses_degree = 4;
+      c.hq = 24;
+      c.hkv = 3;
+      c.dim = 16;
+      c.seq = 256;
+      c.load_balance = lb;
+      c.dtype = packed ? DType::bf16 : DType::f32;
+      if (packed) c.segments = {200, 56};
+      SCOPED_TRACE(c.name());
+      const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
+      const auto predicted = attention_collectives(c.attention(), c.parallel(), false, packed);
+      std::vector<CollectiveRecord> largest = run.records[0];
+      for (const auto& counted : run.records) {
+        ASSERT_EQ(counted.size(), largest.size());
+        for (std::size_t i = 0; i < counted.size(); ++i) {
+          ASSERT_EQ(key(counted[i]), key(largest[i]));
+          largest[i].bytes = std::max(largest[i].bytes, counted[i].bytes);
+          largest[i].bytes_sent_per_rank =
+              std::max(largest[i].bytes_sent_per_rank, counted[i].bytes_sent_per_rank);
+        }
+      }
+      EXPECT_EQ(predicted, largest);
+      EXPECT_NE(run.records[0], run.records[1])
+          << "ulysses ranks 0 and 1 move different kv heads round their rings";
+
+      PlanRequest r;
+      r.attention = c.attention();
+      r.parallel = c.parallel();
+      r.block = 64;  // the kernel's block
+      r.segments = c.segments;
+      r.hardware = *find_hardware("h200");
+      const Plan plan = make_plan(r);
+      const StrategyPlan& h = by_name(plan, lb ? "hybrid_u4_r2_load_balanced" : "hybrid_u4_r2");
+      EXPECT_EQ(h.ulysses_degree, 4);
+      EXPECT_EQ(h.ring_degree, 2);
+      EXPECT_EQ(h.collectives, predicted);
+      EXPECT_EQ(h.tiles_per_rank, run.tiles_per_rank);
+      std::vector<std::string> names;
+      for (const auto& s : plan.strategies) {
+        if (s.strategy == Strategy::hybrid) names.push_back(s.name);
+      }
+      EXPECT_EQ(names, (std::vector<std::string>{"hybrid_u2_r4", "hybrid_u2_r4_load_balanced", "hybrid_u4_r2",
+                                                 "hybrid_u4_r2_load_balanced"}));
+    }
+  }
+}
+
+// Two hosts of 8 (h200: NVLink inside, 50 GB/s between): what crosses hosts, by hand. ulysses at cp 16 sends
+// each peer 1/16 of a shard's heads, 8 of its 15 peers on the other host; hybrid with U = 8 keeps its
+// all-to-alls inside a host and only the ring's hops cross, and of those only each host's last rank's (rank 7
+// to 8 and 15 to 0 in a ring of 2: every hop); on one host nothing crosses.
+TEST(Planner, BytesAcrossHostsFollowThePlacement) {
+  PlanRequest r;
+  r.attention.seq_len = 4096;
+  r.attention.num_q_heads = 32;
+  r.attention.num_kv_heads = 8;
+  r.attention.head_dim = 128;
+  r.attention.dtype = DType::bf16;
+  r.parallel.cp = 16;
+  r.block = 512;
+  r.hardware = *find_hardware("h200");
+  const Plan plan = make_plan(r);
+  const std::int64_t sl = 4096 / 16, E = 2, D = 128;
+  // ulysses: q, k, v, o in forward (k and v: 8 kv heads over 16 ranks, replicated: 1 each), lse, and d_out,
+  // dq, dk, dv (fp32) in backward; to each peer on the other host: its heads of this shard.
+  const std::int64_t q = sl * 2 * D * E, kv = sl * 1 * D * E, lse = 2 * sl * 4;
+  const std::int64_t per_peer = q + 2 * kv + q + lse + q + q + 2 * sl * 1 * D * 4;
+  EXPECT_EQ(by_name(plan, "ulysses").inter_host_bytes_sent_per_rank, 8 * per_peer);
+  // hybrid U = 8, R = 2: the ring's one K||V hop forward, and backward one K||V hop and two dK||dV hops, of a
+  // ulysses rank's 1 kv head for U*S/cp = 2048 tokens.
+  const std::int64_t rows = 8 * sl, hop = 2 * rows * 1 * D * E, dhop = 2 * rows * 1 * D * 4;
+  EXPECT_EQ(by_name(plan, "hybrid_u8_r2").inter_host_bytes_sent_per_rank, 2 * hop + 2 * dhop);
+  r.hardware.ranks_per_host = 16;
+  const Plan one_host = make_plan(r);
+  for (const auto& s : one_host.strategies) EXPECT_EQ(s.inter_host_bytes_sent_per_rank, 0) << s.name;
+}
+
 TEST(Planner, ReorderPredictionEqualsWhatReorderCounted) {
   const std::int64_t cp = 4, S = 64, emb = 8;
   InProcessGroup group(4);

@@ -20,6 +20,7 @@ struct ConfigValues {
   std::optional<std::int64_t> head_dim;        // head_dim
   std::optional<std::int64_t> seq_len;         // max_target_length
   std::optional<std::int64_t> batch;           // per_device_batch_size
+  std::optional<std::int64_t> ulysses_degree;  // context_parallel_ulysses_degree (hybrid)
   std::optional<bool> load_balance;            // context_parallel_load_balance
   std::optional<bool> attention_load_balance;  // context_parallel_attention_load_balance
   std::optional<bool> causal;

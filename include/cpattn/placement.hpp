@@ -51,7 +51,9 @@ struct RankHeads {
 };
 
 // Placement for the heads of one tp rank (Hq/tp, Hkv/tp local heads, numbered from 0). all_gather: every
-// rank holds every head (the sequence is what is split). ulysses: ulysses_heads(Hq/tp, Hkv/tp, cp).
+// rank holds every head (the sequence is what is split). ulysses: ulysses_heads(Hq/tp, Hkv/tp, cp). hybrid:
+// ulysses_heads(Hq/tp, Hkv/tp, U) in each ulysses group, rank r holding ulysses rank r % U's heads (kv_slots
+// within its group).
 // Validates first (Error(invalid_config)).
 std::vector<RankHeads> head_placement(const AttentionSpec& attention, const ParallelSpec& parallel);
 

@@ -31,11 +31,15 @@ struct ModelPreset {
 const std::vector<ModelPreset>& model_presets();
 const ModelPreset* find_preset(const std::string& name);
 
+// Ranks sit on hosts of ranks_per_host consecutive ranks (rank r on host r / ranks_per_host): a rank sends to
+// a rank of its own host at `bandwidth` and to another host's at `inter_bandwidth`, both links at once.
 struct HardwareProfile {
   std::string name;
   double flops = 0;      // dense bf16 FLOP/s per device
-  double bandwidth = 0;  // bytes/s one device sends to its peers (each way)
+  double bandwidth = 0;  // bytes/s one device sends to its peers inside its host (each way)
   std::string source;
+  std::int64_t ranks_per_host = 0;  // 0: every rank on one host
+  double inter_bandwidth = 0;       // bytes/s one device sends to other hosts (each way)
 };
 const std::vector<HardwareProfile>& hardware_profiles();
 const HardwareProfile* find_hardware(const std::string& name);
@@ -51,13 +55,18 @@ struct PlanRequest {
 };
 
 struct StrategyPlan {
-  std::string name;  // all_gather, all_gather_load_balanced, ulysses, ring, ring_load_balanced
+  // all_gather, all_gather_load_balanced, ulysses, ring, ring_load_balanced, hybrid_u<U>_r<R>[_load_balanced]
+  std::string name;
   Strategy strategy = Strategy::all_gather;
   bool load_balance = false;
+  std::int64_t ulysses_degree = 0, ring_degree = 0;  // hybrid's U and R (0 for the other strategies)
   bool possible = true;
   std::vector<ErrorItem> why_not;  // the validation errors when not possible
-  // One attention layer, in the accounting of collectives.hpp (the strategy's schedule).
+  // One attention layer, in the accounting of collectives.hpp (the strategy's schedule; hybrid: each field
+  // the largest over ranks, whose rings move different kv heads when the heads split unevenly).
   std::vector<CollectiveRecord> collectives;
+  // Of what one rank sends for one layer, the part that leaves its host (the largest over ranks).
+  std::int64_t inter_host_bytes_sent_per_rank = 0;
   // The reorder permutes around one attention layer (load balance with contiguous-order neighbours).
   std::vector<CollectiveRecord> reorder;
   std::vector<std::int64_t> tiles_per_rank_per_q_head;  // per rank, one q head (ulysses: a local head)
@@ -67,7 +76,9 @@ struct StrategyPlan {
   std::int64_t memory_bytes_per_rank = 0;     // saved for backward by one attention layer
   std::int64_t kv_buffer_bytes_per_rank = 0;  // the K/V the kernel reads while it runs
   // Estimates for one attention layer (seconds). No overlap of communication with compute is assumed, except
-  // for ring, whose next hop is in flight while a step computes: per step max(compute, transfer).
+  // for the ring's (ring, hybrid), whose next hop is in flight while a step computes: per step
+  // max(compute, transfer). A collective takes max(bytes to its host / bandwidth, bytes to other hosts /
+  // inter_bandwidth) on its slowest rank.
   std::vector<double> compute_seconds_per_rank;
   int straggler_rank = 0;
   double communication_seconds = 0;  // attention collectives + reorder
@@ -80,10 +91,11 @@ struct StrategyPlan {
 struct Plan {
   std::vector<StrategyPlan> strategies;
   std::string recommendation;
+  std::size_t recommended = 0;  // the index in strategies of the shortest estimated layer
 };
 
-// The collectives one attention layer issues (forward, remat, backward), aggregated by (kind, phase) in issue
-// order; `packed`: segment ids are exchanged too.
+// The collectives one attention layer issues (forward, remat, backward), aggregated by (kind, phase, group)
+// in issue order, each field the largest over ranks; `packed`: segment ids are exchanged too.
 std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& attention,
                                                     const ParallelSpec& parallel, bool remat, bool packed);
 

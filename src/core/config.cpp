@@ -81,11 +81,17 @@ void hybrid_rules(Rules& rules, const AttentionSpec& a, const ParallelSpec& p, b
     }
     return;
   }
+  if (u == 0) {
+    rules.add({"ulysses_degree", "strategy"}, "unset",
+              "hybrid needs ulysses_degree, the ranks of each ulysses group (a divisor of cp, " + str(p.cp) +
+                  "); give --ulysses-degree or context_parallel_ulysses_degree");
+    return;
+  }
   if (u < 1 || u > p.cp || p.cp % u != 0) {
     rules.add({"ulysses_degree", "cp"}, str(u),
               "hybrid needs ulysses_degree (" + str(u) + ") to be a divisor of cp (" + str(p.cp) +
                   "): the size of each ulysses group, ring_degree = cp / ulysses_degree");
-    return;
+    if (u < 1) return;
   }
   const std::int64_t hq = a.num_q_heads / p.tp;
   if (tp_divides && u > hq) {

@@ -60,6 +60,7 @@ void ConfigValues::merge_from(const ConfigValues& o) {
   take(strategy, o.strategy);
   take(cp, o.cp);
   take(tp, o.tp);
+  take(ulysses_degree, o.ulysses_degree);
   take(num_q_heads, o.num_q_heads);
   take(num_kv_heads, o.num_kv_heads);
   take(head_dim, o.head_dim);
@@ -97,6 +98,8 @@ ConfigValues parse_config_yaml(const std::string& text, const std::string& name)
       v.cp = as_int(name, key, node);
     } else if (key == "ici_tensor_parallelism") {
       v.tp = as_int(name, key, node);
+    } else if (key == "context_parallel_ulysses_degree") {
+      v.ulysses_degree = as_int(name, key, node);
     } else if (key == "num_query_heads" || key == "base_num_query_heads") {
       v.num_q_heads = as_int(name, key, node);
     } else if (key == "num_kv_heads" || key == "base_num_kv_heads") {
@@ -152,6 +155,7 @@ Specs to_specs(const ConfigValues& v, std::vector<ErrorItem>& errors) {
   s.attention.causal = v.causal.value_or(true);
   s.parallel.cp = v.cp.value_or(1);
   s.parallel.tp = v.tp.value_or(1);
+  s.parallel.ulysses_degree = v.ulysses_degree.value_or(0);
   s.parallel.load_balance = v.any_load_balance();
   try {
     if (v.dtype) s.attention.dtype = parse_dtype(*v.dtype);

@@ -75,16 +75,21 @@ std::vector<RankHeads> head_placement(const AttentionSpec& attention, const Para
   const std::int64_t hkv = attention.num_kv_heads / parallel.tp;
   const std::int64_t cp = parallel.cp;
   std::vector<RankHeads> ranks;
-  const UlyssesHeads u = parallel.strategy == Strategy::ulysses ? ulysses_heads(hq, hkv, cp) : UlyssesHeads{};
+  // hybrid: the placement over each ulysses group of U ranks, rank r holding ulysses rank r % U's heads.
+  const bool by_heads = parallel.strategy == Strategy::ulysses || parallel.strategy == Strategy::hybrid;
+  const std::int64_t group = parallel.strategy == Strategy::hybrid ? parallel.ulysses_degree : cp;
+  const UlyssesHeads u = by_heads ? ulysses_heads(hq, hkv, group) : UlyssesHeads{};
   std::int64_t slot = 0;
   for (std::int64_t r = 0; r < cp; ++r) {
     RankHeads rh;
     rh.rank = r;
-    if (parallel.strategy == Strategy::ulysses) {
-      rh.q_heads = u.q[r];
-      rh.kv_slots = {slot, slot + u.kv[r].size()};
-      slot += u.kv[r].size();
-      for (std::int64_t h = u.kv[r].begin; h < u.kv[r].end; ++h) rh.kv_heads.push_back(h);
+    if (by_heads) {
+      const std::int64_t g = r % group;
+      if (g == 0) slot = 0;
+      rh.q_heads = u.q[g];
+      rh.kv_slots = {slot, slot + u.kv[g].size()};
+      slot += u.kv[g].size();
+      for (std::int64_t h = u.kv[g].begin; h < u.kv[g].end; ++h) rh.kv_heads.push_back(h);
     } else {
       rh.q_heads = {0, hq};
       rh.kv_slots = {0, hkv};

@@ -38,13 +38,20 @@ const ModelPreset* find_preset(const std::string& name) {
 const std::vector<HardwareProfile>& hardware_profiles() {
   static const std::vector<HardwareProfile> profiles = {
       {"h100", 989e12, 450e9,
-       "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16; NVLink 900 GB/s total, 450 GB/s each way"},
+       "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16; NVLink 900 GB/s total, 450 GB/s each way; HGX "
+       "hosts "
+       "of 8 GPUs, one 400 Gb/s NDR InfiniBand port per GPU between hosts (50 GB/s each way)",
+       8, 50e9},
       {"h200", 989e12, 450e9,
-       "NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16; NVLink 900 GB/s total, 450 GB/s each way"},
+       "NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16; NVLink 900 GB/s total, 450 GB/s each way; HGX "
+       "hosts "
+       "of 8 GPUs, one 400 Gb/s NDR InfiniBand port per GPU between hosts (50 GB/s each way)",
+       8, 50e9},
       {"tpu-v7x", 2307e12, 600e9,
        "Google Ironwood (TPU v7) announcement, April 2025: 4,614 TFLOP/s FP8 per chip (BF16 taken as half), "
-       "ICI "
-       "1.2 TB/s bidirectional (600 GB/s each way); a TPU v7x-like approximation"},
+       "ICI 1.2 TB/s bidirectional (600 GB/s each way) between every chip of a slice; a TPU v7x-like "
+       "approximation",
+       0, 600e9},
   };
   return profiles;
 }
@@ -85,10 +92,35 @@ std::int64_t count_tiles(const std::vector<std::int32_t>& q_positions,
 
 std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, const ParallelSpec& p, bool remat,
                                                     bool packed) {
-  return scheduled_records(strategy_schedule(a, p, {remat, packed}), p.cp);
+  // The calls differ between ranks only in hybrid's ring (by ulysses rank); each field's largest.
+  const std::int64_t ranks = p.strategy == Strategy::hybrid ? p.ulysses_degree : 1;
+  std::vector<CollectiveRecord> out;
+  for (std::int64_t r = 0; r < ranks; ++r) {
+    const auto records = scheduled_records(strategy_schedule(a, p, {remat, packed, r}), p.cp);
+    if (out.empty()) {
+      out = records;
+      continue;
+    }
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      out[i].bytes = std::max(out[i].bytes, records[i].bytes);
+      out[i].bytes_sent_per_rank = std::max(out[i].bytes_sent_per_rank, records[i].bytes_sent_per_rank);
+    }
+  }
+  return out;
 }
 
 namespace {
+
+// Where ranks sit (HardwareProfile): rank r on host r / per_host; a collective's time on one rank is the
+// slower of its two links.
+struct Links {
+  std::int64_t per_host = 0;  // 0: one host
+  double intra = 1, inter = 1;
+  bool crosses(std::int64_t a, std::int64_t b) const { return per_host > 0 && a / per_host != b / per_host; }
+  double seconds(double intra_bytes, double inter_bytes) const {
+    return std::max(intra_bytes / intra, inter_bytes > 0 ? inter_bytes / inter : 0.0);
+  }
+};
 
 // What one plan_strategy call works from: the request with the strategy's parallel spec and the sizes.
 struct PlanContext {
@@ -96,37 +128,66 @@ struct PlanContext {
   const AttentionSpec& a;
   ParallelSpec p;
   std::int64_t cp = 1, B = 1, S = 1, D = 1, sl = 1, hq = 1, hkv = 1, E = 4;
+  // The ring's shape: ring U = 1, R = cp; hybrid U x R; the others U = 1, R = 1 (no ring).
+  std::int64_t U = 1, R = 1;
   bool packed = false;
+  UlyssesHeads heads;  // ulysses: over cp; hybrid: over U
+  Links links;
+
+  bool ring_like() const { return p.strategy == Strategy::ring || p.strategy == Strategy::hybrid; }
+  std::int64_t local_q_heads(std::int64_t rank) const {
+    if (p.strategy == Strategy::ulysses) return heads.q[rank].size();
+    if (p.strategy == Strategy::hybrid) return heads.q[rank % U].size();
+    return hq;
+  }
+  std::int64_t local_kv_heads(std::int64_t rank) const {
+    return p.strategy == Strategy::hybrid ? heads.kv[rank % U].size() : hkv;
+  }
 };
 
 // Reorders around a load-balanced layer whose neighbours need contiguous order: entry (contiguous -> dual
-// chunk swap) and exit in forward, their transposes in backward, and the forward's again under remat.
-void plan_reorder(const PlanContext& c, StrategyPlan& s) {
-  if (!(c.p.load_balance && c.req.model.other_layers_need_contiguous_order())) return;
+// chunk swap) and exit in forward, their transposes in backward, and the forward's again under remat. Adds
+// their time (each permute at the slower link any rank uses) and each rank's bytes to other hosts.
+double plan_reorder(const PlanContext& c, StrategyPlan& s, std::vector<std::int64_t>& inter_bytes) {
+  if (!(c.p.load_balance && c.req.model.other_layers_need_contiguous_order())) return 0;
   const std::int64_t chunk = c.B * (c.S / (2 * c.cp)) * c.req.model.emb_dim;
   const auto entry = reorder_destinations(c.cp, ShardLayout::contiguous, ShardLayout::dual_chunk_swap);
   const auto exit = reorder_destinations(c.cp, ShardLayout::dual_chunk_swap, ShardLayout::contiguous);
+  const double bytes = static_cast<double>(chunk * c.E);
+  double seconds = 0;
   auto both = [&](const std::string& phase) {
     for (const auto* dests : {&entry, &exit}) {
       for (const auto& dest : *dests) {
         add_call(s.reorder, CollectiveKind::collective_permute, phase, chunk, c.E, static_cast<int>(c.cp),
                  &dest);
+        bool any_moves = false, any_crosses = false;
+        for (std::int64_t r = 0; r < c.cp; ++r) {
+          if (dest[r] < 0 || dest[r] == r) continue;
+          any_moves = true;
+          if (c.links.crosses(r, dest[r])) {
+            any_crosses = true;
+            inter_bytes[r] += chunk * c.E;
+          }
+        }
+        if (any_moves) seconds += any_crosses ? c.links.seconds(0, bytes) : c.links.seconds(bytes, 0);
       }
     }
   };
   both("forward");
   if (c.req.remat) both("remat");
   both("backward");  // the transposes: exit's gradient enters, entry's leaves
+  return seconds;
 }
 
 // Tiles on the block grid, with the kernel's classification: per rank and q head (ulysses: over the whole
-// sequence for each of its n_r heads; ring: per step against the visiting shard on that shard's own grid;
-// all_gather: the rank's queries against the whole sequence).
-void plan_tiles(const PlanContext& c, const UlyssesHeads& heads, StrategyPlan& s) {
+// sequence for each of its n_r heads; ring and hybrid: per step against the visiting ring rank's rows, chunk
+// by chunk on each chunk's own grid; all_gather: the rank's queries against the whole sequence).
+void plan_tiles(const PlanContext& c, StrategyPlan& s) {
   const std::vector<std::int32_t> natural = natural_positions(1, c.S);
   const std::vector<std::int32_t> segments = segment_ids_from_lengths(1, c.req.segments);
-  auto rank_tokens = [&](std::int64_t r) {  // a rank's positions and (packed) segment ids
-    const auto local = local_positions(c.p.effective_layout(), c.S, c.cp, r);
+  // The rows of rank r of `ranks` in `layout`: positions and (packed) segment ids.
+  auto tokens = [&](ShardLayout layout, std::int64_t ranks, std::int64_t r) {
+    const auto local = local_positions(layout, c.S, ranks, r);
     std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> t{positions_as_int32(local), {}};
     for (auto x : local) {
       if (c.packed) t.second.push_back(segments[x]);
@@ -134,22 +195,23 @@ void plan_tiles(const PlanContext& c, const UlyssesHeads& heads, StrategyPlan& s
     return t;
   };
   const Strategy strategy = c.p.strategy;
+  const ShardLayout layout = c.p.effective_layout();
   for (std::int64_t r = 0; r < c.cp; ++r) {
-    const std::int64_t local_heads = strategy == Strategy::ulysses ? heads.q[r].size() : c.hq;
     std::int64_t per_head = 0;
     if (strategy == Strategy::ulysses) {
       per_head = count_tiles(natural, segments, natural, segments, c.a.causal, c.req.block);
-    } else if (strategy == Strategy::ring) {
-      // The kernel's calls of a step (ring_strategy.cpp): whole shards, or chunk by chunk with load balance,
-      // each on a grid of its own; calls the causal mask hides whole are skipped.
-      const std::int64_t parts = c.p.load_balance ? 2 : 1, n = c.sl / parts;
+    } else if (c.ring_like()) {
+      // The kernel's calls of a step (ring_strategy.cpp): the ring rank's rows whole, or chunk by chunk with
+      // load balance, each on a grid of its own; calls the causal mask hides whole are skipped.
+      const std::int64_t parts = c.p.load_balance ? 2 : 1, rows = c.S / c.R, n = rows / parts;
       auto piece = [&](const std::vector<std::int32_t>& v, std::int64_t part) {
         return v.empty() ? v : std::vector<std::int32_t>(v.begin() + part * n, v.begin() + (part + 1) * n);
       };
-      const auto [q_pos, q_seg] = rank_tokens(r);
+      const std::int64_t ring_rank = r / c.U;
+      const auto [q_pos, q_seg] = tokens(layout, c.R, ring_rank);
       s.tiles_per_rank_per_step.emplace_back();
-      for (std::int64_t step = 0; step < c.cp; ++step) {
-        const auto [kv_pos, kv_seg] = rank_tokens((r - step + c.cp) % c.cp);
+      for (std::int64_t step = 0; step < c.R; ++step) {
+        const auto [kv_pos, kv_seg] = tokens(layout, c.R, (ring_rank - step + c.R) % c.R);
         std::int64_t tiles = 0;
         for (std::int64_t qa = 0; qa < parts; ++qa) {
           for (std::int64_t kb = 0; kb < parts; ++kb) {
@@ -164,35 +226,41 @@ void plan_tiles(const PlanContext& c, const UlyssesHeads& heads, StrategyPlan& s
         per_head += tiles;
       }
     } else {
-      const auto [q_pos, q_seg] = rank_tokens(r);
+      const auto [q_pos, q_seg] = tokens(layout, c.cp, r);
       per_head = count_tiles(q_pos, q_seg, natural, segments, c.a.causal, c.req.block);
     }
     s.tiles_per_rank_per_q_head.push_back(per_head);
-    s.tiles_per_rank.push_back(per_head * local_heads * c.B);
+    s.tiles_per_rank.push_back(per_head * c.local_q_heads(r) * c.B);
   }
   const auto [mn, mx] = std::minmax_element(s.tiles_per_rank.begin(), s.tiles_per_rank.end());
   s.tiles_skew = *mn > 0 ? static_cast<double>(*mx) / static_cast<double>(*mn) : 1.0;
 }
 
 // Memory: what forward keeps for backward, and the K/V the kernel reads.
-void plan_memory(const PlanContext& c, const UlyssesHeads& heads, StrategyPlan& s) {
+void plan_memory(const PlanContext& c, StrategyPlan& s) {
   const std::int64_t B = c.B, S = c.S, D = c.D, E = c.E, sl = c.sl, hq = c.hq, hkv = c.hkv;
   const std::int64_t seg_bytes = c.packed ? B * sl * 4 + B * S * 4 : 0;
   if (c.p.strategy == Strategy::ulysses) {
     // Per rank (n_q q heads, n_kv kv heads; uneven when cp does not divide Hq): the largest.
     for (std::int64_t r = 0; r < c.cp; ++r) {
-      const std::int64_t n_q = heads.q[r].size(), n_kv = heads.kv[r].size();
+      const std::int64_t n_q = c.heads.q[r].size(), n_kv = c.heads.kv[r].size();
       const std::int64_t q_heads = B * S * n_q * D * E, kv_heads = 2 * B * S * n_kv * D * E;
       const std::int64_t inputs = c.req.remat ? B * sl * (hq + 2 * hkv) * D * E : q_heads + kv_heads;
       s.memory_bytes_per_rank = std::max(
           s.memory_bytes_per_rank, inputs + q_heads /* O */ + B * n_q * S * 4 + (c.packed ? B * S * 4 : 0));
       s.kv_buffer_bytes_per_rank = std::max(s.kv_buffer_bytes_per_rank, kv_heads);
     }
-  } else if (c.p.strategy == Strategy::ring) {
-    // Saved: q, O, LSE and the local K/V shard; in flight: the visiting K/V and the next one.
-    const std::int64_t kv_shard = 2 * B * sl * hkv * D * E;
-    s.memory_bytes_per_rank = 2 * B * sl * hq * D * E + B * hq * sl * 4 + kv_shard + seg_bytes;
-    s.kv_buffer_bytes_per_rank = 2 * kv_shard;
+  } else if (c.ring_like()) {
+    // Saved: the ring rank's rows of q, O, LSE and K/V (hybrid: its ulysses heads; the largest over ranks);
+    // in flight: the visiting K/V and the next one.
+    const std::int64_t rows = S / c.R;
+    for (std::int64_t r = 0; r < c.U; ++r) {
+      const std::int64_t n_q = c.local_q_heads(r), kv_rows = 2 * B * rows * c.local_kv_heads(r) * D * E;
+      s.memory_bytes_per_rank =
+          std::max(s.memory_bytes_per_rank, 2 * B * rows * n_q * D * E + B * n_q * rows * 4 + kv_rows +
+                                                (c.packed ? B * rows * 4 + B * S * 4 : 0));
+      s.kv_buffer_bytes_per_rank = std::max(s.kv_buffer_bytes_per_rank, 2 * kv_rows);
+    }
   } else {
     const std::int64_t kv_full = 2 * B * S * hkv * D * E;
     s.memory_bytes_per_rank = 2 * B * sl * hq * D * E /* q, O */ + B * hq * sl * 4 +
@@ -201,22 +269,104 @@ void plan_memory(const PlanContext& c, const UlyssesHeads& heads, StrategyPlan& 
   }
 }
 
-// Ring's layer time, crediting the overlap the code has: step 0 computes while the K/V hop flies; a middle
-// step while its K/V hop and the previous step's dK/dV hop fly; the last step while the previous dK/dV hop
-// flies, then its own dK/dV hop home is exposed. The forward: each step but the last against its K/V hop.
-double ring_layer_seconds(const PlanContext& c, const StrategyPlan& s, double tile_flops, double reorder) {
-  const double kv_hop = static_cast<double>(2 * c.B * c.sl * c.hkv * c.D * c.E) / c.req.hardware.bandwidth;
-  const double dkv_hop = static_cast<double>(2 * c.B * c.sl * c.hkv * c.D * 4) / c.req.hardware.bandwidth;
-  const double per_tile = static_cast<double>(c.hq * c.B) * tile_flops / c.req.hardware.flops;
+// Communication by link, from the schedule each rank runs: every call's time on its slowest rank, each rank's
+// bytes to other hosts, and for the ring (ring, hybrid) each rank's K||V and dK||dV hop (its ring's slowest
+// link) instead of summing those calls.
+struct CommModel {
+  double collectives = 0;                 // the calls that do not overlap compute
+  double hops = 0;                        // the ring's shifts end to end (reported, not added)
+  std::vector<double> kv_hop, dkv_hop;    // per rank
+  std::vector<std::int64_t> inter_bytes;  // per rank
+};
+
+CommModel plan_communication(const PlanContext& c) {
+  const std::int64_t U = c.p.strategy == Strategy::hybrid ? c.U : 1;
+  std::vector<StrategySchedule> by_u;
+  for (std::int64_t u = 0; u < U; ++u)
+    by_u.push_back(strategy_schedule(c.a, c.p, {c.req.remat, c.packed, u}));
+  const std::size_t calls = by_u[0].forward.size() + by_u[0].backward.size();
+  std::vector<double> call_seconds(calls, 0.0);
+  CommModel m;
+  m.kv_hop.assign(static_cast<std::size_t>(c.cp), 0.0);
+  m.dkv_hop.assign(static_cast<std::size_t>(c.cp), 0.0);
+  m.inter_bytes.assign(static_cast<std::size_t>(c.cp), 0);
+  std::vector<double> kv_send(static_cast<std::size_t>(c.cp), 0.0), dkv_send(kv_send);
+  for (std::int64_t rank = 0; rank < c.cp; ++rank) {
+    const StrategySchedule& sch = by_u[static_cast<std::size_t>(rank % U)];
+    std::size_t k = 0;
+    for (const auto* list : {&sch.forward, &sch.backward}) {
+      for (const ScheduledCollective& call : *list) {
+        // The call's group: hybrid's ulysses group (ranks rU..rU+U-1) or ring (ranks iU + u), else all.
+        std::int64_t n = c.cp, me = rank, base = 0, stride = 1;
+        if (call.group == "ulysses") {
+          n = U;
+          me = rank % U;
+          base = rank / U * U;
+        } else if (call.group == "ring") {
+          n = c.cp / U;
+          me = rank / U;
+          base = rank % U;
+          stride = U;
+        }
+        const std::int64_t e = static_cast<std::int64_t>(comm_dtype_size(call.dtype));
+        double intra = 0, inter = 0;
+        for (std::int64_t i = 0; i < n; ++i) {
+          if (i == me) continue;
+          std::int64_t elements = call.count;
+          if (!call.blocks.empty()) elements = call.blocks[me][i];
+          if (call.kind == CollectiveKind::collective_permute && i != (me + 1) % n) elements = 0;
+          const std::int64_t peer = base + i * stride, bytes = elements * e;
+          if (c.links.crosses(rank, peer)) {
+            inter += static_cast<double>(bytes);
+            m.inter_bytes[rank] += bytes;
+          } else {
+            intra += static_cast<double>(bytes);
+          }
+        }
+        const double t = c.links.seconds(intra, inter);
+        call_seconds[k] = std::max(call_seconds[k], t);
+        if (c.ring_like() && call.kind == CollectiveKind::collective_permute) {
+          (call.tensor == "kv" ? kv_send : dkv_send)[rank] = t;
+        }
+        ++k;
+      }
+    }
+  }
+  std::size_t k = 0;
+  for (const auto* list : {&by_u[0].forward, &by_u[0].backward}) {
+    for (const ScheduledCollective& call : *list) {
+      const bool hop = c.ring_like() && call.kind == CollectiveKind::collective_permute;
+      (hop ? m.hops : m.collectives) += call_seconds[k++];
+    }
+  }
+  // A ring moves at its slowest link.
+  for (std::int64_t rank = 0; rank < c.cp; ++rank) {
+    for (std::int64_t i = 0; i < c.R; ++i) {
+      const std::int64_t member = i * c.U + rank % c.U;
+      m.kv_hop[rank] = std::max(m.kv_hop[rank], kv_send[member]);
+      m.dkv_hop[rank] = std::max(m.dkv_hop[rank], dkv_send[member]);
+    }
+  }
+  return m;
+}
+
+// The ring's layer time (ring, hybrid), crediting the overlap the code has: step 0 computes while the K/V hop
+// flies; a middle step while its K/V hop and the previous step's dK/dV hop fly; the last step while the
+// previous dK/dV hop flies, then its own dK/dV hop home is exposed. The forward: each step but the last
+// against its K/V hop. `fixed`: what does not overlap (hybrid's all-to-alls, the segment ids, the reorder).
+double ring_layer_seconds(const PlanContext& c, const StrategyPlan& s, double tile_flops, double fixed,
+                          const CommModel& m) {
   double longest = 0;
   for (std::int64_t r = 0; r < c.cp; ++r) {
-    double t = reorder;
-    for (std::int64_t step = 0; step < c.cp; ++step) {
+    const double per_tile = static_cast<double>(c.local_q_heads(r) * c.B) * tile_flops / c.req.hardware.flops;
+    const double kv_hop = m.kv_hop[r], dkv_hop = m.dkv_hop[r];
+    double t = fixed;
+    for (std::int64_t step = 0; step < c.R; ++step) {
       const double fwd = static_cast<double>(s.tiles_per_rank_per_step[r][step]) * per_tile;
       const double bwd = fwd * kBackwardFlopsPerForward;
-      const bool first = step == 0, last = step + 1 == c.cp;
+      const bool first = step == 0, last = step + 1 == c.R;
       t += last ? fwd : std::max(fwd, kv_hop);
-      if (c.cp == 1) {
+      if (c.R == 1) {
         t += bwd;
       } else if (last) {
         t += std::max(bwd, dkv_hop) + dkv_hop;
@@ -230,15 +380,14 @@ double ring_layer_seconds(const PlanContext& c, const StrategyPlan& s, double ti
 }
 
 // Time: tiles x a full tile's FLOPs, forward and backward (and the forward again under remat); communication
-// at the profile's bandwidth, not overlapped except ring's hops.
-void plan_time(const PlanContext& c, StrategyPlan& s) {
+// by link, not overlapped except the ring's hops.
+void plan_time(const PlanContext& c, StrategyPlan& s, const CommModel& m, double reorder_seconds) {
   const double tile_flops = attention_forward_flops(1, c.req.block, 1, c.D, false);
   const double passes = 1.0 + kBackwardFlopsPerForward + (c.req.remat ? 1.0 : 0.0);
-  std::int64_t sent = 0, reorder_sent = 0;
+  std::int64_t sent = 0;
   for (const auto& x : s.collectives) sent += x.bytes_sent_per_rank;
-  for (const auto& x : s.reorder) reorder_sent += x.bytes_sent_per_rank;
-  sent += reorder_sent;
-  s.communication_seconds = static_cast<double>(sent) / c.req.hardware.bandwidth;
+  for (const auto& x : s.reorder) sent += x.bytes_sent_per_rank;
+  s.communication_seconds = m.collectives + m.hops + reorder_seconds;
   double fastest = 1e300, slowest = 0;
   for (std::int64_t r = 0; r < c.cp; ++r) {
     const double t = static_cast<double>(s.tiles_per_rank[r]) * tile_flops * passes / c.req.hardware.flops;
@@ -251,9 +400,8 @@ void plan_time(const PlanContext& c, StrategyPlan& s) {
   }
   s.exposed_seconds = s.communication_seconds + (slowest - fastest);
   s.layer_seconds = slowest + s.communication_seconds;
-  if (c.p.strategy == Strategy::ring) {
-    s.layer_seconds =
-        ring_layer_seconds(c, s, tile_flops, static_cast<double>(reorder_sent) / c.req.hardware.bandwidth);
+  if (c.ring_like()) {
+    s.layer_seconds = ring_layer_seconds(c, s, tile_flops, m.collectives + reorder_seconds, m);
     s.exposed_seconds = s.layer_seconds - fastest;
   }
   s.model_seconds = s.layer_seconds * static_cast<double>(c.req.model.attention_layers());
@@ -261,21 +409,26 @@ void plan_time(const PlanContext& c, StrategyPlan& s) {
 }
 
 StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Strategy strategy,
-                           bool load_balance) {
-  PlanContext c{req, req.attention, req.parallel};
+                           bool load_balance, std::int64_t ulysses_degree = 0) {
+  PlanContext c{req, req.attention, req.parallel, 1, 1, 1, 1, 1, 1, 1, 4, 1, 1, false, {}, {}};
   c.p.strategy = strategy;
   c.p.load_balance = load_balance;
   c.p.layout.reset();
+  c.p.ulysses_degree = ulysses_degree;
   StrategyPlan s;
   s.name = name;
   s.strategy = strategy;
   s.load_balance = load_balance;
+  if (strategy == Strategy::hybrid) {
+    s.ulysses_degree = ulysses_degree;
+    s.ring_degree = c.p.ring_degree();
+  }
   s.why_not = validation_errors(c.a, c.p);
-  if (strategy == Strategy::ring && req.remat) {
-    s.why_not.push_back(
-        {{"remat"},
-         "true",
-         "remat means nothing for ring (its backward re-receives K/V); plan without --remat"});
+  if ((strategy == Strategy::ring || strategy == Strategy::hybrid) && req.remat) {
+    s.why_not.push_back({{"remat"},
+                         "true",
+                         std::string("remat means nothing for ") + to_string(strategy) +
+                             " (its backward re-receives K/V); plan without --remat"});
   }
   if (!s.why_not.empty()) {
     s.possible = false;
@@ -290,13 +443,18 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   c.hkv = c.a.num_kv_heads / c.p.tp;
   c.E = static_cast<std::int64_t>(dtype_size(c.a.dtype));
   c.packed = !req.segments.empty();
+  c.U = strategy == Strategy::hybrid ? ulysses_degree : 1;
+  c.R = strategy == Strategy::hybrid ? c.cp / c.U : strategy == Strategy::ring ? c.cp : 1;
+  if (strategy == Strategy::ulysses) c.heads = ulysses_heads(c.hq, c.hkv, c.cp);
+  if (strategy == Strategy::hybrid) c.heads = ulysses_heads(c.hq, c.hkv, c.U);
+  c.links = {req.hardware.ranks_per_host, req.hardware.bandwidth, req.hardware.inter_bandwidth};
   s.collectives = attention_collectives(c.a, c.p, req.remat, c.packed);
-  plan_reorder(c, s);
-  const UlyssesHeads heads =
-      strategy == Strategy::ulysses ? ulysses_heads(c.hq, c.hkv, c.cp) : UlyssesHeads{};
-  plan_tiles(c, heads, s);
-  plan_memory(c, heads, s);
-  plan_time(c, s);
+  CommModel m = plan_communication(c);
+  const double reorder_seconds = plan_reorder(c, s, m.inter_bytes);
+  s.inter_host_bytes_sent_per_rank = *std::max_element(m.inter_bytes.begin(), m.inter_bytes.end());
+  plan_tiles(c, s);
+  plan_memory(c, s);
+  plan_time(c, s, m, reorder_seconds);
   return s;
 }
 
@@ -316,6 +474,7 @@ Plan make_plan(const PlanRequest& req) {
   }
   ParallelSpec general = req.parallel;
   general.strategy = Strategy::all_gather;
+  general.ulysses_degree = 0;
   general.load_balance = false;
   general.layout.reset();
   validate(req.attention, general);
@@ -332,6 +491,12 @@ Plan make_plan(const PlanRequest& req) {
     throw Error(ErrorKind::invalid_config, "hardware", req.hardware.name,
                 "flops and bandwidth must be positive");
   }
+  if (req.hardware.ranks_per_host < 0 ||
+      (req.hardware.ranks_per_host > 0 && !(req.hardware.inter_bandwidth > 0))) {
+    throw Error(
+        ErrorKind::invalid_config, "ranks_per_host", std::to_string(req.hardware.ranks_per_host),
+        "ranks_per_host must be >= 0 (0: one host), and with hosts the inter-host bandwidth positive");
+  }
   Plan plan;
   for (Strategy strategy : kAllStrategies) {
     for (bool load_balance : {false, true}) {
@@ -340,22 +505,44 @@ Plan make_plan(const PlanRequest& req) {
       plan.strategies.push_back(plan_strategy(req, name, strategy, load_balance));
     }
   }
-
-  const StrategyPlan* best = nullptr;
-  for (const auto& s : plan.strategies) {
-    if (s.possible && (best == nullptr || s.layer_seconds < best->layer_seconds)) best = &s;
+  // hybrid for every factorisation U x R of cp with both above 1 (U = 1 is ring, U = cp is ulysses).
+  for (std::int64_t u = 2; u < req.parallel.cp; ++u) {
+    if (req.parallel.cp % u != 0) continue;
+    for (bool load_balance : {false, true}) {
+      const std::string name = "hybrid_u" + std::to_string(u) + "_r" + std::to_string(req.parallel.cp / u) +
+                               (load_balance ? "_load_balanced" : "");
+      plan.strategies.push_back(plan_strategy(req, name, Strategy::hybrid, load_balance, u));
+    }
   }
+
+  std::size_t best = plan.strategies.size();
+  for (std::size_t i = 0; i < plan.strategies.size(); ++i) {
+    const StrategyPlan& s = plan.strategies[i];
+    if (s.possible &&
+        (best == plan.strategies.size() || s.layer_seconds < plan.strategies[best].layer_seconds))
+      best = i;
+  }
+  plan.recommended = best;
+  const bool hosts = req.hardware.ranks_per_host > 0 && req.parallel.cp > req.hardware.ranks_per_host;
+  auto detail = [&](const StrategyPlan& s) {
+    std::ostringstream d;
+    d << fmt(s.layer_seconds * 1e3) << " ms: " << fmt(s.communication_seconds * 1e3)
+      << " ms of communication, " << fmt(s.exposed_seconds * 1e3) << " ms exposed, tiles max/min "
+      << fmt(s.tiles_skew);
+    if (hosts)
+      d << ", " << fmt(static_cast<double>(s.inter_host_bytes_sent_per_rank) / (1 << 20))
+        << " MiB across hosts";
+    return d.str();
+  };
+  const StrategyPlan& b = plan.strategies[best];
   std::ostringstream why;
-  why << best->name << ": the shortest estimated attention layer (" << fmt(best->layer_seconds * 1e3)
-      << " ms: " << fmt(best->communication_seconds * 1e3) << " ms of communication, tiles max/min "
-      << fmt(best->tiles_skew) << ")";
+  why << b.name << ": the shortest estimated attention layer (" << detail(b) << ")";
   for (const auto& s : plan.strategies) {
-    if (&s == best) continue;
+    if (&s == &b) continue;
     if (!s.possible) {
       why << "; " << s.name << " is impossible: " << s.why_not.front().message;
     } else {
-      why << "; " << s.name << " " << fmt(s.layer_seconds * 1e3) << " ms (communication "
-          << fmt(s.communication_seconds * 1e3) << " ms, tiles max/min " << fmt(s.tiles_skew) << ")";
+      why << "; " << s.name << " " << detail(s);
     }
   }
   plan.recommendation = why.str();

@@ -18,7 +18,8 @@ struct PlanOptions {
   std::optional<std::int64_t> emb_dim, layers, attention_every;
   std::int64_t block = 512;
   bool remat = false, json = false;
-  std::optional<double> flops, bandwidth;
+  std::optional<double> flops, bandwidth, inter_bandwidth;
+  std::optional<std::int64_t> ranks_per_host;
 };
 
 std::string mib(std::int64_t bytes) {
@@ -60,6 +61,8 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
   if (opt.layers) values.num_layers = opt.layers;
   if (opt.attention_every) values.attention_every = opt.attention_every;
   values.strategy.reset();
+  const std::optional<std::int64_t> ulysses_degree = values.ulysses_degree;
+  values.ulysses_degree.reset();
 
   PlanRequest req;
   Specs specs;
@@ -79,6 +82,25 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
   positive(values.num_layers, "--layers");
   positive(values.attention_every, "--attention-every");
   positive(values.emb_dim, "--emb-dim");
+  if (ulysses_degree) {
+    errors.push_back({{"ulysses_degree"},
+                      std::to_string(*ulysses_degree),
+                      "plan plans hybrid at every factorisation of cp; drop --ulysses-degree "
+                      "(context_parallel_ulysses_degree)"});
+  }
+  if (opt.ranks_per_host && *opt.ranks_per_host < 0) {
+    errors.push_back({{"--ranks-per-host"},
+                      std::to_string(*opt.ranks_per_host),
+                      "--ranks-per-host must be >= 0 (0: every rank on one host)"});
+  }
+  for (const auto& [v, flag] : {std::pair{opt.flops, "--flops"}, std::pair{opt.bandwidth, "--bandwidth"},
+                                std::pair{opt.inter_bandwidth, "--inter-bandwidth"}}) {
+    if (v && !(*v > 0 && *v < 1e300)) {
+      std::ostringstream text;
+      text << *v;
+      errors.push_back({{flag}, text.str(), std::string(flag) + " must be a positive finite rate"});
+    }
+  }
   if (errors.empty()) {
     ParallelSpec general = specs.parallel;
     general.load_balance = false;
@@ -100,7 +122,11 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
   req.hardware = *hw;
   if (opt.flops) req.hardware.flops = *opt.flops;
   if (opt.bandwidth) req.hardware.bandwidth = *opt.bandwidth;
-  if (opt.flops || opt.bandwidth) req.hardware.source += " (overridden by --flops / --bandwidth)";
+  if (opt.ranks_per_host) req.hardware.ranks_per_host = *opt.ranks_per_host;
+  if (opt.inter_bandwidth) req.hardware.inter_bandwidth = *opt.inter_bandwidth;
+  if (opt.flops || opt.bandwidth || opt.ranks_per_host || opt.inter_bandwidth) {
+    req.hardware.source += " (overridden by --flops / --bandwidth / --ranks-per-host / --inter-bandwidth)";
+  }
   const Plan plan = make_plan(req);
 
   nlohmann::ordered_json out;
@@ -118,22 +144,32 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
   out["hardware"] = {{"name", req.hardware.name},
                      {"flops", req.hardware.flops},
                      {"bandwidth_bytes_per_second", req.hardware.bandwidth},
+                     {"ranks_per_host", req.hardware.ranks_per_host},
+                     {"inter_host_bandwidth_bytes_per_second", req.hardware.inter_bandwidth},
                      {"source", req.hardware.source}};
   out["strategies"] = nlohmann::ordered_json::array();
   auto records_json = [](const std::vector<CollectiveRecord>& list) {
     nlohmann::ordered_json a = nlohmann::ordered_json::array();
     for (const auto& c : list) {
-      a.push_back({{"kind", to_string(c.kind)},
-                   {"phase", c.phase},
-                   {"count", c.count},
-                   {"bytes", c.bytes},
-                   {"bytes_sent_per_rank", c.bytes_sent_per_rank}});
+      nlohmann::ordered_json entry = {{"kind", to_string(c.kind)},
+                                      {"phase", c.phase},
+                                      {"count", c.count},
+                                      {"bytes", c.bytes},
+                                      {"bytes_sent_per_rank", c.bytes_sent_per_rank}};
+      if (!c.group.empty()) entry["group"] = c.group;
+      a.push_back(entry);
     }
     return a;
   };
   for (const auto& s : plan.strategies) {
     nlohmann::ordered_json j;
     j["name"] = s.name;
+    j["strategy"] = to_string(s.strategy);
+    j["load_balance"] = s.load_balance;
+    if (s.strategy == Strategy::hybrid) {
+      j["ulysses_degree"] = s.ulysses_degree;
+      j["ring_degree"] = s.ring_degree;
+    }
     j["possible"] = s.possible;
     if (!s.possible) {
       j["why_not"] = nlohmann::ordered_json::parse(errors_to_json(s.why_not));
@@ -154,9 +190,25 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
                               {"layer", s.layer_seconds},
                               {"model", s.model_seconds}};
     j["model_bytes_sent_per_rank"] = s.model_bytes_sent_per_rank;
+    j["inter_host_bytes_sent_per_rank"] = s.inter_host_bytes_sent_per_rank;
     out["strategies"].push_back(j);
   }
   out["recommendation"] = plan.recommendation;
+  {
+    // What to run: all_gather has no degrees; ulysses is U = cp, R = 1; ring U = 1, R = cp.
+    const StrategyPlan& best = plan.strategies[plan.recommended];
+    const std::int64_t cp = req.parallel.cp;
+    const bool all_gather = best.strategy == Strategy::all_gather;
+    const std::int64_t u = best.strategy == Strategy::hybrid    ? best.ulysses_degree
+                           : best.strategy == Strategy::ulysses ? cp
+                                                                : 1;
+    out["recommended"] = {
+        {"name", best.name},
+        {"strategy", to_string(best.strategy)},
+        {"load_balance", best.load_balance},
+        {"ulysses_degree", all_gather ? nlohmann::ordered_json() : nlohmann::ordered_json(u)},
+        {"ring_degree", all_gather ? nlohmann::ordered_json() : nlohmann::ordered_json(cp / u)}};
+  }
   if (opt.json) {
     std::cout << out.dump(2) << "\n";
     return 0;
@@ -166,6 +218,9 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
             << " Hkv=" << req.attention.num_kv_heads << " D=" << req.attention.head_dim << " "
             << to_string(req.attention.dtype) << ", cp=" << req.parallel.cp << " tp=" << req.parallel.tp
             << ", block " << req.block << ", "
+            << (req.hardware.ranks_per_host > 0 && req.parallel.cp > req.hardware.ranks_per_host
+                    ? std::to_string(req.hardware.ranks_per_host) + " ranks per host, "
+                    : std::string())
             << (req.segments.empty() ? "one document" : "segments " + opt.segments)
             << (req.remat ? ", remat" : "") << "; " << req.model.attention_layers() << " attention layers of "
             << req.model.num_layers << "; " << req.hardware.name << "\n";
@@ -175,14 +230,16 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
       std::cout << "  impossible: " << s.why_not.front().message << "\n";
       continue;
     }
+    const bool grouped = s.strategy == Strategy::hybrid;
     std::cout << "  per attention layer:\n  " << std::left << std::setw(20) << "kind" << std::setw(10)
-              << "phase" << std::setw(7) << "count" << std::setw(16) << "bytes"
+              << "phase" << (grouped ? "group    " : "") << std::setw(7) << "count" << std::setw(16)
+              << "bytes"
               << "sent per rank\n";
     for (const auto* list : {&s.collectives, &s.reorder}) {
       for (const auto& c : *list) {
         std::cout << "  " << std::left << std::setw(20) << to_string(c.kind) << std::setw(10) << c.phase
-                  << std::setw(7) << c.count << std::setw(16) << mib(c.bytes) << mib(c.bytes_sent_per_rank)
-                  << "\n";
+                  << std::setw(grouped ? 9 : 0) << (grouped ? c.group : std::string()) << std::setw(7)
+                  << c.count << std::setw(16) << mib(c.bytes) << mib(c.bytes_sent_per_rank) << "\n";
       }
     }
     std::cout << "  tiles per rank per q head:";
@@ -198,6 +255,9 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
               << fmt_double(s.communication_seconds * 1e3) << " ms, exposed "
               << fmt_double(s.exposed_seconds * 1e3) << " ms, layer " << fmt_double(s.layer_seconds * 1e3)
               << " ms; model " << fmt_double(s.model_seconds * 1e3) << " ms\n";
+    if (req.hardware.ranks_per_host > 0 && req.parallel.cp > req.hardware.ranks_per_host) {
+      std::cout << "  across hosts per rank per layer: " << mib(s.inter_host_bytes_sent_per_rank) << "\n";
+    }
   }
   std::cout << "\nrecommendation: " << plan.recommendation << "\n";
   return 0;
@@ -218,7 +278,12 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   sub->add_flag("--remat", opt->remat, "recompute attention's forward in backward");
   sub->add_option("--hardware", opt->hardware, "h100, h200 or tpu-v7x");
   sub->add_option("--flops", opt->flops, "override the FLOP rate (FLOP/s)");
-  sub->add_option("--bandwidth", opt->bandwidth, "override the link bandwidth (bytes/s each way)");
+  sub->add_option("--bandwidth", opt->bandwidth,
+                  "override the bandwidth inside a host (bytes/s each way per device)");
+  sub->add_option("--ranks-per-host", opt->ranks_per_host,
+                  "override the devices per host (rank r on host r / this; 0: one host)");
+  sub->add_option("--inter-bandwidth", opt->inter_bandwidth,
+                  "override the bandwidth between hosts (bytes/s each way per device)");
   sub->add_flag("--json", opt->json, "print JSON");
   sub->callback([sub, opt, &exit_code] { exit_code = run_plan(*sub, *opt); });
 }

@@ -12,8 +12,10 @@ namespace cpattn::cli {
 void ProblemFlags::add_to(CLI::App& app) {
   app.add_option("--config", config_files, "YAML config file(s) with the seed framework's keys; later wins")
       ->check(CLI::ExistingFile);
-  app.add_option("--strategy", values.strategy, "all_gather, ulysses or ring");
+  app.add_option("--strategy", values.strategy, "all_gather, ulysses, ring or hybrid");
   app.add_option("--cp", values.cp, "context-parallel ranks");
+  app.add_option("--ulysses-degree", values.ulysses_degree,
+                 "hybrid: ranks per ulysses group (a divisor of cp, <= q heads); the ring has cp / this");
   app.add_option("--tp", values.tp, "tensor-parallel degree over heads");
   app.add_option("--q-heads", values.num_q_heads, "query heads");
   app.add_option("--kv-heads", values.num_kv_heads, "key/value heads");
@@ -21,7 +23,8 @@ void ProblemFlags::add_to(CLI::App& app) {
   app.add_option("--seq", values.seq_len, "sequence length (tokens of one packed row)");
   app.add_option("--batch", values.batch, "batch size");
   app.add_option("--dtype", values.dtype, "fp32 or bf16");
-  app.add_flag("--load-balance", load_balance, "all_gather or ring with dual-chunk-swap load balance");
+  app.add_flag("--load-balance", load_balance,
+               "all_gather, ring or hybrid with dual-chunk-swap load balance");
   app.add_flag("--causal", causal, "causal mask (the default)");
   app.add_flag("--no-causal", no_causal, "no causal mask");
 }

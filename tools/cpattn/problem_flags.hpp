@@ -20,7 +20,8 @@ struct ProblemFlags {
   bool causal = false;
   bool no_causal = false;
 
-  // Adds --strategy --cp --q-heads --kv-heads --head-dim --seq --batch --tp --load-balance --dtype --causal
+  // Adds --strategy --cp --ulysses-degree --q-heads --kv-heads --head-dim --seq --batch --tp --load-balance
+  // --dtype --causal
   // --no-causal --config.
   void add_to(CLI::App& app);
   // Files merged in order, then the flags on top.

@@ -160,6 +160,10 @@ nlohmann::ordered_json run_report(const RunOptions& opt, const AttentionSpec& a,
   nlohmann::ordered_json out;
   out["ok"] = true;
   out["problem"] = {{"strategy", to_string(p.strategy)}, {"cp", p.cp}};
+  if (p.strategy == Strategy::hybrid) {
+    out["problem"]["ulysses_degree"] = p.ulysses_degree;
+    out["problem"]["ring_degree"] = p.ring_degree();
+  }
   out["problem"].update(attention_to_json(a));
   out["problem"].update(nlohmann::ordered_json{{"load_balance", p.load_balance},
                                                {"remat", opt.remat},
@@ -180,11 +184,13 @@ nlohmann::ordered_json run_report(const RunOptions& opt, const AttentionSpec& a,
                     {"comm_wait", wait_s}};
   out["collectives"] = nlohmann::ordered_json::array();
   for (const auto& c : result.ranks.front().collectives) {
-    out["collectives"].push_back({{"kind", to_string(c.kind)},
-                                  {"phase", c.phase},
-                                  {"count", c.count},
-                                  {"bytes", c.bytes},
-                                  {"bytes_sent_per_rank", c.bytes_sent_per_rank}});
+    nlohmann::ordered_json entry = {{"kind", to_string(c.kind)},
+                                    {"phase", c.phase},
+                                    {"count", c.count},
+                                    {"bytes", c.bytes},
+                                    {"bytes_sent_per_rank", c.bytes_sent_per_rank}};
+    if (!c.group.empty()) entry["group"] = c.group;  // the hybrid's sub-communicator
+    out["collectives"].push_back(entry);
   }
   out["tiles_per_rank"] = tiles;
   const auto [tmin, tmax] = std::minmax_element(tiles.begin(), tiles.end());
@@ -260,13 +266,17 @@ void print_text(const RunOptions& opt, const AttentionSpec& a, const ParallelSpe
                 const nlohmann::ordered_json& out) {
   std::cout << "cpattn run: " << to_string(p.strategy) << (p.load_balance ? " (load balance)" : "")
             << (opt.remat ? " remat" : "") << ", cp=" << p.cp
+            << (p.strategy == Strategy::hybrid ? " (ulysses " + std::to_string(p.ulysses_degree) +
+                                                     " x ring " + std::to_string(p.ring_degree()) + ")"
+                                               : std::string())
             << (opt.backend == "mpi" ? " over MPI (" : " on the in-process group (")
             << out["problem"]["threads_per_rank"].get<int>() << " thread(s) per rank); B=" << a.batch
             << " S=" << a.seq_len << " Hq=" << a.num_q_heads << " Hkv=" << a.num_kv_heads
             << " D=" << a.head_dim << (a.causal ? " causal" : " non-causal") << " " << to_string(a.dtype)
             << (opt.segments.empty() ? "" : " segments " + opt.segments) << "\n";
-  if (p.strategy == Strategy::ulysses) {
-    const UlyssesHeads u = ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, p.cp);
+  if (p.strategy == Strategy::ulysses || p.strategy == Strategy::hybrid) {
+    const UlyssesHeads u = ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp,
+                                         p.strategy == Strategy::hybrid ? p.ulysses_degree : p.cp);
     std::cout << "placement: replication " << u.replication() << ";";
     for (const auto& r : head_placement(a, p)) {
       std::cout << " rank " << r.rank << " -> q " << r.q_heads.begin << ".." << r.q_heads.end - 1 << " kv "
@@ -278,13 +288,15 @@ void print_text(const RunOptions& opt, const AttentionSpec& a, const ParallelSpe
   std::cout << "seconds: forward " << fmt(out["seconds"]["forward"].get<double>());
   if (!opt.forward_only) std::cout << ", backward " << fmt(out["seconds"]["backward"].get<double>());
   std::cout << "\ncollectives (per rank):\n";
-  std::cout << "  " << std::left << std::setw(20) << "kind" << std::setw(10) << "phase" << std::setw(7)
-            << "count" << std::setw(14) << "bytes"
+  const bool grouped = p.strategy == Strategy::hybrid;
+  std::cout << "  " << std::left << std::setw(20) << "kind" << std::setw(10) << "phase"
+            << (grouped ? "group    " : "") << std::setw(7) << "count" << std::setw(14) << "bytes"
             << "bytes sent per rank\n";
   for (const auto& c : out["collectives"]) {
     std::cout << "  " << std::left << std::setw(20) << c["kind"].get<std::string>() << std::setw(10)
-              << c["phase"].get<std::string>() << std::setw(7) << c["count"].get<std::int64_t>()
-              << std::setw(14) << c["bytes"].get<std::int64_t>()
+              << c["phase"].get<std::string>() << std::setw(grouped ? 9 : 0)
+              << (grouped ? c.value("group", std::string()) : std::string()) << std::setw(7)
+              << c["count"].get<std::int64_t>() << std::setw(14) << c["bytes"].get<std::int64_t>()
               << c["bytes_sent_per_rank"].get<std::int64_t>() << "\n";
   }
   std::cout << "tiles per rank (forward):";

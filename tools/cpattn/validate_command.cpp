@@ -32,9 +32,11 @@ int run_validate(const CLI::App& app, const ValidateOptions& opt) {
   const AttentionSpec& a = specs.attention;
   const ParallelSpec& p = specs.parallel;
   const auto placement = head_placement(a, p);
-  const bool ulysses = p.strategy == Strategy::ulysses;
+  const bool hybrid = p.strategy == Strategy::hybrid;
+  const bool ulysses = p.strategy == Strategy::ulysses || hybrid;  // heads placed over a ulysses group
   const UlyssesHeads u =
-      ulysses ? ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, p.cp) : UlyssesHeads{};
+      ulysses ? ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, hybrid ? p.ulysses_degree : p.cp)
+              : UlyssesHeads{};
   const std::int64_t rep = ulysses ? u.replication() : 1;
 
   if (opt.json) {
@@ -43,6 +45,10 @@ int run_validate(const CLI::App& app, const ValidateOptions& opt) {
     out["strategy"] = to_string(p.strategy);
     out["cp"] = p.cp;
     out["tp"] = p.tp;
+    if (hybrid) {
+      out["ulysses_degree"] = p.ulysses_degree;
+      out["ring_degree"] = p.ring_degree();
+    }
     out["load_balance"] = p.load_balance;
     out["layout"] = to_string(p.effective_layout());
     out["replication"] = rep;
@@ -57,10 +63,13 @@ int run_validate(const CLI::App& app, const ValidateOptions& opt) {
     std::cout << out.dump() << "\n";
     return 0;
   }
-  std::cout << "valid: " << to_string(p.strategy) << ", cp=" << p.cp << ", tp=" << p.tp << ", q heads "
-            << a.num_q_heads << ", kv heads " << a.num_kv_heads << ", head dim " << a.head_dim << ", seq "
-            << a.seq_len << ", batch " << a.batch << ", " << to_string(a.dtype)
-            << (p.load_balance ? ", load balance (dual chunk swap)" : "") << "\n";
+  std::cout << "valid: " << to_string(p.strategy) << ", cp=" << p.cp
+            << (hybrid ? " (ulysses groups of " + std::to_string(p.ulysses_degree) + " x a ring of " +
+                             std::to_string(p.ring_degree()) + ")"
+                       : std::string())
+            << ", tp=" << p.tp << ", q heads " << a.num_q_heads << ", kv heads " << a.num_kv_heads
+            << ", head dim " << a.head_dim << ", seq " << a.seq_len << ", batch " << a.batch << ", "
+            << to_string(a.dtype) << (p.load_balance ? ", load balance (dual chunk swap)" : "") << "\n";
   if (p.tp > 1) std::cout << "heads below are local to one tp rank (heads / tp)\n";
   if (ulysses) {
     std::cout << "replication: " << rep << " (kv head order before the all-to-all: [";
