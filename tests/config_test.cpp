@@ -124,7 +124,7 @@ std::vector<BadCase> bad_cases() {
       },
       {"cp"}, {"ulysses needs cp (8) <= num_q_heads (6)", "hybrid strategy"});
   add("ulysses_load_balance", [](AttentionSpec&, ParallelSpec& p) { p.load_balance = true; },
-      {"load_balance"}, {"for all_gather and ring"});
+      {"load_balance"}, {"for all_gather, ring and hybrid"});
   add("tp_does_not_divide", [](AttentionSpec&, ParallelSpec& p) { p.tp = 3; }, {"tp", "tp"},
       {"tp (3) must divide num_q_heads (32)", "tp (3) must divide num_kv_heads (2)"});
   add("tp_local_heads_break_ulysses",
@@ -139,7 +139,7 @@ std::vector<BadCase> bad_cases() {
         p.strategy = Strategy::all_gather;
         p.layout = ShardLayout::dual_chunk_swap;
       },
-      {"layout"}, {"dual_chunk_swap needs all_gather or ring with load_balance"});
+      {"layout"}, {"dual_chunk_swap needs all_gather, ring or hybrid with load_balance"});
   add("bad_scale", [](AttentionSpec& a, ParallelSpec&) { a.softmax_scale = -1.0; }, {"softmax_scale"},
       {"finite and positive"});
   add("overflowing_sizes",
@@ -169,6 +169,20 @@ std::vector<BadCase> bad_cases() {
       {"cp"}, {"larger than any group", "1..2147483647"});
   add("tp_beyond_any_group", [](AttentionSpec&, ParallelSpec& p) { p.tp = 1ll << 40; }, {"tp"},
       {"larger than any group"});
+  add("hybrid_without_ulysses_degree", [](AttentionSpec&, ParallelSpec& p) { p.strategy = Strategy::hybrid; },
+      {"ulysses_degree"}, {"hybrid needs ulysses_degree", "--ulysses-degree"});
+  add("hybrid_degree_not_a_divisor_and_above_q_heads",
+      [](AttentionSpec& a, ParallelSpec& p) {
+        a.num_q_heads = 2;
+        p.cp = 6;
+        a.seq_len = 60;
+        p.strategy = Strategy::hybrid;
+        p.ulysses_degree = 4;
+      },
+      {"ulysses_degree", "ulysses_degree"},
+      {"ulysses_degree (4) to be a divisor of cp (6)", "ulysses_degree (4) <= num_q_heads (2)"});
+  add("ulysses_degree_without_hybrid", [](AttentionSpec&, ParallelSpec& p) { p.ulysses_degree = 2; },
+      {"ulysses_degree"}, {"ulysses_degree (2) is for the hybrid strategy; strategy is ulysses"});
   return cases;
 }
 
@@ -183,6 +197,23 @@ TEST(Validation, BadConfigsNameTheFieldAndTheFix) {
     }
     EXPECT_THROW(validate(c.attention, c.parallel), Error);
   }
+}
+
+// More ranks than q heads: hybrid takes them (Hq = 8 at cp = 16 as 8 x 2), ulysses cannot.
+TEST(Validation, HybridTakesMoreRanksThanQHeads) {
+  AttentionSpec a = seed_attention();
+  a.num_q_heads = 8;
+  ParallelSpec p;
+  p.cp = 16;
+  p.strategy = Strategy::hybrid;
+  p.ulysses_degree = 8;
+  p.load_balance = true;
+  EXPECT_TRUE(validation_errors(a, p).empty());
+  EXPECT_EQ(p.ring_degree(), 2);
+  p.strategy = Strategy::ulysses;
+  p.ulysses_degree = 0;
+  p.load_balance = false;
+  EXPECT_FALSE(validation_errors(a, p).empty());
 }
 
 TEST(Validation, ReportsEveryBrokenRuleAtOnce) {

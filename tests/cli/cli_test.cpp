@@ -10,6 +10,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 
 #include "cpattn/npy.hpp"
@@ -437,6 +438,61 @@ TEST(CliRun, RingChecksWithinItsBoundsAndRefusesRemat) {
   EXPECT_NE(r.err.find("remat means nothing for ring"), std::string::npos) << r.err;
 }
 
+// hybrid: --ulysses-degree or its YAML key; the check within the ring's bounds; each collective with its
+// group; the degrees in the problem block; whole tensors saved in natural order equal the ring's within its
+// bounds; cp > q heads (8 x 2 over 4 q heads) runs; U that does not divide cp exits 2 naming it.
+TEST(CliRun, HybridChecksAndReportsEachGroup) {
+  const auto dir = std::filesystem::temp_directory_path() / "cpattn_cli_hybrid";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream yaml(dir / "hybrid.yml");
+    yaml << "context_parallel_strategy: hybrid\ncontext_parallel_ulysses_degree: 2\n";
+  }
+  const std::string shape =
+      " --cp 4 --q-heads 6 --kv-heads 2 --head-dim 16 --seq 192 --segments 150,42 --threads 1 --load-balance";
+  Result r = run("run --json --check --config " + (dir / "hybrid.yml").string() + shape + " --save " +
+                 (dir / "hybrid").string());
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  auto j = nlohmann::json::parse(r.out);
+  EXPECT_TRUE(j["check"]["pass"].get<bool>());
+  EXPECT_EQ(j["check"]["tolerances"]["forward"], "within bounds");
+  EXPECT_EQ(j["problem"]["strategy"], "hybrid");
+  EXPECT_EQ(j["problem"]["ulysses_degree"], 2);
+  EXPECT_EQ(j["problem"]["ring_degree"], 2);
+  std::set<std::string> groups;
+  for (const auto& c : j["collectives"]) {
+    groups.insert(c.at("group").get<std::string>());
+    if (c["kind"] == "collective_permute" || c["kind"] == "all_to_all") {
+      EXPECT_EQ(c["group"], c["kind"] == "all_to_all" ? "ulysses" : "ring") << c.dump();
+    }
+  }
+  EXPECT_EQ(groups, (std::set<std::string>{"ulysses", "ring"}));
+  r = run("run --strategy ring" + shape + " --save " + (dir / "ring").string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const char* f : {"o.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"}) {
+    const std::vector<double> h = cpattn::read_npy((dir / "hybrid" / f).string()).as_doubles(),
+                              g = cpattn::read_npy((dir / "ring" / f).string()).as_doubles();
+    ASSERT_EQ(h.size(), g.size()) << f;
+    double max_ref = 0, max_diff = 0;
+    for (std::size_t i = 0; i < g.size(); ++i) {
+      max_ref = std::max(max_ref, std::abs(g[i]));
+      max_diff = std::max(max_diff, std::abs(h[i] - g[i]));
+    }
+    EXPECT_LE(max_diff, 2e-5 * max_ref) << f;
+  }
+  r = run(
+      "run --json --check --strategy hybrid --ulysses-degree 4 --cp 8 --q-heads 4 --kv-heads 1 --head-dim 16 "
+      "--seq 128 --threads 1");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(nlohmann::json::parse(r.out)["check"]["pass"].get<bool>());
+  r = run("run --strategy hybrid --ulysses-degree 3" + shape);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("hybrid needs ulysses_degree (3) to be a divisor of cp (4)"), std::string::npos)
+      << r.err;
+  std::filesystem::remove_all(dir);
+}
+
 // ring --load / --save: whole tensors in natural token order whatever the layout, against the float64
 // reference stored with the inputs (within 2e-5 of max |reference|, the ring's bound against the reference).
 TEST(CliRun, RingLoadsAndSavesWholeTensorsInNaturalOrder) {
@@ -490,7 +546,17 @@ TEST(CliPlan, SeedPresetJsonHasEveryStrategy) {
       run("plan --json --preset qwen3.5-397b-a17b --seq 65536 --dtype bf16 --cp 4 --segments 61440,4096");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const auto j = nlohmann::json::parse(r.out);
-  ASSERT_EQ(j["strategies"].size(), 5u);  // all_gather (± load balance), ulysses, ring (± load balance)
+  // all_gather (± load balance), ulysses, ring (± load balance), hybrid 2 x 2 (± load balance)
+  ASSERT_EQ(j["strategies"].size(), 7u);
+  EXPECT_EQ(j["strategies"][5]["name"], "hybrid_u2_r2");
+  EXPECT_EQ(j["strategies"][5]["ulysses_degree"], 2);
+  EXPECT_EQ(j["strategies"][5]["ring_degree"], 2);
+  // The seed's packed rows: ulysses, as the recommendation says.
+  EXPECT_EQ(j["recommended"], (nlohmann::json{{"name", "ulysses"},
+                                              {"strategy", "ulysses"},
+                                              {"load_balance", false},
+                                              {"ulysses_degree", 4},
+                                              {"ring_degree", 1}}));
   for (const auto& s : j["strategies"]) {
     EXPECT_TRUE(s["possible"].get<bool>());
     for (const char* key :
@@ -549,11 +615,13 @@ namespace {
 TEST(CliPlan, PredictedCollectivesEqualWhatRunCounted) {
   const std::string shape =
       " --q-heads 8 --kv-heads 2 --head-dim 16 --seq 256 --cp 4 --dtype bf16 --segments 200,56";
-  for (const std::string strategy :
-       {"ulysses", "all_gather", "all_gather_load_balanced", "ring", "ring_load_balanced"}) {
+  for (const std::string strategy : {"ulysses", "all_gather", "all_gather_load_balanced", "ring",
+                                     "ring_load_balanced", "hybrid_u2_r2", "hybrid_u2_r2_load_balanced"}) {
     for (const std::string remat : {"", " --remat"}) {
-      if (strategy.starts_with("ring") && !remat.empty()) continue;  // refused (CliRun.RingRefusesRemat)
-      const std::string base = strategy.substr(0, strategy.find("_load_balanced"));
+      // refused (CliRun.RingChecksWithinItsBoundsAndRefusesRemat)
+      if ((strategy.starts_with("ring") || strategy.starts_with("hybrid")) && !remat.empty()) continue;
+      std::string base = strategy.substr(0, strategy.find("_load_balanced"));
+      if (base.starts_with("hybrid")) base = "hybrid --ulysses-degree 2";
       const std::string flags =
           " --strategy " + base + (strategy.ends_with("_load_balanced") ? " --load-balance" : "");
       const Result ran = run("run --json --threads 1" + flags + shape + remat);
