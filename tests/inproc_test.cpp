@@ -156,11 +156,11 @@ TEST(InProcessGroup, CountersFollowTheAccounting) {
   });
   const auto rec = group.communicator(2).counters().records();
   ASSERT_EQ(rec.size(), 4u);
-  EXPECT_EQ(rec[0], (CollectiveRecord{CollectiveKind::all_to_all, "forward", 2, 2 * 1600, 2 * 1200, ""}));
-  EXPECT_EQ(rec[1], (CollectiveRecord{CollectiveKind::all_gather, "forward", 1, 400, 300, ""}));
-  EXPECT_EQ(rec[2], (CollectiveRecord{CollectiveKind::reduce_scatter, "forward", 1, 1600, 1200, ""}));
+  EXPECT_EQ(rec[0], (CollectiveRecord{CollectiveKind::all_to_all, "forward", 2, 2 * 1600, 2 * 1200, 0, ""}));
+  EXPECT_EQ(rec[1], (CollectiveRecord{CollectiveKind::all_gather, "forward", 1, 400, 300, 0, ""}));
+  EXPECT_EQ(rec[2], (CollectiveRecord{CollectiveKind::reduce_scatter, "forward", 1, 1600, 1200, 0, ""}));
   // A permute's bytes are its operand; sent per rank is the largest over ranks (0 for the identity).
-  EXPECT_EQ(rec[3], (CollectiveRecord{CollectiveKind::collective_permute, "forward", 2, 80, 40, ""}));
+  EXPECT_EQ(rec[3], (CollectiveRecord{CollectiveKind::collective_permute, "forward", 2, 80, 40, 0, ""}));
   group.communicator(2).counters().reset();
   EXPECT_TRUE(group.communicator(2).counters().records().empty());
 }
@@ -265,8 +265,8 @@ TEST(InProcessGroup, AllToAllVCountsTheLargestOperandAndTheLargestSent) {
   });
   for (const auto& r : records) {
     ASSERT_EQ(r.size(), 1u);
-    EXPECT_EQ(r[0],
-              (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1, 3 * 3 * 2 * 4, 2 * 3 * 2 * 4, ""}));
+    EXPECT_EQ(r[0], (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1, 3 * 3 * 2 * 4, 2 * 3 * 2 * 4,
+                                      0, ""}));
   }
 }
 
@@ -285,7 +285,7 @@ TEST(InProcessGroup, ShiftsCountAsAPermuteAndAFailureMidShiftIsAnErrorOnEveryRan
     for (const auto& r : records) {
       ASSERT_EQ(r.size(), 1u);
       EXPECT_EQ(r[0],
-                (CollectiveRecord{CollectiveKind::collective_permute, "forward", 2, 2 * 40, 2 * 40, ""}));
+                (CollectiveRecord{CollectiveKind::collective_permute, "forward", 2, 2 * 40, 2 * 40, 0, ""}));
     }
   }
   std::vector<std::string> messages(4);
@@ -358,7 +358,7 @@ TEST(InProcessGroup, StridedAllToAllRefusesANegativeStrideAndCountsLikeAllToAll)
   const auto rec = counted.communicator(1).counters().records();
   ASSERT_EQ(rec.size(), 1u);
   EXPECT_EQ(rec[0],
-            (CollectiveRecord{CollectiveKind::all_to_all, "unspecified", 1, 4 * 60 * 2, 3 * 60 * 2, ""}));
+            (CollectiveRecord{CollectiveKind::all_to_all, "unspecified", 1, 4 * 60 * 2, 3 * 60 * 2, 0, ""}));
 }
 
 // A communicator that only has the contiguous all_to_all, so all_to_all_strided takes the base class's
@@ -487,9 +487,9 @@ TEST(InProcessGroup, SplitsIntoGroupsThatWorkSideBySide) {
     EXPECT_EQ(members[r], expect) << "rank " << r;
     ASSERT_EQ(records[r].size(), 2u) << "rank " << r;
     EXPECT_EQ(records[r][0], (CollectiveRecord{CollectiveKind::all_to_all, "forward", 2, 2 * 4 * kR * 4,
-                                               2 * 4 * (kR - 1) * 4, "ring"}));
+                                               2 * 4 * (kR - 1) * 4, 0, "ring"}));
     EXPECT_EQ(records[r][1],
-              (CollectiveRecord{CollectiveKind::all_gather, "forward", 1, 4 * kU * 4, 4 * 4, "ulysses"}));
+              (CollectiveRecord{CollectiveKind::all_gather, "forward", 1, 4 * kU * 4, 4 * 4, 0, "ulysses"}));
   }
 }
 

@@ -35,6 +35,8 @@ struct CollectiveRecord {
   std::int64_t count = 0;
   std::int64_t bytes = 0;
   std::int64_t bytes_sent_per_rank = 0;
+  // What this rank sent to ranks on other hosts (0 where the communicator knows of one host only).
+  std::int64_t bytes_sent_across_hosts = 0;
   // The sub-communicator the calls ran on (the hybrid strategy's `ulysses` or `ring` group); empty for the
   // single-group strategies.
   std::string group;
@@ -47,6 +49,7 @@ struct CollectiveRecord {
 struct CollectiveCost {
   std::int64_t bytes = 0;
   std::int64_t bytes_sent_per_rank = 0;
+  std::int64_t bytes_sent_across_hosts = 0;  // this rank's, to ranks on other hosts
 };
 // The ring's destinations (Communicator::start_shift): dest[p] = (p + 1) mod size.
 std::vector<int> ring_destinations(int size);

@@ -119,18 +119,28 @@ class Communicator {
   // (the hybrid strategy counts its two sub-communicators in the caller's counters). `into` must outlive it.
   void report_to(CollectiveCounters& into, std::string group);
 
+  // The host of each rank (0, 1, ... by first appearance), as the backend knows it: the MPI backend by
+  // MPI_Comm_split_type(MPI_COMM_TYPE_SHARED), as Open MPI tells nodes apart; empty where every rank shares
+  // one host (the in-process group). The accounting counts the bytes sent to ranks on other hosts.
+  const std::vector<int>& hosts() const { return hosts_; }
+
  protected:
   // The accounting for one call; backends call it once per collective, after it succeeded.
   void count(CollectiveKind kind, std::int64_t count, CommDType dtype,
              const std::vector<int>* dest = nullptr);
+  // count_cost's callers fill cost.bytes_sent_across_hosts themselves (across_hosts helps).
   void count_cost(CollectiveKind kind, const CollectiveCost& cost);
   // The accounting of one completed start_shift.
   void count_shift(std::int64_t count, CommDType dtype);
+  void set_hosts(std::vector<int> hosts) { hosts_ = std::move(hosts); }
+  // Whether rank p is on another host than this rank.
+  bool across_hosts(int p) const { return !hosts_.empty() && hosts_[p] != hosts_[rank()]; }
 
  private:
   CollectiveCounters counters_;
   CollectiveCounters* report_to_ = nullptr;  // report_to's target; null: counters_
   std::string group_;
+  std::vector<int> hosts_;
   struct PackBuffers;  // all_to_all_strided's fallback buffers, kept between calls
   std::unique_ptr<PackBuffers> pack_;
 };

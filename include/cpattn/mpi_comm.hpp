@@ -14,6 +14,10 @@
 
 namespace cpattn {
 
+// Ends the job from this rank (MPI_Abort), and this process within 10 s even where MPI_Abort cannot reach
+// mpirun.
+[[noreturn]] void end_mpi_job(MPI_Comm comm);
+
 class MpiCommunicator final : public Communicator {
  public:
   explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD);

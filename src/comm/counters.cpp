@@ -7,7 +7,13 @@ namespace cpattn {
 
 void Communicator::count(CollectiveKind kind, std::int64_t count, CommDType dtype,
                          const std::vector<int>* dest) {
-  const CollectiveCost c = collective_cost(kind, count, comm_dtype_size(dtype), size(), dest);
+  CollectiveCost c = collective_cost(kind, count, comm_dtype_size(dtype), size(), dest);
+  const std::int64_t bytes = count * static_cast<std::int64_t>(comm_dtype_size(dtype));
+  for (int p = 0; p < size() && !hosts_.empty(); ++p) {
+    const bool sends =
+        kind == CollectiveKind::collective_permute ? dest != nullptr && (*dest)[rank()] == p : p != rank();
+    if (sends && across_hosts(p)) c.bytes_sent_across_hosts += bytes;
+  }
   count_cost(kind, c);
 }
 

@@ -84,6 +84,19 @@ bool force_packed_alltoallv() {
 
 }  // namespace
 
+[[noreturn]] void end_mpi_job(MPI_Comm comm) {
+  // MPI_Abort asks mpirun (through this host's daemon) to end every rank; where mpirun cannot be reached (a
+  // host cut off from it) it may never return: leave on our own after a grace period.
+  std::thread([] {
+    std::this_thread::sleep_for(std::chrono::seconds(10));
+    std::fprintf(stderr, "MPI_Abort did not end this process in 10 s; exiting\n");
+    std::fflush(stderr);
+    std::_Exit(1);
+  }).detach();
+  MPI_Abort(comm, 1);
+  std::_Exit(1);  // MPI_Abort does not return; the compiler cannot know
+}
+
 MpiCommunicator::MpiCommunicator(MPI_Comm comm) {
   int initialized = 0;
   MPI_Initialized(&initialized);
@@ -105,6 +118,26 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm) {
     MPI_Group_translate_ranks(mine, size_, ranks.data(), all, world_.data());
     MPI_Group_free(&mine);
     MPI_Group_free(&all);
+  }
+  {
+    // Hosts as Open MPI tells nodes apart: the ranks that can share memory; each host named by its first
+    // rank's world rank, then numbered by first appearance.
+    MPI_Comm node = MPI_COMM_NULL;
+    check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node),
+          "MPI_Comm_split_type", world(rank_));
+    int leader = world(rank_);
+    MPI_Bcast(&leader, 1, MPI_INT, 0, node);
+    MPI_Comm_free(&node);
+    std::vector<int> leaders(static_cast<std::size_t>(size_));
+    check(MPI_Allgather(&leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, comm_), "MPI_Allgather",
+          world(rank_));
+    std::vector<int> hosts(leaders.size()), seen;
+    for (std::size_t r = 0; r < leaders.size(); ++r) {
+      auto it = std::find(seen.begin(), seen.end(), leaders[r]);
+      if (it == seen.end()) it = seen.insert(seen.end(), leaders[r]);
+      hosts[r] = static_cast<int>(it - seen.begin());
+    }
+    if (seen.size() > 1) set_hosts(std::move(hosts));
   }
   int level = MPI_THREAD_SINGLE;
   MPI_Query_thread(&level);
@@ -228,7 +261,10 @@ void MpiCommunicator::all_to_all_v(const void* send, const BlockList& send_block
   // One derived datatype per block when int counts can describe the blocks; else (or when
   // CPATTN_MPI_PACKED_ALLTOALLV=1 forces it, for the tests) the blocks packed into contiguous buffers.
   bool packed = force_packed_alltoallv() || !fits_datatypes(send_blocks, recv_blocks);
-  const CollectiveCost cost = agree_on_blocks(send_blocks, recv_blocks, dtype, packed);
+  CollectiveCost cost = agree_on_blocks(send_blocks, recv_blocks, dtype, packed);
+  for (std::size_t p = 0; p < n; ++p) {
+    if (across_hosts(static_cast<int>(p))) cost.bytes_sent_across_hosts += send_blocks.shape[p].count() * e;
+  }
   if (!packed) {
     std::vector<PeerBlock> sends(n), recvs(n);
     for (std::size_t p = 0; p < n; ++p) {
@@ -310,7 +346,7 @@ class MpiShift final : public PendingShift {
       std::fprintf(stderr, "rank %d: a ring shift was abandoned in flight; ending the job\n",
                    comm_.world(comm_.rank_));
       std::fflush(stderr);
-      MPI_Abort(comm_.comm_, 1);
+      end_mpi_job(comm_.comm_);
     }
   }
   // Starts the thread that progresses the posted requests.
@@ -360,7 +396,7 @@ class MpiShift final : public PendingShift {
                    "rank %d: no progress from rank %d in %.0f s (a ring shift's %s); ending the job\n",
                    comm_.world(comm_.rank_), comm_.world(peer), s, received ? "send" : "receive");
       std::fflush(stderr);
-      MPI_Abort(comm_.comm_, 1);
+      end_mpi_job(comm_.comm_);
     }
     done_ = true;
     int got = 0;
@@ -563,8 +599,7 @@ void MpiCommunicator::fail(int rc, const char* what) {
   MPI_Error_string(rc, text, &len);
   std::fprintf(stderr, "rank %d: %s failed: %.*s; ending the job\n", world(rank_), what, len, text);
   std::fflush(stderr);
-  MPI_Abort(comm_, 1);
-  std::abort();  // MPI_Abort does not return; the compiler cannot know
+  end_mpi_job(comm_);
 }
 
 void MpiCommunicator::exchange(const std::vector<PeerBlock>& sends, const std::vector<PeerBlock>& recvs,
@@ -636,7 +671,7 @@ void MpiCommunicator::complete(MPI_Request* requests, int n, const char* what, c
                  missing.c_str(), what, s);
   }
   std::fflush(stderr);
-  MPI_Abort(comm_, 1);
+  end_mpi_job(comm_);
 }
 
 }  // namespace cpattn

@@ -78,10 +78,12 @@ void add_to_records(std::vector<CollectiveRecord>& records, CollectiveKind kind,
       ++r.count;
       r.bytes += cost.bytes;
       r.bytes_sent_per_rank += cost.bytes_sent_per_rank;
+      r.bytes_sent_across_hosts += cost.bytes_sent_across_hosts;
       return;
     }
   }
-  records.push_back({kind, phase, 1, cost.bytes, cost.bytes_sent_per_rank, group});
+  records.push_back(
+      {kind, phase, 1, cost.bytes, cost.bytes_sent_per_rank, cost.bytes_sent_across_hosts, group});
 }
 
 struct CollectiveCounters::State {

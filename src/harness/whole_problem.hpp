@@ -36,6 +36,7 @@ struct WholeResult {
   Tensor o, dq, dk, dv;    // natural order (dq, dk, dv empty when forward-only)
   std::vector<float> lse;  // [B, Hq, S]
   std::vector<RankReport> ranks;
+  std::vector<int> hosts;  // each rank's host (Communicator::hosts(); empty: every rank on one host)
 };
 
 struct RunSettings {

@@ -72,7 +72,7 @@ TEST(MpiCommunicator, SplitsIntoGroupsThatWorkSideBySide) {
   }
   const auto rec = counters.records();
   ASSERT_EQ(rec.size(), 1u);
-  EXPECT_EQ(rec[0], (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1, 800, 400, "ulysses"}));
+  EXPECT_EQ(rec[0], (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1, 800, 400, 0, "ulysses"}));
 }
 
 TEST(MpiCommunicator, CountersFollowTheAccounting) {
@@ -86,9 +86,10 @@ TEST(MpiCommunicator, CountersFollowTheAccounting) {
   }
   const auto rec = comm.counters().records();
   ASSERT_EQ(rec.size(), 2u);
-  EXPECT_EQ(rec[0], (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1, 400 * n, 400 * (n - 1), ""}));
+  EXPECT_EQ(rec[0],
+            (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1, 400 * n, 400 * (n - 1), 0, ""}));
   EXPECT_EQ(rec[1],
-            (CollectiveRecord{CollectiveKind::reduce_scatter, "forward", 1, 400 * n, 400 * (n - 1), ""}));
+            (CollectiveRecord{CollectiveKind::reduce_scatter, "forward", 1, 400 * n, 400 * (n - 1), 0, ""}));
 }
 
 // A disagreement in an all_to_all_v's block shapes is an error on every rank, naming the pair, before any
@@ -101,7 +102,7 @@ TEST(MpiCommunicator, AllToAllVWithBlocksThatDisagreeIsAMismatchOnEveryRank) {
     EXPECT_EQ(testing::all_to_all_v_error(comm, false), "");
   }
   EXPECT_EQ(comm.counters().records().back(), (CollectiveRecord{CollectiveKind::all_to_all, "forward", 1,
-                                                                n * n * 2 * 4, (n - 1) * n * 2 * 4, ""}));
+                                                                n * n * 2 * 4, (n - 1) * n * 2 * 4, 0, ""}));
   const std::string m = testing::all_to_all_v_error(comm, true);
   EXPECT_NE(m.find("collective mismatch"), std::string::npos) << m;
   const std::string named =

@@ -133,10 +133,11 @@ WholeResult execute(const std::string& backend, const AttentionSpec& a, const Pa
   try {
     harness::run_rank(comm, a, p, settings, problem, result);
     harness::share_whole_result(comm, a, p, settings.forward_only, result);
+    result.hosts = comm.hosts();
   } catch (const std::exception& e) {
     // No fault-tolerant MPI: end the whole job, naming this rank, instead of leaving peers waiting.
     std::cerr << "error: rank " << comm.rank() << ": " << e.what() << "\n";
-    MPI_Abort(MPI_COMM_WORLD, 1);
+    end_mpi_job(MPI_COMM_WORLD);
   }
   return result;
 #else
@@ -182,6 +183,10 @@ nlohmann::ordered_json run_report(const RunOptions& opt, const AttentionSpec& a,
   out["seconds"] = {{"forward", fwd_s},
                     {"backward", opt.forward_only ? nlohmann::ordered_json() : nlohmann::ordered_json(bwd_s)},
                     {"comm_wait", wait_s}};
+  // Hosts as the backend tells them apart; bytes across hosts are rank 0's, like the rest of the table.
+  const bool hosts = !result.hosts.empty();
+  out["hosts"] = {{"count", hosts ? *std::max_element(result.hosts.begin(), result.hosts.end()) + 1 : 1},
+                  {"of_rank", hosts ? result.hosts : std::vector<int>(static_cast<std::size_t>(p.cp), 0)}};
   out["collectives"] = nlohmann::ordered_json::array();
   for (const auto& c : result.ranks.front().collectives) {
     nlohmann::ordered_json entry = {{"kind", to_string(c.kind)},
@@ -189,6 +194,7 @@ nlohmann::ordered_json run_report(const RunOptions& opt, const AttentionSpec& a,
                                     {"count", c.count},
                                     {"bytes", c.bytes},
                                     {"bytes_sent_per_rank", c.bytes_sent_per_rank}};
+    if (hosts) entry["bytes_sent_across_hosts"] = c.bytes_sent_across_hosts;
     if (!c.group.empty()) entry["group"] = c.group;  // the hybrid's sub-communicator
     out["collectives"].push_back(entry);
   }
@@ -289,15 +295,23 @@ void print_text(const RunOptions& opt, const AttentionSpec& a, const ParallelSpe
   if (!opt.forward_only) std::cout << ", backward " << fmt(out["seconds"]["backward"].get<double>());
   std::cout << "\ncollectives (per rank):\n";
   const bool grouped = p.strategy == Strategy::hybrid;
+  const int hosts = out["hosts"]["count"].get<int>();
+  if (hosts > 1) {
+    std::cout << "hosts: " << hosts << " (rank -> host:";
+    for (const auto& h : out["hosts"]["of_rank"]) std::cout << " " << h.get<int>();
+    std::cout << ")\n";
+  }
   std::cout << "  " << std::left << std::setw(20) << "kind" << std::setw(10) << "phase"
             << (grouped ? "group    " : "") << std::setw(7) << "count" << std::setw(14) << "bytes"
-            << "bytes sent per rank\n";
+            << (hosts > 1 ? "bytes sent per rank  across hosts (rank 0)\n" : "bytes sent per rank\n");
   for (const auto& c : out["collectives"]) {
     std::cout << "  " << std::left << std::setw(20) << c["kind"].get<std::string>() << std::setw(10)
               << c["phase"].get<std::string>() << std::setw(grouped ? 9 : 0)
               << (grouped ? c.value("group", std::string()) : std::string()) << std::setw(7)
               << c["count"].get<std::int64_t>() << std::setw(14) << c["bytes"].get<std::int64_t>()
-              << c["bytes_sent_per_rank"].get<std::int64_t>() << "\n";
+              << std::setw(hosts > 1 ? 21 : 0) << c["bytes_sent_per_rank"].get<std::int64_t>();
+    if (hosts > 1) std::cout << c["bytes_sent_across_hosts"].get<std::int64_t>();
+    std::cout << "\n";
   }
   std::cout << "tiles per rank (forward):";
   for (const auto& t : out["tiles_per_rank"]) std::cout << " " << t.get<std::int64_t>();
