@@ -124,6 +124,41 @@ TEST(ContextParallelSlow, RingFullProduct) {
   EXPECT_EQ(ran, 1024);
 }
 
+// Hybrid: the product over (cp, U) in {(4,2), (8,2), (8,4), (16,8)} and (Hq, Hkv) in {(32,2), (8,2), (28,4)},
+// causal or not, packed or one document, load balance or not, fp32 and bf16; within the ring's bounds.
+TEST(ContextParallelSlow, HybridFullProduct) {
+  const std::pair<std::int64_t, std::int64_t> degrees[] = {{4, 2}, {8, 2}, {8, 4}, {16, 8}};
+  const std::pair<std::int64_t, std::int64_t> heads[] = {{32, 2}, {8, 2}, {28, 4}};
+  int ran = 0;
+  for (const auto& [cp, u] : degrees) {
+    for (const auto& [hq, hkv] : heads) {
+      for (bool causal : {true, false}) {
+        for (bool packed : {false, true}) {
+          for (bool load_balance : {false, true}) {
+            for (DType dtype : {DType::f32, DType::bf16}) {
+              testing::CpCase c;
+              c.strategy = Strategy::hybrid;
+              c.cp = cp;
+              c.ulysses_degree = u;
+              c.hq = hq;
+              c.hkv = hkv;
+              c.causal = causal;
+              c.load_balance = load_balance;
+              c.dtype = dtype;
+              c.dim = 32;
+              c.seq = 2 * cp * (12 + cp);
+              if (packed) c.segments = {c.seq / 2 + 3, c.seq / 2 - 8, 5};
+              ++ran;
+              testing::expect_ring_matches_single_device(c);
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(ran, 192);
+}
+
 // How the ring's error against the single-device kernel grows with cp (ring-flash-attention #42 reports it
 // growing with ring size): one causal fp32 problem, cp = 1 .. 8, printed; every cp within the bounds.
 TEST(ContextParallelSlow, RingErrorAgainstCp) {

@@ -528,14 +528,16 @@ TEST(InProcessGroup, AFailureInOneSubGroupReachesEveryRankOfEveryGroup) {
   std::vector<std::string> refused(2);
   EXPECT_THROW(two.run([&](Communicator& c) {
     try {
-      c.split(-1, 0);
+      c.split(c.rank() == 0 ? -1 : 0, 0);
     } catch (const Error& e) {
       refused[c.rank()] = e.what();
       throw;
     }
   }),
                Error);
-  EXPECT_NE(refused[0].find("split color (-1) must be >= 0"), std::string::npos) << refused[0];
+  for (const std::string& m : refused) {
+    EXPECT_NE(m.find("split color (-1) of rank 0 must be >= 0"), std::string::npos) << m;
+  }
 }
 
 }  // namespace

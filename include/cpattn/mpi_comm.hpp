@@ -14,8 +14,8 @@
 
 namespace cpattn {
 
-// Ends the job from this rank (MPI_Abort), and this process within 10 s even where MPI_Abort cannot reach
-// mpirun.
+// Ends the job from this rank (MPI_Abort on `comm`, MPI_COMM_WORLD: every rank of the job), and this process
+// within 10 s even where MPI_Abort cannot reach mpirun.
 [[noreturn]] void end_mpi_job(MPI_Comm comm);
 
 class MpiCommunicator final : public Communicator {
@@ -59,6 +59,7 @@ class MpiCommunicator final : public Communicator {
   bool progress_thread() const { return progress_thread_; }
 
  private:
+  void find_hosts();
   CollectiveCost agree_on_blocks(const BlockList& send_blocks, const BlockList& recv_blocks, CommDType dtype,
                                  bool& packed);
   void exchange_packed(const void* send, const BlockList& send_blocks, void* recv,

@@ -59,7 +59,8 @@ struct StrategyPlan {
   std::string name;
   Strategy strategy = Strategy::all_gather;
   bool load_balance = false;
-  std::int64_t ulysses_degree = 0, ring_degree = 0;  // hybrid's U and R (0 for the other strategies)
+  // U and R: hybrid's; ulysses U = cp, R = 1; ring U = 1, R = cp; all_gather 0 and 0 (neither).
+  std::int64_t ulysses_degree = 0, ring_degree = 0;
   bool possible = true;
   std::vector<ErrorItem> why_not;  // the validation errors when not possible
   // One attention layer, in the accounting of collectives.hpp (the strategy's schedule; hybrid: each field
@@ -87,6 +88,9 @@ struct StrategyPlan {
   double model_seconds = 0;          // layer_seconds x attention layers
   std::int64_t model_bytes_sent_per_rank = 0;
 };
+
+// The name of hybrid's plan at U x R: hybrid_u<U>_r<R>, with _load_balanced.
+std::string hybrid_name(std::int64_t ulysses_degree, std::int64_t ring_degree, bool load_balance);
 
 struct Plan {
   std::vector<StrategyPlan> strategies;

@@ -153,6 +153,8 @@ struct InProcessGroup::State {
       family->aborted = true;
       family->failed_rank = world[rank];
       family->reason = why;
+      // No split completes after an abort: drop the sub-groups not all members took (each holds the family).
+      family->pending.clear();
     }
     cv.notify_all();
   }
@@ -394,15 +396,19 @@ class InProcessCommunicator final : public Communicator {
 // Every rank's (color, key) by an all_reduce; the first member to arrive creates the sub-group, the others
 // take it from the family's table.
 std::unique_ptr<Communicator> InProcessCommunicator::split(int color, int key) {
-  if (color < 0) {
-    throw Error(ErrorKind::invalid_input, "color", std::to_string(color),
-                "split color (" + std::to_string(color) + ") must be >= 0");
-  }
   const int n = size();
   std::vector<std::int64_t> ck(static_cast<std::size_t>(2 * n), 0);
   ck[2 * rank_] = color;
   ck[2 * rank_ + 1] = key;
   all_reduce(ck.data(), 2 * n, ReduceOp::sum);
+  // Checked after the exchange, so that every rank refuses the same split.
+  for (int p = 0; p < n; ++p) {
+    if (ck[2 * p] < 0) {
+      throw Error(ErrorKind::invalid_input, "color", std::to_string(ck[2 * p]),
+                  "split color (" + std::to_string(ck[2 * p]) + ") of rank " + std::to_string(state_.world[p]) +
+                      " must be >= 0");
+    }
+  }
   std::vector<int> members;  // parent ranks of this color, by (key, rank)
   for (int p = 0; p < n; ++p) {
     if (ck[2 * p] == color) members.push_back(p);

@@ -93,7 +93,7 @@ bool force_packed_alltoallv() {
     std::fflush(stderr);
     std::_Exit(1);
   }).detach();
-  MPI_Abort(comm, 1);
+  MPI_Abort(comm == MPI_COMM_NULL ? MPI_COMM_WORLD : comm, 1);
   std::_Exit(1);  // MPI_Abort does not return; the compiler cannot know
 }
 
@@ -119,30 +119,48 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm) {
     MPI_Group_free(&mine);
     MPI_Group_free(&all);
   }
-  {
-    // Hosts as Open MPI tells nodes apart: the ranks that can share memory; each host named by its first
-    // rank's world rank, then numbered by first appearance.
-    MPI_Comm node = MPI_COMM_NULL;
-    check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node),
-          "MPI_Comm_split_type", world(rank_));
-    int leader = world(rank_);
-    MPI_Bcast(&leader, 1, MPI_INT, 0, node);
-    MPI_Comm_free(&node);
-    std::vector<int> leaders(static_cast<std::size_t>(size_));
-    check(MPI_Allgather(&leader, 1, MPI_INT, leaders.data(), 1, MPI_INT, comm_), "MPI_Allgather",
-          world(rank_));
-    std::vector<int> hosts(leaders.size()), seen;
-    for (std::size_t r = 0; r < leaders.size(); ++r) {
-      auto it = std::find(seen.begin(), seen.end(), leaders[r]);
-      if (it == seen.end()) it = seen.insert(seen.end(), leaders[r]);
-      hosts[r] = static_cast<int>(it - seen.begin());
-    }
-    if (seen.size() > 1) set_hosts(std::move(hosts));
-  }
   int level = MPI_THREAD_SINGLE;
   MPI_Query_thread(&level);
   const char* env = std::getenv("CPATTN_MPI_PROGRESS_THREAD");
   progress_thread_ = level == MPI_THREAD_MULTIPLE && !(env != nullptr && std::string(env) == "0");
+  try {
+    find_hosts();
+  } catch (...) {
+    MPI_Comm_free(&comm_);
+    throw;
+  }
+}
+
+// Hosts as Open MPI tells nodes apart: the ranks that can share memory (MPI_Comm_split_type), each host named
+// by its lowest world rank, then numbered by first appearance. The exchanges are this communicator's own,
+// under its deadline; MPI_Comm_split_type blocks without one, right after every rank met.
+void MpiCommunicator::find_hosts() {
+  barrier();
+  MPI_Comm node = MPI_COMM_NULL;
+  check(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node), "MPI_Comm_split_type",
+        world(rank_));
+  MPI_Group mine = MPI_GROUP_NULL, all = MPI_GROUP_NULL;
+  MPI_Comm_group(node, &mine);
+  MPI_Comm_group(MPI_COMM_WORLD, &all);
+  int n = 0;
+  MPI_Group_size(mine, &n);
+  std::vector<int> local(static_cast<std::size_t>(n)), in_world(local.size());
+  for (int r = 0; r < n; ++r) local[r] = r;
+  MPI_Group_translate_ranks(mine, n, local.data(), all, in_world.data());
+  MPI_Group_free(&mine);
+  MPI_Group_free(&all);
+  MPI_Comm_free(&node);
+  std::vector<std::int64_t> leaders(static_cast<std::size_t>(size_), 0);
+  leaders[rank_] = *std::min_element(in_world.begin(), in_world.end());
+  all_reduce(leaders.data(), size_, ReduceOp::sum);
+  std::vector<int> hosts(leaders.size());
+  std::vector<std::int64_t> seen;
+  for (std::size_t r = 0; r < leaders.size(); ++r) {
+    auto it = std::find(seen.begin(), seen.end(), leaders[r]);
+    if (it == seen.end()) it = seen.insert(seen.end(), leaders[r]);
+    hosts[r] = static_cast<int>(it - seen.begin());
+  }
+  if (seen.size() > 1) set_hosts(std::move(hosts));
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -346,7 +364,7 @@ class MpiShift final : public PendingShift {
       std::fprintf(stderr, "rank %d: a ring shift was abandoned in flight; ending the job\n",
                    comm_.world(comm_.rank_));
       std::fflush(stderr);
-      end_mpi_job(comm_.comm_);
+      end_mpi_job(MPI_COMM_WORLD);
     }
   }
   // Starts the thread that progresses the posted requests.
@@ -396,7 +414,7 @@ class MpiShift final : public PendingShift {
                    "rank %d: no progress from rank %d in %.0f s (a ring shift's %s); ending the job\n",
                    comm_.world(comm_.rank_), comm_.world(peer), s, received ? "send" : "receive");
       std::fflush(stderr);
-      end_mpi_job(comm_.comm_);
+      end_mpi_job(MPI_COMM_WORLD);
     }
     done_ = true;
     int got = 0;
@@ -461,9 +479,9 @@ std::unique_ptr<PendingShift> MpiCommunicator::start_shift(const void* send, voi
   constexpr int kShiftTag = 7;
   check(MPI_Irecv(recv, n, mpi_type(dtype), (rank_ + size_ - 1) % size_, kShiftTag, comm_,
                   &shift->requests_[1]),
-        "MPI_Irecv", rank_);
+        "MPI_Irecv", world(rank_));
   check(MPI_Isend(send, n, mpi_type(dtype), (rank_ + 1) % size_, kShiftTag, comm_, &shift->requests_[0]),
-        "MPI_Isend", rank_);
+        "MPI_Isend", world(rank_));
   if (progress_thread_) shift->start_progress();
   return shift;
 }
@@ -515,10 +533,10 @@ void MpiCommunicator::collective_permute(const void* send, void* recv, std::int6
   MPI_Request requests[2];
   int pending = 0;
   if (source >= 0 && source != rank_) {
-    check(MPI_Irecv(recv, n, mpi_type(dtype), source, 7001, comm_, &requests[pending++]), "MPI_Irecv", rank_);
+    check(MPI_Irecv(recv, n, mpi_type(dtype), source, 7001, comm_, &requests[pending++]), "MPI_Irecv", world(rank_));
   }
   if (to >= 0 && to != rank_) {
-    check(MPI_Isend(send, n, mpi_type(dtype), to, 7001, comm_, &requests[pending++]), "MPI_Isend", rank_);
+    check(MPI_Isend(send, n, mpi_type(dtype), to, 7001, comm_, &requests[pending++]), "MPI_Isend", world(rank_));
   }
   if (to == rank_ && bytes > 0) std::memcpy(recv, send, bytes);
   complete(requests, pending, "collective_permute");
@@ -542,12 +560,12 @@ void MpiCommunicator::all_reduce(std::int64_t* values, int n, ReduceOp op) {
     requests.emplace_back();
     from.push_back(p);
     check(MPI_Irecv(theirs.data() + un * p, n, MPI_INT64_T, p, kControlTag, comm_, &requests.back()),
-          "MPI_Irecv", rank_);
+          "MPI_Irecv", world(rank_));
   }
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
     requests.emplace_back();
-    check(MPI_Isend(values, n, MPI_INT64_T, p, kControlTag, comm_, &requests.back()), "MPI_Isend", rank_);
+    check(MPI_Isend(values, n, MPI_INT64_T, p, kControlTag, comm_, &requests.back()), "MPI_Isend", world(rank_));
   }
   std::vector<MPI_Status> statuses(requests.size());
   complete(requests.data(), static_cast<int>(requests.size()), "all_reduce", &from, statuses.data());
@@ -599,7 +617,7 @@ void MpiCommunicator::fail(int rc, const char* what) {
   MPI_Error_string(rc, text, &len);
   std::fprintf(stderr, "rank %d: %s failed: %.*s; ending the job\n", world(rank_), what, len, text);
   std::fflush(stderr);
-  end_mpi_job(comm_);
+  end_mpi_job(MPI_COMM_WORLD);
 }
 
 void MpiCommunicator::exchange(const std::vector<PeerBlock>& sends, const std::vector<PeerBlock>& recvs,
@@ -671,7 +689,7 @@ void MpiCommunicator::complete(MPI_Request* requests, int n, const char* what, c
                  missing.c_str(), what, s);
   }
   std::fflush(stderr);
-  end_mpi_job(comm_);
+  end_mpi_job(MPI_COMM_WORLD);
 }
 
 }  // namespace cpattn

@@ -82,9 +82,9 @@ void hybrid_rules(Rules& rules, const AttentionSpec& a, const ParallelSpec& p, b
     return;
   }
   if (u == 0) {
-    rules.add({"ulysses_degree", "strategy"}, "unset",
-              "hybrid needs ulysses_degree, the ranks of each ulysses group (a divisor of cp, " + str(p.cp) +
-                  "); give --ulysses-degree or context_parallel_ulysses_degree");
+    rules.add({"ulysses_degree", "strategy"}, "0",
+              "hybrid needs ulysses_degree (unset or 0), the ranks of each ulysses group: a divisor of cp (" +
+                  str(p.cp) + "); give --ulysses-degree or context_parallel_ulysses_degree");
     return;
   }
   if (u < 1 || u > p.cp || p.cp % u != 0) {
@@ -219,6 +219,15 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
   }
   hybrid_rules(rules, a, p, tp_divides);
   return rules.take();
+}
+
+std::optional<ErrorItem> remat_refusal(Strategy strategy, bool remat) {
+  if (!remat || (strategy != Strategy::ring && strategy != Strategy::hybrid)) return std::nullopt;
+  return ErrorItem{{"remat"},
+                   "true",
+                   std::string("remat means nothing for ") + to_string(strategy) +
+                       " (its backward re-receives K/V round the ring and keeps only its rows' Q, K, V, O and "
+                       "LSE); set remat to false"};
 }
 
 void validate(const AttentionSpec& attention, const ParallelSpec& parallel) {

@@ -17,11 +17,8 @@ ContextParallelAttention::Impl::Impl(const AttentionSpec& a, const ParallelSpec&
                 "cp (" + std::to_string(parallel.cp) + ") differs from the communicator's size (" +
                     std::to_string(comm.size()) + ")");
   }
-  if (options.remat && (parallel.strategy == Strategy::ring || parallel.strategy == Strategy::hybrid)) {
-    throw Error(ErrorKind::invalid_config, "remat", "true",
-                std::string("remat means nothing for ") + to_string(parallel.strategy) +
-                    " (its backward re-receives K/V round the ring and keeps only its rows' Q, K, V, O and "
-                    "LSE); set remat to false");
+  if (auto refusal = remat_refusal(parallel.strategy, options.remat)) {
+    throw Error(ErrorKind::invalid_config, {std::move(*refusal)});
   }
   cp = parallel.cp;
   rank = comm.rank();
@@ -32,17 +29,16 @@ ContextParallelAttention::Impl::Impl(const AttentionSpec& a, const ParallelSpec&
   if (parallel.strategy == Strategy::hybrid) {
     ulysses_degree = parallel.ulysses_degree;
     ring_degree = cp / ulysses_degree;
-    const int u = static_cast<int>(ulysses_degree), r = static_cast<int>(rank);
-    ulysses_group = group.split(r / u, r % u);
-    ring_group = group.split(r % u, r / u);
-    ulysses_group->report_to(group.counters(), "ulysses");
-    ring_group->report_to(group.counters(), "ring");
-    ulysses_comm = std::make_unique<cp::ScheduledCommunicator>(*ulysses_group);
-    ring_comm = std::make_unique<cp::ScheduledCommunicator>(*ring_group);
+    const auto u_rank = static_cast<int>(parallel.ulysses_rank(rank));
+    const auto r_rank = static_cast<int>(parallel.ring_rank(rank));
+    ulysses_group = group.split(r_rank, u_rank);
+    ring_group = group.split(u_rank, r_rank);
+    ulysses_group->report_to(group.counters(), kUlyssesGroup);
+    ring_group->report_to(group.counters(), kRingGroup);
+    ulysses_comm = std::make_unique<cp::ScheduledCommunicator>(*ulysses_group, kUlyssesGroup);
+    ring_comm = std::make_unique<cp::ScheduledCommunicator>(*ring_group, kRingGroup);
     // A ring of one rank holds the whole row in natural order (one kernel call per head run, as ulysses).
-    const ShardLayout ring_layout = ring_degree > 1 ? parallel.effective_layout() : ShardLayout::contiguous;
-    ring_positions = rank_positions(ring_layout, attention.seq_len, ring_degree);
-    ring_parts = ring_layout == ShardLayout::dual_chunk_swap ? 2 : 1;
+    ring_positions = rank_positions(parallel.ring_layout(), attention.seq_len, ring_degree);
   }
 }
 
@@ -61,8 +57,8 @@ std::vector<ScheduledCollective> of_group(const std::vector<ScheduledCollective>
 
 void ContextParallelAttention::Impl::expect(const std::vector<ScheduledCollective>& calls, bool unchecked) {
   std::vector<std::pair<cp::ScheduledCommunicator*, const char*>> comms = {{&comm, ""}};
-  if (ulysses_comm) comms.push_back({ulysses_comm.get(), "ulysses"});
-  if (ring_comm) comms.push_back({ring_comm.get(), "ring"});
+  if (ulysses_comm) comms.push_back({ulysses_comm.get(), kUlyssesGroup});
+  if (ring_comm) comms.push_back({ring_comm.get(), kRingGroup});
   for (auto& [c, name] : comms) {
     if (unchecked) {
       c->expect_anything();
@@ -70,6 +66,13 @@ void ContextParallelAttention::Impl::expect(const std::vector<ScheduledCollectiv
       c->expect(of_group(calls, name));
     }
   }
+}
+
+// The negative controls that move other amounts than the schedule's run unchecked, so that the comparison
+// with the reference is what catches them.
+bool ContextParallelAttention::Impl::unscheduled() const {
+  return negative_control == NegativeControl::extra_q_heads_on_highest_ranks ||
+         negative_control == NegativeControl::ring_accumulator_one_hop_short;
 }
 
 void ContextParallelAttention::Impl::finish() {
@@ -167,11 +170,7 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
   seg_local.assign(seg.begin(), seg.end());
   StrategySchedule schedule = strategy_schedule(attention, parallel, {options.remat, !seg.empty(), rank});
   CollectiveCounters::PhaseScope phase(group.counters(), "forward");
-  // The one negative control that moves other amounts than the schedule's runs unchecked, so that the
-  // comparison with the reference is what catches it.
-  const bool unscheduled = negative_control == NegativeControl::extra_q_heads_on_highest_ranks ||
-                           negative_control == NegativeControl::ring_accumulator_one_hop_short;
-  expect(schedule.forward, unscheduled);
+  expect(schedule.forward, unscheduled());
   AttentionOutput out = parallel.strategy == Strategy::ulysses  ? ulysses_forward(q, k, v, forward_only)
                         : parallel.strategy == Strategy::ring   ? ring_forward(q, k, v, forward_only)
                         : parallel.strategy == Strategy::hybrid ? hybrid_forward(q, k, v, forward_only)

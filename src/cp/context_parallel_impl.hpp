@@ -44,6 +44,7 @@ class ContextParallelAttention::Impl {
   // made.
   void expect(const std::vector<ScheduledCollective>& calls, bool unchecked);
   void finish();
+  bool unscheduled() const;
 
   FlashConfig kernel_config() const;
   AttentionMask mask(const std::vector<std::int32_t>& q_pos, const std::vector<std::int32_t>& kv_pos,
@@ -68,7 +69,6 @@ class ContextParallelAttention::Impl {
   std::unique_ptr<Communicator> ulysses_group, ring_group;
   std::unique_ptr<cp::ScheduledCommunicator> ulysses_comm, ring_comm;
   RankPositions ring_positions;  // each ring rank's rows (its ulysses group's tokens, in the zigzag's order)
-  std::int64_t ring_parts = 1;
 
   // What forward keeps for backward.
   struct Saved {

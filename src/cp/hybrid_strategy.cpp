@@ -58,22 +58,43 @@ Tensor reorder_rows(const Tensor& x, const std::vector<std::int64_t>& from) {
   return y;
 }
 
+// What forward and backward share: the placement over U, and whether the rows change places (only the
+// load-balanced layout's chunks do, and only when a group gathers rows from several ranks).
+struct HybridPlan {
+  UlyssesHeads heads;
+  std::int64_t u_rank;
+  bool reorder;
+
+  Tensor in_slots(Tensor t) const {
+    if (!reorder) return t;
+    return reorder_rows(t, to_slots(static_cast<std::int64_t>(heads.q.size())));
+  }
+  Tensor in_members(Tensor t) const {
+    if (!reorder) return t;
+    return reorder_rows(t, to_members(static_cast<std::int64_t>(heads.q.size())));
+  }
+};
+
+HybridPlan hybrid_plan(const ContextParallelAttention::Impl& impl) {
+  const ParallelSpec& p = impl.parallel;
+  return {cp::run_placement(impl.hq, impl.hkv, p.ulysses_degree, impl.negative_control),
+          p.ulysses_rank(impl.rank), p.ulysses_degree > 1 && p.effective_layout() == ShardLayout::dual_chunk_swap};
+}
+
 }  // namespace
 
 AttentionOutput ContextParallelAttention::Impl::hybrid_forward(const Tensor& q, const Tensor& k,
                                                                const Tensor& v, bool forward_only) {
   const std::int64_t B = attention.batch, U = ulysses_degree, L = U * local_seq;
-  const std::int64_t u_rank = rank % U;
-  const UlyssesHeads u = cp::run_placement(hq, hkv, U, negative_control);
-  // Slot placement: only the load-balanced layout's chunks change places (and a group that is the whole
-  // sequence needs its natural order).
-  const bool reorder = U > 1 && parallel.effective_layout() == ShardLayout::dual_chunk_swap;
-  auto in_slots = [&](Tensor t) { return reorder ? reorder_rows(t, to_slots(U)) : t; };
+  const HybridPlan h = hybrid_plan(*this);
+  const UlyssesHeads& u = h.heads;
+  const std::int64_t u_rank = h.u_rank;
+  const bool reorder = h.reorder;
   Tensor qh, kh, vh;
   if (U > 1) {
-    qh = in_slots(cp::all_to_all_sequence_to_heads(*ulysses_comm, q, u.q));
-    kh = in_slots(cp::all_to_all_sequence_to_heads(*ulysses_comm, k, u.kv));
-    vh = in_slots(cp::all_to_all_sequence_to_heads(*ulysses_comm, v, u.kv));
+    qh = h.in_slots(cp::all_to_all_sequence_to_heads(*ulysses_comm, q, u.q));
+    kh = h.in_slots(cp::all_to_all_sequence_to_heads(*ulysses_comm, k, u.kv));
+    vh = h.in_slots(cp::all_to_all_sequence_to_heads(*ulysses_comm, v, u.kv));
   }
   const Tensor& qr = U > 1 ? qh : q;
   const Tensor& kr = U > 1 ? kh : k;
@@ -103,59 +124,61 @@ AttentionOutput ContextParallelAttention::Impl::hybrid_forward(const Tensor& q, 
     seg_full = ring_degree > 1 ? cp::all_gather_segments(*ring_comm, seg_rows, B, ring_positions) : seg_rows;
   }
 
-  const cp::RingPass pass = ring_pass(*ring_comm, ring_positions, ring_parts,
+  const cp::RingPass pass = ring_pass(*ring_comm, ring_positions, parallel.ring_parts(),
                                       cp::kernel_calls(u.q[u_rank], u.kv[u_rank], hq / hkv));
   AttentionOutput heads = cp::ring_pass_forward(pass, qr, kr, vr, seg_rows, seg_full);
 
   AttentionOutput out;
-  if (U > 1) {
-    const Tensor o = reorder ? reorder_rows(heads.o, to_members(U)) : heads.o;
-    std::vector<float> lse = heads.lse;
-    if (reorder) {
-      move_chunks(heads.lse.data(), lse.data(), B * u.q[u_rank].size(),
-                  static_cast<std::size_t>(local_seq / 2) * sizeof(float), to_members(U));
-    }
-    out.o = cp::all_to_all_heads_to_sequence(*ulysses_comm, o, u.q);
+  if (U == 1) {
+    if (forward_only) return heads;
+    out = heads;  // a copy: backward needs heads
+  } else if (reorder) {
+    std::vector<float> lse(heads.lse.size());
+    move_chunks(heads.lse.data(), lse.data(), B * u.q[u_rank].size(),
+                static_cast<std::size_t>(local_seq / 2) * sizeof(float), to_members(U));
+    out.o = cp::all_to_all_heads_to_sequence(*ulysses_comm, h.in_members(heads.o), u.q);
     out.lse = cp::all_to_all_lse_heads_to_sequence(*ulysses_comm, lse, B, L, u.q);
   } else {
-    out = heads;
+    out.o = cp::all_to_all_heads_to_sequence(*ulysses_comm, heads.o, u.q);
+    out.lse = cp::all_to_all_lse_heads_to_sequence(*ulysses_comm, heads.lse, B, L, u.q);
   }
-  if (!forward_only) {
-    Saved s;
-    s.q = U > 1 ? std::move(qh) : q;
-    s.k = U > 1 ? std::move(kh) : k;
-    s.v = U > 1 ? std::move(vh) : v;
-    s.o = std::move(heads.o);
-    s.lse = std::move(heads.lse);
-    s.seg_local = std::move(seg_rows);
-    s.seg_full = std::move(seg_full);
-    saved = std::move(s);
+  if (forward_only) return out;
+  Saved s;
+  if (U > 1) {
+    s.q = std::move(qh);
+    s.k = std::move(kh);
+    s.v = std::move(vh);
+  } else {
+    s.q = q;
+    s.k = k;
+    s.v = v;
   }
+  s.o = std::move(heads.o);
+  s.lse = std::move(heads.lse);
+  s.seg_local = std::move(seg_rows);
+  s.seg_full = std::move(seg_full);
+  saved = std::move(s);
   return out;
 }
 
 AttentionGradients ContextParallelAttention::Impl::hybrid_backward(const Tensor& d_out) {
   const Saved& s = *saved;
-  const std::int64_t U = ulysses_degree, u_rank = rank % U;
-  const UlyssesHeads u = cp::run_placement(hq, hkv, U, negative_control);
-  const bool reorder = U > 1 && parallel.effective_layout() == ShardLayout::dual_chunk_swap;
+  const std::int64_t U = ulysses_degree;
+  const HybridPlan h = hybrid_plan(*this);
+  const UlyssesHeads& u = h.heads;
   Tensor do_heads;
-  if (U > 1) {
-    do_heads = cp::all_to_all_sequence_to_heads(*ulysses_comm, d_out, u.q);
-    if (reorder) do_heads = reorder_rows(do_heads, to_slots(U));
-  }
-  const cp::RingPass pass = ring_pass(*ring_comm, ring_positions, ring_parts,
-                                      cp::kernel_calls(u.q[u_rank], u.kv[u_rank], hq / hkv));
+  if (U > 1) do_heads = h.in_slots(cp::all_to_all_sequence_to_heads(*ulysses_comm, d_out, u.q));
+  const cp::RingPass pass = ring_pass(*ring_comm, ring_positions, parallel.ring_parts(),
+                                      cp::kernel_calls(u.q[h.u_rank], u.kv[h.u_rank], hq / hkv));
   cp::RingGradients g = cp::ring_pass_backward(pass, s.q, s.k, s.v, s.o, s.lse, U > 1 ? do_heads : d_out,
                                                s.seg_local, s.seg_full);
   if (U == 1) return {g.dq.to(attention.dtype), g.dk.to(attention.dtype), g.dv.to(attention.dtype)};
 
-  auto in_members = [&](Tensor t) { return reorder ? reorder_rows(t, to_members(U)) : t; };
   AttentionGradients out;
-  out.dq = cp::all_to_all_heads_to_sequence(*ulysses_comm, in_members(g.dq.to(attention.dtype)), u.q);
+  out.dq = cp::all_to_all_heads_to_sequence(*ulysses_comm, h.in_members(g.dq.to(attention.dtype)), u.q);
   // [B, L, nkv_u, D] fp32 -> [B, S/cp, sum_u nkv_u, D] -> [B, S/cp, Hkv, D]
-  const Tensor dk_all = cp::all_to_all_heads_to_sequence(*ulysses_comm, in_members(std::move(g.dk)), u.kv);
-  const Tensor dv_all = cp::all_to_all_heads_to_sequence(*ulysses_comm, in_members(std::move(g.dv)), u.kv);
+  const Tensor dk_all = cp::all_to_all_heads_to_sequence(*ulysses_comm, h.in_members(std::move(g.dk)), u.kv);
+  const Tensor dv_all = cp::all_to_all_heads_to_sequence(*ulysses_comm, h.in_members(std::move(g.dv)), u.kv);
   const std::vector<std::int64_t> order = u.kv_head_order();
   const bool shared = cp::contributions_shared(order, hkv);
   out.dk =

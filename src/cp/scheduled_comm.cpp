@@ -20,7 +20,8 @@ void ScheduledCommunicator::finish() {
   if (checking_ && next_ != calls_.size()) {
     throw Error(ErrorKind::internal, "schedule", calls_[next_].tensor,
                 "the strategy skipped its scheduled " + std::string(to_string(calls_[next_].kind)) + " of " +
-                    calls_[next_].tensor + " (" + calls_[next_].phase + ")");
+                    calls_[next_].tensor + " (" + calls_[next_].phase +
+                    (name_.empty() ? "" : ", group " + name_) + ")");
   }
 }
 
@@ -37,8 +38,8 @@ void ScheduledCommunicator::check_next(CollectiveKind kind, std::int64_t count, 
   if (!checking_) return;
   const std::string phase = group_.counters().phase();
   const std::string amount = sends ? list_text(*sends) + " per rank" : std::to_string(count);
-  const std::string issued =
-      std::string(to_string(kind)) + " of " + amount + " " + to_string(dtype) + " (" + phase + ")";
+  const std::string issued = std::string(to_string(kind)) + " of " + amount + " " + to_string(dtype) + " (" +
+                             phase + (name_.empty() ? "" : ", group " + name_) + ")";
   if (next_ >= calls_.size()) {
     throw Error(ErrorKind::internal, "schedule", issued, "the strategy issued an unscheduled " + issued);
   }

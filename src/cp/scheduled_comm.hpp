@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 #include <vector>
 
 #include "cpattn/comm.hpp"
@@ -14,7 +15,9 @@ namespace cpattn::cp {
 
 class ScheduledCommunicator final : public Communicator {
  public:
-  explicit ScheduledCommunicator(Communicator& group) : group_(group) {}
+  // `name`: the sub-communicator's group in messages (the hybrid's ulysses or ring), empty for all ranks.
+  explicit ScheduledCommunicator(Communicator& group, std::string name = "")
+      : group_(group), name_(std::move(name)) {}
 
   // The calls to expect from now on, in order; finish() checks that all of them were made.
   void expect(std::vector<ScheduledCollective> calls);
@@ -41,6 +44,7 @@ class ScheduledCommunicator final : public Communicator {
   void barrier() override { group_.barrier(); }
   CollectiveCounters& counters() override { return group_.counters(); }
   void all_reduce(std::int64_t* values, int n, ReduceOp op) override { group_.all_reduce(values, n, op); }
+  std::unique_ptr<Communicator> split(int color, int key) override { return group_.split(color, key); }
 
  private:
   // sends: an all_to_all_v's elements to each rank (then count is 0), else null.
@@ -48,6 +52,7 @@ class ScheduledCommunicator final : public Communicator {
                   const std::vector<std::int64_t>* sends = nullptr);
 
   Communicator& group_;
+  std::string name_;
   std::vector<ScheduledCollective> calls_;
   std::size_t next_ = 0;
   bool checking_ = true;

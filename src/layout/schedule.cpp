@@ -77,12 +77,12 @@ StrategySchedule ulysses_schedule(const AttentionSpec& a, const ParallelSpec& p,
 // K||V again and the fp32 dK||dV accumulator (none at R = 1).
 StrategySchedule hybrid_schedule(const AttentionSpec& a, const ParallelSpec& p, const ScheduleOptions& o) {
   const std::int64_t U = p.ulysses_degree, R = p.cp / U, B = a.batch, D = a.head_dim, sl = a.seq_len / p.cp;
-  const Swaps w{U, B, sl, D, ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, U), "ulysses"};
-  const std::int64_t kv = 2 * B * U * sl * w.heads.kv[o.rank % U].size() * D;
+  const Swaps w{U, B, sl, D, ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, U), kUlyssesGroup};
+  const std::int64_t kv = 2 * B * U * sl * w.heads.kv[p.ulysses_rank(o.rank)].size() * D;
   const CommDType e = comm_dtype(a.dtype), f32 = CommDType::f32;
   using K = CollectiveKind;
   auto ring = [&](const char* phase, const char* tensor, CommDType t) {
-    return ScheduledCollective{K::collective_permute, phase, tensor, kv, t, {}, "ring", R};
+    return ScheduledCollective{K::collective_permute, phase, tensor, kv, t, {}, kRingGroup, R};
   };
   StrategySchedule s;
   if (U > 1) {
@@ -90,9 +90,9 @@ StrategySchedule hybrid_schedule(const AttentionSpec& a, const ParallelSpec& p, 
                  w.to_heads("forward", "v", e, true)};
   }
   if (o.packed && U > 1)
-    s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "ulysses", U});
+    s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, kUlyssesGroup, U});
   if (o.packed && R > 1)
-    s.forward.push_back({K::all_gather, "forward", "segment_ids", B * U * sl, CommDType::i32, {}, "ring", R});
+    s.forward.push_back({K::all_gather, "forward", "segment_ids", B * U * sl, CommDType::i32, {}, kRingGroup, R});
   for (std::int64_t step = 0; step + 1 < R; ++step) s.forward.push_back(ring("forward", "kv", e));
   if (U > 1) {
     s.forward.push_back(w.to_sequence("forward", "o", e, false, D));

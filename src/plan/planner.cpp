@@ -137,11 +137,11 @@ struct PlanContext {
   bool ring_like() const { return p.strategy == Strategy::ring || p.strategy == Strategy::hybrid; }
   std::int64_t local_q_heads(std::int64_t rank) const {
     if (p.strategy == Strategy::ulysses) return heads.q[rank].size();
-    if (p.strategy == Strategy::hybrid) return heads.q[rank % U].size();
+    if (p.strategy == Strategy::hybrid) return heads.q[p.ulysses_rank(rank)].size();
     return hq;
   }
   std::int64_t local_kv_heads(std::int64_t rank) const {
-    return p.strategy == Strategy::hybrid ? heads.kv[rank % U].size() : hkv;
+    return p.strategy == Strategy::hybrid ? heads.kv[p.ulysses_rank(rank)].size() : hkv;
   }
 };
 
@@ -203,15 +203,15 @@ void plan_tiles(const PlanContext& c, StrategyPlan& s) {
     } else if (c.ring_like()) {
       // The kernel's calls of a step (ring_strategy.cpp): the ring rank's rows whole, or chunk by chunk with
       // load balance, each on a grid of its own; calls the causal mask hides whole are skipped.
-      const std::int64_t parts = c.p.load_balance ? 2 : 1, rows = c.S / c.R, n = rows / parts;
+      const std::int64_t parts = c.p.ring_parts(), rows = c.S / c.R, n = rows / parts;
       auto piece = [&](const std::vector<std::int32_t>& v, std::int64_t part) {
         return v.empty() ? v : std::vector<std::int32_t>(v.begin() + part * n, v.begin() + (part + 1) * n);
       };
-      const std::int64_t ring_rank = r / c.U;
-      const auto [q_pos, q_seg] = tokens(layout, c.R, ring_rank);
+      const std::int64_t ring_rank = c.p.ring_rank(r);
+      const auto [q_pos, q_seg] = tokens(c.p.ring_layout(), c.R, ring_rank);
       s.tiles_per_rank_per_step.emplace_back();
       for (std::int64_t step = 0; step < c.R; ++step) {
-        const auto [kv_pos, kv_seg] = tokens(layout, c.R, (ring_rank - step + c.R) % c.R);
+        const auto [kv_pos, kv_seg] = tokens(c.p.ring_layout(), c.R, (ring_rank - step + c.R) % c.R);
         std::int64_t tiles = 0;
         for (std::int64_t qa = 0; qa < parts; ++qa) {
           for (std::int64_t kb = 0; kb < parts; ++kb) {
@@ -292,20 +292,20 @@ CommModel plan_communication(const PlanContext& c) {
   m.inter_bytes.assign(static_cast<std::size_t>(c.cp), 0);
   std::vector<double> kv_send(static_cast<std::size_t>(c.cp), 0.0), dkv_send(kv_send);
   for (std::int64_t rank = 0; rank < c.cp; ++rank) {
-    const StrategySchedule& sch = by_u[static_cast<std::size_t>(rank % U)];
+    const StrategySchedule& sch = by_u[static_cast<std::size_t>(c.p.ulysses_rank(rank))];
     std::size_t k = 0;
     for (const auto* list : {&sch.forward, &sch.backward}) {
       for (const ScheduledCollective& call : *list) {
         // The call's group: hybrid's ulysses group (ranks rU..rU+U-1) or ring (ranks iU + u), else all.
         std::int64_t n = c.cp, me = rank, base = 0, stride = 1;
-        if (call.group == "ulysses") {
+        if (call.group == kUlyssesGroup) {
           n = U;
-          me = rank % U;
-          base = rank / U * U;
-        } else if (call.group == "ring") {
-          n = c.cp / U;
-          me = rank / U;
-          base = rank % U;
+          me = c.p.ulysses_rank(rank);
+          base = c.p.ring_rank(rank) * U;
+        } else if (call.group == kRingGroup) {
+          n = c.R;
+          me = c.p.ring_rank(rank);
+          base = c.p.ulysses_rank(rank);
           stride = U;
         }
         const std::int64_t e = static_cast<std::int64_t>(comm_dtype_size(call.dtype));
@@ -342,7 +342,7 @@ CommModel plan_communication(const PlanContext& c) {
   // A ring moves at its slowest link.
   for (std::int64_t rank = 0; rank < c.cp; ++rank) {
     for (std::int64_t i = 0; i < c.R; ++i) {
-      const std::int64_t member = i * c.U + rank % c.U;
+      const std::int64_t member = i * c.U + c.p.ulysses_rank(rank);
       m.kv_hop[rank] = std::max(m.kv_hop[rank], kv_send[member]);
       m.dkv_hop[rank] = std::max(m.dkv_hop[rank], dkv_send[member]);
     }
@@ -419,17 +419,12 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   s.name = name;
   s.strategy = strategy;
   s.load_balance = load_balance;
-  if (strategy == Strategy::hybrid) {
-    s.ulysses_degree = ulysses_degree;
-    s.ring_degree = c.p.ring_degree();
+  if (strategy != Strategy::all_gather) {
+    s.ulysses_degree = strategy == Strategy::hybrid ? ulysses_degree : strategy == Strategy::ulysses ? c.p.cp : 1;
+    s.ring_degree = c.p.cp / s.ulysses_degree;
   }
   s.why_not = validation_errors(c.a, c.p);
-  if ((strategy == Strategy::ring || strategy == Strategy::hybrid) && req.remat) {
-    s.why_not.push_back({{"remat"},
-                         "true",
-                         std::string("remat means nothing for ") + to_string(strategy) +
-                             " (its backward re-receives K/V); plan without --remat"});
-  }
+  if (auto refusal = remat_refusal(strategy, req.remat)) s.why_not.push_back(std::move(*refusal));
   if (!s.why_not.empty()) {
     s.possible = false;
     return s;
@@ -444,7 +439,7 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   c.E = static_cast<std::int64_t>(dtype_size(c.a.dtype));
   c.packed = !req.segments.empty();
   c.U = strategy == Strategy::hybrid ? ulysses_degree : 1;
-  c.R = strategy == Strategy::hybrid ? c.cp / c.U : strategy == Strategy::ring ? c.cp : 1;
+  c.R = c.ring_like() ? c.p.ring_degree() : 1;
   if (strategy == Strategy::ulysses) c.heads = ulysses_heads(c.hq, c.hkv, c.cp);
   if (strategy == Strategy::hybrid) c.heads = ulysses_heads(c.hq, c.hkv, c.U);
   c.links = {req.hardware.ranks_per_host, req.hardware.bandwidth, req.hardware.inter_bandwidth};
@@ -466,6 +461,11 @@ std::string fmt(double x) {
 }
 
 }  // namespace
+
+std::string hybrid_name(std::int64_t ulysses_degree, std::int64_t ring_degree, bool load_balance) {
+  return "hybrid_u" + std::to_string(ulysses_degree) + "_r" + std::to_string(ring_degree) +
+         (load_balance ? "_load_balanced" : "");
+}
 
 Plan make_plan(const PlanRequest& req) {
   if (req.block < 1) {
@@ -509,9 +509,8 @@ Plan make_plan(const PlanRequest& req) {
   for (std::int64_t u = 2; u < req.parallel.cp; ++u) {
     if (req.parallel.cp % u != 0) continue;
     for (bool load_balance : {false, true}) {
-      const std::string name = "hybrid_u" + std::to_string(u) + "_r" + std::to_string(req.parallel.cp / u) +
-                               (load_balance ? "_load_balanced" : "");
-      plan.strategies.push_back(plan_strategy(req, name, Strategy::hybrid, load_balance, u));
+      plan.strategies.push_back(plan_strategy(req, hybrid_name(u, req.parallel.cp / u, load_balance),
+                                              Strategy::hybrid, load_balance, u));
     }
   }
 

@@ -14,6 +14,7 @@
 #include "cpattn/inproc.hpp"
 #include "cpattn/placement.hpp"
 #include "harness/whole_problem.hpp"
+#include "cpattn/planner.hpp"
 #include "problem_flags.hpp"
 
 #ifdef CPATTN_WITH_MPI
@@ -248,6 +249,7 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
     Strategy strategy;
     bool lb;
     std::int64_t cp;
+    std::int64_t ulysses_degree = 0;
   };
   std::vector<Config> configs = {{"single_device", Strategy::all_gather, false, 1}};
   for (int cp : opt.cps) {
@@ -256,6 +258,11 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
     configs.push_back({"all_gather_load_balanced", Strategy::all_gather, true, cp});
     configs.push_back({"ring", Strategy::ring, false, cp});
     configs.push_back({"ring_load_balanced", Strategy::ring, true, cp});
+    for (int u = 2; u < cp; ++u) {  // hybrid at every factorisation U x R, 1 < U < cp, load-balanced
+      if (cp % u == 0) {
+        configs.push_back({hybrid_name(u, cp / u, true), Strategy::hybrid, true, cp, u});
+      }
+    }
   }
   nlohmann::ordered_json out;
   out["problem"] = attention_to_json(a);
@@ -267,6 +274,7 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
     p.cp = c.cp;
     p.strategy = c.strategy;
     p.load_balance = c.lb;
+    p.ulysses_degree = c.ulysses_degree;
     const auto rule_errors = validation_errors(a, p);
     if (!rule_errors.empty()) {
       out["results"].push_back({{"name", c.name}, {"cp", c.cp}, {"skipped", rule_errors.front().message}});
@@ -290,7 +298,7 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
         {"seconds", {{"forward", fwd}, {"backward", bwd}, {"total", fwd + bwd}, {"comm_wait", wait}}},
         {"ratio_to_single_device", (fwd + bwd) / single},
         {"tiles_skew", static_cast<double>(tmax) / static_cast<double>(std::max<std::int64_t>(tmin, 1))}};
-    if (c.strategy == Strategy::ring) {
+    if (c.strategy == Strategy::ring || c.strategy == Strategy::hybrid) {
       // What the rank waited on its shifts, against what it computed (its time less the waiting).
       result["comm_wait_fraction_of_compute"] = wait / std::max(fwd + bwd - wait, 1e-12);
     }
@@ -311,7 +319,7 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
             << to_string(a.dtype) << ", " << std::thread::hardware_concurrency()
             << " cores; each rank max(1, cores/cp) threads\n";
   for (const auto& r : out["results"]) {
-    std::cout << std::left << std::setw(26) << r["name"].get<std::string>() << "cp " << std::setw(3)
+    std::cout << std::left << std::setw(31) << r["name"].get<std::string>() << "cp " << std::setw(3)
               << r["cp"].get<int>();
     if (r.contains("skipped")) {
       std::cout << "skipped: " << r["skipped"].get<std::string>() << "\n";

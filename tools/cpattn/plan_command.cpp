@@ -60,8 +60,10 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
   if (opt.emb_dim) values.emb_dim = opt.emb_dim;
   if (opt.layers) values.num_layers = opt.layers;
   if (opt.attention_every) values.attention_every = opt.attention_every;
+  // Every strategy and factorisation is planned: a config file's strategy and ulysses degree are not used, and
+  // --ulysses-degree given as a flag is refused.
   values.strategy.reset();
-  const std::optional<std::int64_t> ulysses_degree = values.ulysses_degree;
+  const std::optional<std::int64_t> ulysses_degree = opt.problem.values.ulysses_degree;
   values.ulysses_degree.reset();
 
   PlanRequest req;
@@ -85,8 +87,7 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
   if (ulysses_degree) {
     errors.push_back({{"ulysses_degree"},
                       std::to_string(*ulysses_degree),
-                      "plan plans hybrid at every factorisation of cp; drop --ulysses-degree "
-                      "(context_parallel_ulysses_degree)"});
+                      "plan plans hybrid at every factorisation of cp; drop --ulysses-degree"});
   }
   if (opt.ranks_per_host && *opt.ranks_per_host < 0) {
     errors.push_back({{"--ranks-per-host"},
