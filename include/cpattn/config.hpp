@@ -56,13 +56,15 @@ struct ParallelSpec {
 
   std::int64_t ring_degree() const { return ulysses_degree > 0 ? cp / ulysses_degree : cp; }
   // hybrid: rank c's place in its ulysses group (c mod U) and in its ring (c / U).
-  std::int64_t ulysses_rank(std::int64_t rank) const { return ulysses_degree > 0 ? rank % ulysses_degree : 0; }
-  std::int64_t ring_rank(std::int64_t rank) const { return ulysses_degree > 0 ? rank / ulysses_degree : rank; }
-  // The layout of the ring's rows (ring, hybrid): the caller's layout, but one ring rank holds the whole row in
-  // natural order; ring_parts: the contiguous runs of a ring rank's rows (2: the zigzag's chunks).
-  ShardLayout ring_layout() const {
-    return ring_degree() > 1 ? effective_layout() : ShardLayout::contiguous;
+  std::int64_t ulysses_rank(std::int64_t rank) const {
+    return ulysses_degree > 0 ? rank % ulysses_degree : 0;
   }
+  std::int64_t ring_rank(std::int64_t rank) const {
+    return ulysses_degree > 0 ? rank / ulysses_degree : rank;
+  }
+  // The layout of the ring's rows (ring, hybrid): the caller's layout, but one ring rank holds the whole row
+  // in natural order; ring_parts: the contiguous runs of a ring rank's rows (2: the zigzag's chunks).
+  ShardLayout ring_layout() const { return ring_degree() > 1 ? effective_layout() : ShardLayout::contiguous; }
   std::int64_t ring_parts() const { return ring_layout() == ShardLayout::dual_chunk_swap ? 2 : 1; }
 
   ShardLayout effective_layout() const {
@@ -74,7 +76,8 @@ struct ParallelSpec {
 inline constexpr const char* kUlyssesGroup = "ulysses";
 inline constexpr const char* kRingGroup = "ring";
 
-// remat with a strategy that has nothing to recompute (ring, hybrid): the error, naming the strategy; else none.
+// remat with a strategy that has nothing to recompute (ring, hybrid): the error, naming the strategy; else
+// none.
 std::optional<ErrorItem> remat_refusal(Strategy strategy, bool remat);
 
 // Every rule the pair breaks, all at once (empty when valid).

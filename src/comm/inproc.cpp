@@ -405,8 +405,8 @@ std::unique_ptr<Communicator> InProcessCommunicator::split(int color, int key) {
   for (int p = 0; p < n; ++p) {
     if (ck[2 * p] < 0) {
       throw Error(ErrorKind::invalid_input, "color", std::to_string(ck[2 * p]),
-                  "split color (" + std::to_string(ck[2 * p]) + ") of rank " + std::to_string(state_.world[p]) +
-                      " must be >= 0");
+                  "split color (" + std::to_string(ck[2 * p]) + ") of rank " +
+                      std::to_string(state_.world[p]) + " must be >= 0");
     }
   }
   std::vector<int> members;  // parent ranks of this color, by (key, rank)

@@ -533,10 +533,12 @@ void MpiCommunicator::collective_permute(const void* send, void* recv, std::int6
   MPI_Request requests[2];
   int pending = 0;
   if (source >= 0 && source != rank_) {
-    check(MPI_Irecv(recv, n, mpi_type(dtype), source, 7001, comm_, &requests[pending++]), "MPI_Irecv", world(rank_));
+    check(MPI_Irecv(recv, n, mpi_type(dtype), source, 7001, comm_, &requests[pending++]), "MPI_Irecv",
+          world(rank_));
   }
   if (to >= 0 && to != rank_) {
-    check(MPI_Isend(send, n, mpi_type(dtype), to, 7001, comm_, &requests[pending++]), "MPI_Isend", world(rank_));
+    check(MPI_Isend(send, n, mpi_type(dtype), to, 7001, comm_, &requests[pending++]), "MPI_Isend",
+          world(rank_));
   }
   if (to == rank_ && bytes > 0) std::memcpy(recv, send, bytes);
   complete(requests, pending, "collective_permute");
@@ -565,7 +567,8 @@ void MpiCommunicator::all_reduce(std::int64_t* values, int n, ReduceOp op) {
   for (int p = 0; p < size_; ++p) {
     if (p == rank_) continue;
     requests.emplace_back();
-    check(MPI_Isend(values, n, MPI_INT64_T, p, kControlTag, comm_, &requests.back()), "MPI_Isend", world(rank_));
+    check(MPI_Isend(values, n, MPI_INT64_T, p, kControlTag, comm_, &requests.back()), "MPI_Isend",
+          world(rank_));
   }
   std::vector<MPI_Status> statuses(requests.size());
   complete(requests.data(), static_cast<int>(requests.size()), "all_reduce", &from, statuses.data());

@@ -223,11 +223,12 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
 
 std::optional<ErrorItem> remat_refusal(Strategy strategy, bool remat) {
   if (!remat || (strategy != Strategy::ring && strategy != Strategy::hybrid)) return std::nullopt;
-  return ErrorItem{{"remat"},
-                   "true",
-                   std::string("remat means nothing for ") + to_string(strategy) +
-                       " (its backward re-receives K/V round the ring and keeps only its rows' Q, K, V, O and "
-                       "LSE); set remat to false"};
+  return ErrorItem{
+      {"remat"},
+      "true",
+      std::string("remat means nothing for ") + to_string(strategy) +
+          " (its backward re-receives K/V round the ring and keeps only its rows' Q, K, V, O and "
+          "LSE); set remat to false"};
 }
 
 void validate(const AttentionSpec& attention, const ParallelSpec& parallel) {

@@ -78,7 +78,8 @@ struct HybridPlan {
 HybridPlan hybrid_plan(const ContextParallelAttention::Impl& impl) {
   const ParallelSpec& p = impl.parallel;
   return {cp::run_placement(impl.hq, impl.hkv, p.ulysses_degree, impl.negative_control),
-          p.ulysses_rank(impl.rank), p.ulysses_degree > 1 && p.effective_layout() == ShardLayout::dual_chunk_swap};
+          p.ulysses_rank(impl.rank),
+          p.ulysses_degree > 1 && p.effective_layout() == ShardLayout::dual_chunk_swap};
 }
 
 }  // namespace

@@ -90,9 +90,11 @@ StrategySchedule hybrid_schedule(const AttentionSpec& a, const ParallelSpec& p, 
                  w.to_heads("forward", "v", e, true)};
   }
   if (o.packed && U > 1)
-    s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, kUlyssesGroup, U});
+    s.forward.push_back(
+        {K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, kUlyssesGroup, U});
   if (o.packed && R > 1)
-    s.forward.push_back({K::all_gather, "forward", "segment_ids", B * U * sl, CommDType::i32, {}, kRingGroup, R});
+    s.forward.push_back(
+        {K::all_gather, "forward", "segment_ids", B * U * sl, CommDType::i32, {}, kRingGroup, R});
   for (std::int64_t step = 0; step + 1 < R; ++step) s.forward.push_back(ring("forward", "kv", e));
   if (U > 1) {
     s.forward.push_back(w.to_sequence("forward", "o", e, false, D));

@@ -420,7 +420,9 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   s.strategy = strategy;
   s.load_balance = load_balance;
   if (strategy != Strategy::all_gather) {
-    s.ulysses_degree = strategy == Strategy::hybrid ? ulysses_degree : strategy == Strategy::ulysses ? c.p.cp : 1;
+    s.ulysses_degree = strategy == Strategy::hybrid    ? ulysses_degree
+                       : strategy == Strategy::ulysses ? c.p.cp
+                                                       : 1;
     s.ring_degree = c.p.cp / s.ulysses_degree;
   }
   s.why_not = validation_errors(c.a, c.p);

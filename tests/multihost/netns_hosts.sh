@@ -38,13 +38,38 @@ command -v ip >/dev/null || skip "no 'ip' command (iproute2)"
 command -v mpirun >/dev/null || skip "no mpirun"
 command -v python3 >/dev/null || skip "no python3 (reads the JSON reports)"
 
-# Names unique to this run: interface names have at most 15 characters.
+# What an earlier run killed before its EXIT trap could run left behind (its pid is in the names): removed.
+for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^cpm[0-9]+h[0-9]+$'); do
+  owner=${ns#cpm}
+  owner=${owner%h*}
+  if ! kill -0 "$owner" 2>/dev/null; then
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null
+    ip netns del "$ns" 2>/dev/null
+  fi
+done
+for link in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | sed 's/@.*//' | grep -E '^cpm[0-9]+(b|v[0-9]+)$'); do
+  owner=${link#cpm}
+  owner=${owner%%[bv]*}
+  kill -0 "$owner" 2>/dev/null || ip link del "$link" 2>/dev/null
+done
+
+# Names unique to this run (interface names have at most 15 characters), and a /24 of the test range that no
+# route uses yet.
 tag="cpm$$"
-net="198.18.$(($$ % 250 + 1))"
+net=""
+for ((i = 0; i < 250; ++i)); do
+  candidate="198.18.$((($$ + i) % 250 + 1))"
+  if [ -z "$(ip route show "$candidate.0/24" 2>/dev/null)" ]; then
+    net=$candidate
+    break
+  fi
+done
+[ -n "$net" ] || fail "every /24 of 198.18.1.0 - 198.18.250.0 is routed already"
 work=$(mktemp -d)
 bridge="${tag}b"
 hosts=()
 mpirun_pid=""
+watchdog=""
 
 cleanup() {
   if [ -n "$mpirun_pid" ]; then
@@ -52,22 +77,31 @@ cleanup() {
     wait "$mpirun_pid" 2>/dev/null
   fi
   local ns left t
-  for ns in "${hosts[@]}"; do
-    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null
-  done
-  for ((t = 0; t < 50; ++t)); do  # until the namespaces' processes are gone (at most 5 s)
+  for ((t = 0; t < 50; ++t)); do  # until the namespaces' processes are gone (at most 5 s), killing new ones too
     left=0
-    for ns in "${hosts[@]}"; do left=$((left + $(ip netns pids "$ns" 2>/dev/null | wc -l))); done
+    for ns in "${hosts[@]}"; do
+      ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null
+      left=$((left + $(ip netns pids "$ns" 2>/dev/null | wc -l)))
+    done
     ((left == 0)) && break
     sleep 0.1
   done
+  if [ -n "$watchdog" ]; then
+    pkill -P "$watchdog" 2>/dev/null
+    kill "$watchdog" 2>/dev/null
+  fi
   for ns in "${hosts[@]}"; do ip netns del "$ns" 2>/dev/null; done
   for i in "${!hosts[@]}"; do ip link del "${tag}v$i" 2>/dev/null; done
   ip link del "$bridge" 2>/dev/null
   rm -rf "$work"
 }
 trap cleanup EXIT
-trap 'exit 1' INT TERM
+trap 'echo "multihost ($case_name): FAIL: out of time (${MULTIHOST_LIMIT:-200} s)" >&2; exit 1' TERM
+trap 'exit 1' INT
+# The script's own limit, below CTest's TIMEOUT (whose SIGKILL would skip the EXIT trap): cleanup still runs.
+# Its output away from CTest's pipe, which would wait for it; cleanup ends it and its sleep.
+(sleep "${MULTIHOST_LIMIT:-200}" && kill -TERM $$) >/dev/null 2>&1 &
+watchdog=$!
 
 probe="${tag}probe"
 ip netns add "$probe" 2>/dev/null || skip "cannot make a network namespace here (ip netns add failed)"
@@ -90,6 +124,18 @@ make_hosts() {
     ip -n "$ns" link set lo up
     echo "$net.$((11 + i)) $ns" >>"$work/map"
   done
+  # Bridged traffic between the namespaces must flow (on a host with br_netfilter and a FORWARD policy of
+  # DROP, e.g. where Docker runs, it does not): a TCP connection from the first host to the second.
+  ip netns exec "${hosts[1]}" python3 -c "
+import socket; s = socket.socket(); s.bind(('$net.12', 7999)); s.listen(1); s.settimeout(10); s.accept()" &
+  local listener=$!
+  sleep 0.3
+  if ! ip netns exec "${hosts[0]}" python3 -c "
+import socket; socket.create_connection(('$net.12', 7999), timeout=5)"; then
+    kill "$listener" 2>/dev/null
+    fail "no TCP between the namespaces over the bridge (br_netfilter with a FORWARD policy of DROP?)"
+  fi
+  wait "$listener"
 }
 
 # across SLOTS_PER_HOST NP ARGS...: mpirun over the hosts (slots each), output in $work/out, in the background;
@@ -99,9 +145,10 @@ across() {
   shift 2
   local spec="" i
   for ((i = 0; i < ${#hosts[@]}; ++i)); do spec+="${spec:+,}$net.$((11 + i)):$slots"; done
-  CPATTN_NETNS_MAP="$work/map" mpirun --allow-run-as-root --oversubscribe --host "$spec" -np "$np" \
-    --mca plm_rsh_agent "$here/netns_agent" --mca btl tcp,self --mca oob_tcp_if_include "$net.0/24" \
-    --mca btl_tcp_if_include "$net.0/24" "$cpattn" run --backend mpi --threads 1 "$@" >"$work/out" 2>&1 &
+  CPATTN_NETNS_MAP="$work/map" TMPDIR="$work" mpirun --allow-run-as-root --oversubscribe --host "$spec" \
+    -np "$np" --mca plm_rsh_agent "$here/netns_agent" --mca pml ob1 --mca btl tcp,self \
+    --mca oob_tcp_if_include "$net.0/24" --mca btl_tcp_if_include "$net.0/24" \
+    "$cpattn" run --backend mpi --threads 1 "$@" >"$work/out" 2>&1 &
   mpirun_pid=$!
 }
 
@@ -125,7 +172,7 @@ rank_pids() {
   local ns pid
   for ns in "${hosts[@]}"; do
     for pid in $(ip netns pids "$ns" 2>/dev/null); do
-      tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q "^$cpattn run" && echo "$pid"
+      [[ "$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" == "$cpattn run "* ]] && echo "$pid"
     done
   done
 }
@@ -166,7 +213,7 @@ check_run() {
   python3 - "$work/out" "$name" "$2" <<'EOF' || fail "$name: $(tail -20 "$work/out")"
 import json, sys
 text = open(sys.argv[1]).read()
-report = json.loads(text[text.index("{"):])
+report = json.JSONDecoder().raw_decode(text[text.index("{"):])[0]
 name, hosts = sys.argv[2], json.loads(sys.argv[3])
 assert report["check"]["pass"], "check did not pass: " + json.dumps(report["check"])
 assert report["hosts"]["of_rank"] == hosts, "hosts %s, expected %s" % (report["hosts"]["of_rank"], hosts)
@@ -188,21 +235,21 @@ print("multihost %-22s PASS  forward %.3f s, backward %.3f s, waiting on shifts 
 EOF
 }
 
-shape=(--q-heads 8 --kv-heads 2 --head-dim 32 --check --json)
+shape=(--q-heads 8 --kv-heads 2 --head-dim 32 --comm-timeout 20 --check --json)
 case "$case_name" in
   strategies)
     make_hosts 2
     across 2 4 --strategy hybrid --ulysses-degree 2 --cp 4 --seq 1024 --load-balance --segments 600,424 "${shape[@]}"
-    wait_job 60
+    wait_job 40
     check_run "hybrid 2x2 (U=2)" "[0, 0, 1, 1]"
     across 4 8 --strategy hybrid --ulysses-degree 4 --cp 8 --seq 1024 --load-balance "${shape[@]}"
-    wait_job 60
+    wait_job 40
     check_run "hybrid 2x4 (U=4)" "[0, 0, 0, 0, 1, 1, 1, 1]"
     across 2 4 --strategy ulysses --cp 4 --seq 1024 --segments 600,424 "${shape[@]}"
-    wait_job 60
+    wait_job 40
     check_run "ulysses 2x2" "[0, 0, 1, 1]"
     across 2 4 --strategy ring --cp 4 --seq 1024 --load-balance "${shape[@]}"
-    wait_job 60
+    wait_job 40
     check_run "ring 2x2" "[0, 0, 1, 1]"
     ;;
   rank-killed)
@@ -262,7 +309,7 @@ case "$case_name" in
       python3 - "$work/out" "$s" <<'EOF'
 import json, sys
 text = open(sys.argv[1]).read()
-r = json.loads(text[text.index("{"):])
+r = json.JSONDecoder().raw_decode(text[text.index("{"):])[0]
 s = r["seconds"]
 cross = sum(c["bytes_sent_across_hosts"] for c in r["collectives"])
 total = s["forward"] + s["backward"]

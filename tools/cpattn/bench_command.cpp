@@ -13,8 +13,8 @@
 
 #include "cpattn/inproc.hpp"
 #include "cpattn/placement.hpp"
-#include "harness/whole_problem.hpp"
 #include "cpattn/planner.hpp"
+#include "harness/whole_problem.hpp"
 #include "problem_flags.hpp"
 
 #ifdef CPATTN_WITH_MPI

@@ -60,7 +60,8 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
   if (opt.emb_dim) values.emb_dim = opt.emb_dim;
   if (opt.layers) values.num_layers = opt.layers;
   if (opt.attention_every) values.attention_every = opt.attention_every;
-  // Every strategy and factorisation is planned: a config file's strategy and ulysses degree are not used, and
+  // Every strategy and factorisation is planned: a config file's strategy and ulysses degree are not used,
+  // and
   // --ulysses-degree given as a flag is refused.
   values.strategy.reset();
   const std::optional<std::int64_t> ulysses_degree = opt.problem.values.ulysses_degree;
