@@ -56,6 +56,14 @@ class ContextParallelAttention {
   // d_out: [B, S/cp, Hq, D]. Needs a forward (not forward-only) before it.
   AttentionGradients backward(const Tensor& d_out);
 
+  // What a forward keeps for its backward. take_saved() moves it out of the object after a forward that was
+  // not forward-only; backward(d_out, saved) runs on it, and leaves it in `saved` (a second backward on it
+  // gives the same gradients). Several forwards can so each keep their own until their backward: layers or
+  // micro-batches sharing one object, an autograd graph. Every rank takes and passes back its own.
+  class Saved;
+  std::shared_ptr<Saved> take_saved();
+  AttentionGradients backward(const Tensor& d_out, Saved& saved);
+
   // Tiles this rank's kernel computed in the last forward, per (batch row, local q head).
   const TileCounts& forward_tiles() const;
   // Seconds this rank spent waiting for its ring shifts to complete since the last forward began (its

@@ -210,6 +210,39 @@ AttentionGradients ContextParallelAttention::backward(const Tensor& d_out) {
   return impl_->backward(d_out);
 }
 
+class ContextParallelAttention::Saved {
+ public:
+  std::optional<Impl::Saved> saved;
+  std::vector<ScheduledCollective> backward_calls;
+};
+
+std::shared_ptr<ContextParallelAttention::Saved> ContextParallelAttention::take_saved() {
+  if (!impl_->saved) {
+    throw Error(ErrorKind::invalid_input, "forward_only", "",
+                "take_saved needs a forward that kept its state (forward_only was set, or no forward ran)");
+  }
+  auto out = std::make_shared<Saved>();
+  out->saved = std::move(impl_->saved);
+  out->backward_calls = impl_->backward_calls;
+  impl_->saved.reset();
+  return out;
+}
+
+AttentionGradients ContextParallelAttention::backward(const Tensor& d_out, Saved& saved) {
+  // The state goes into the object for the call and back into `saved` whatever happens.
+  std::swap(impl_->saved, saved.saved);
+  std::swap(impl_->backward_calls, saved.backward_calls);
+  struct Restore {
+    Impl& impl;
+    Saved& saved;
+    ~Restore() {
+      std::swap(impl.saved, saved.saved);
+      std::swap(impl.backward_calls, saved.backward_calls);
+    }
+  } restore{*impl_, saved};
+  return impl_->backward(d_out);
+}
+
 const TileCounts& ContextParallelAttention::forward_tiles() const {
   return impl_->tiles;
 }

@@ -41,7 +41,7 @@ std::string preset_names() {
   return names;
 }
 
-int run_plan(const CLI::App& app, const PlanOptions& opt) {
+int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std::ostream& err) {
   ConfigValues values;
   if (!opt.preset.empty()) {
     const ModelPreset* p = find_preset(opt.preset);
@@ -110,8 +110,8 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
     errors = validation_errors(specs.attention, general);
   }
   if (!errors.empty()) {
-    if (opt.json) std::cout << "{\"valid\": false, \"errors\": " << errors_to_json(errors) << "}\n";
-    print_errors(errors);
+    if (opt.json) out << "{\"valid\": false, \"errors\": " << errors_to_json(errors) << "}\n";
+    print_errors(errors, err);
     return 2;
   }
   req.attention = specs.attention;
@@ -131,11 +131,11 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
   }
   const Plan plan = make_plan(req);
 
-  nlohmann::ordered_json out;
-  out["valid"] = true;
-  out["problem"] = {{"model", req.model.name}};
-  out["problem"].update(attention_to_json(req.attention));
-  out["problem"].update(nlohmann::ordered_json{{"cp", req.parallel.cp},
+  nlohmann::ordered_json doc;
+  doc["valid"] = true;
+  doc["problem"] = {{"model", req.model.name}};
+  doc["problem"].update(attention_to_json(req.attention));
+  doc["problem"].update(nlohmann::ordered_json{{"cp", req.parallel.cp},
                                                {"tp", req.parallel.tp},
                                                {"block", req.block},
                                                {"segments", req.segments},
@@ -143,13 +143,13 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
                                                {"emb_dim", req.model.emb_dim},
                                                {"layers", req.model.num_layers},
                                                {"attention_layers", req.model.attention_layers()}});
-  out["hardware"] = {{"name", req.hardware.name},
+  doc["hardware"] = {{"name", req.hardware.name},
                      {"flops", req.hardware.flops},
                      {"bandwidth_bytes_per_second", req.hardware.bandwidth},
                      {"ranks_per_host", req.hardware.ranks_per_host},
                      {"inter_host_bandwidth_bytes_per_second", req.hardware.inter_bandwidth},
                      {"source", req.hardware.source}};
-  out["strategies"] = nlohmann::ordered_json::array();
+  doc["strategies"] = nlohmann::ordered_json::array();
   auto records_json = [](const std::vector<CollectiveRecord>& list) {
     nlohmann::ordered_json a = nlohmann::ordered_json::array();
     for (const auto& c : list) {
@@ -175,7 +175,7 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
     j["possible"] = s.possible;
     if (!s.possible) {
       j["why_not"] = nlohmann::ordered_json::parse(errors_to_json(s.why_not));
-      out["strategies"].push_back(j);
+      doc["strategies"].push_back(j);
       continue;
     }
     j["collectives"] = records_json(s.collectives);
@@ -193,9 +193,9 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
                               {"model", s.model_seconds}};
     j["model_bytes_sent_per_rank"] = s.model_bytes_sent_per_rank;
     j["inter_host_bytes_sent_per_rank"] = s.inter_host_bytes_sent_per_rank;
-    out["strategies"].push_back(j);
+    doc["strategies"].push_back(j);
   }
-  out["recommendation"] = plan.recommendation;
+  doc["recommendation"] = plan.recommendation;
   {
     // What to run: all_gather has no degrees; ulysses is U = cp, R = 1; ring U = 1, R = cp.
     const StrategyPlan& best = plan.strategies[plan.recommended];
@@ -204,7 +204,7 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
     const std::int64_t u = best.strategy == Strategy::hybrid    ? best.ulysses_degree
                            : best.strategy == Strategy::ulysses ? cp
                                                                 : 1;
-    out["recommended"] = {
+    doc["recommended"] = {
         {"name", best.name},
         {"strategy", to_string(best.strategy)},
         {"load_balance", best.load_balance},
@@ -212,62 +212,59 @@ int run_plan(const CLI::App& app, const PlanOptions& opt) {
         {"ring_degree", all_gather ? nlohmann::ordered_json() : nlohmann::ordered_json(cp / u)}};
   }
   if (opt.json) {
-    std::cout << out.dump(2) << "\n";
+    out << doc.dump(2) << "\n";
     return 0;
   }
-  std::cout << "cpattn plan: " << req.model.name << ", S=" << req.attention.seq_len
-            << " B=" << req.attention.batch << " Hq=" << req.attention.num_q_heads
-            << " Hkv=" << req.attention.num_kv_heads << " D=" << req.attention.head_dim << " "
-            << to_string(req.attention.dtype) << ", cp=" << req.parallel.cp << " tp=" << req.parallel.tp
-            << ", block " << req.block << ", "
-            << (req.hardware.ranks_per_host > 0 && req.parallel.cp > req.hardware.ranks_per_host
-                    ? std::to_string(req.hardware.ranks_per_host) + " ranks per host, "
-                    : std::string())
-            << (req.segments.empty() ? "one document" : "segments " + opt.segments)
-            << (req.remat ? ", remat" : "") << "; " << req.model.attention_layers() << " attention layers of "
-            << req.model.num_layers << "; " << req.hardware.name << "\n";
+  out << "cpattn plan: " << req.model.name << ", S=" << req.attention.seq_len << " B=" << req.attention.batch
+      << " Hq=" << req.attention.num_q_heads << " Hkv=" << req.attention.num_kv_heads
+      << " D=" << req.attention.head_dim << " " << to_string(req.attention.dtype)
+      << ", cp=" << req.parallel.cp << " tp=" << req.parallel.tp << ", block " << req.block << ", "
+      << (req.hardware.ranks_per_host > 0 && req.parallel.cp > req.hardware.ranks_per_host
+              ? std::to_string(req.hardware.ranks_per_host) + " ranks per host, "
+              : std::string())
+      << (req.segments.empty() ? "one document" : "segments " + opt.segments) << (req.remat ? ", remat" : "")
+      << "; " << req.model.attention_layers() << " attention layers of " << req.model.num_layers << "; "
+      << req.hardware.name << "\n";
   for (const auto& s : plan.strategies) {
-    std::cout << "\n== " << s.name << "\n";
+    out << "\n== " << s.name << "\n";
     if (!s.possible) {
-      std::cout << "  impossible: " << s.why_not.front().message << "\n";
+      out << "  impossible: " << s.why_not.front().message << "\n";
       continue;
     }
     const bool grouped = s.strategy == Strategy::hybrid;
-    std::cout << "  per attention layer:\n  " << std::left << std::setw(20) << "kind" << std::setw(10)
-              << "phase" << (grouped ? "group    " : "") << std::setw(7) << "count" << std::setw(16)
-              << "bytes"
-              << "sent per rank\n";
+    out << "  per attention layer:\n  " << std::left << std::setw(20) << "kind" << std::setw(10) << "phase"
+        << (grouped ? "group    " : "") << std::setw(7) << "count" << std::setw(16) << "bytes"
+        << "sent per rank\n";
     for (const auto* list : {&s.collectives, &s.reorder}) {
       for (const auto& c : *list) {
-        std::cout << "  " << std::left << std::setw(20) << to_string(c.kind) << std::setw(10) << c.phase
-                  << std::setw(grouped ? 9 : 0) << (grouped ? c.group : std::string()) << std::setw(7)
-                  << c.count << std::setw(16) << mib(c.bytes) << mib(c.bytes_sent_per_rank) << "\n";
+        out << "  " << std::left << std::setw(20) << to_string(c.kind) << std::setw(10) << c.phase
+            << std::setw(grouped ? 9 : 0) << (grouped ? c.group : std::string()) << std::setw(7) << c.count
+            << std::setw(16) << mib(c.bytes) << mib(c.bytes_sent_per_rank) << "\n";
       }
     }
-    std::cout << "  tiles per rank per q head:";
-    for (auto t : s.tiles_per_rank_per_q_head) std::cout << " " << t;
-    std::cout << "  (all local heads:";
-    for (auto t : s.tiles_per_rank) std::cout << " " << t;
-    std::cout << "; max/min " << fmt_double(s.tiles_skew) << ")\n";
-    std::cout << "  memory per rank saved for backward " << mib(s.memory_bytes_per_rank) << ", K/V buffers "
-              << mib(s.kv_buffer_bytes_per_rank) << "\n";
-    std::cout << "  estimate per layer: compute "
-              << fmt_double(s.compute_seconds_per_rank[s.straggler_rank] * 1e3)
-              << " ms on the straggler (rank " << s.straggler_rank << "), communication "
-              << fmt_double(s.communication_seconds * 1e3) << " ms, exposed "
-              << fmt_double(s.exposed_seconds * 1e3) << " ms, layer " << fmt_double(s.layer_seconds * 1e3)
-              << " ms; model " << fmt_double(s.model_seconds * 1e3) << " ms\n";
+    out << "  tiles per rank per q head:";
+    for (auto t : s.tiles_per_rank_per_q_head) out << " " << t;
+    out << "  (all local heads:";
+    for (auto t : s.tiles_per_rank) out << " " << t;
+    out << "; max/min " << fmt_double(s.tiles_skew) << ")\n";
+    out << "  memory per rank saved for backward " << mib(s.memory_bytes_per_rank) << ", K/V buffers "
+        << mib(s.kv_buffer_bytes_per_rank) << "\n";
+    out << "  estimate per layer: compute " << fmt_double(s.compute_seconds_per_rank[s.straggler_rank] * 1e3)
+        << " ms on the straggler (rank " << s.straggler_rank << "), communication "
+        << fmt_double(s.communication_seconds * 1e3) << " ms, exposed " << fmt_double(s.exposed_seconds * 1e3)
+        << " ms, layer " << fmt_double(s.layer_seconds * 1e3) << " ms; model "
+        << fmt_double(s.model_seconds * 1e3) << " ms\n";
     if (req.hardware.ranks_per_host > 0 && req.parallel.cp > req.hardware.ranks_per_host) {
-      std::cout << "  across hosts per rank per layer: " << mib(s.inter_host_bytes_sent_per_rank) << "\n";
+      out << "  across hosts per rank per layer: " << mib(s.inter_host_bytes_sent_per_rank) << "\n";
     }
   }
-  std::cout << "\nrecommendation: " << plan.recommendation << "\n";
+  out << "\nrecommendation: " << plan.recommendation << "\n";
   return 0;
 }
 
 }  // namespace
 
-void add_plan_command(CLI::App& app, int& exit_code) {
+void add_plan_command(CLI::App& app, int& exit_code, std::ostream& out, std::ostream& err) {
   auto opt = std::make_shared<PlanOptions>();
   CLI::App* sub = app.add_subcommand("plan", "plan every strategy for a model: bytes, balance, memory, time");
   opt->problem.add_to(*sub);
@@ -287,7 +284,7 @@ void add_plan_command(CLI::App& app, int& exit_code) {
   sub->add_option("--inter-bandwidth", opt->inter_bandwidth,
                   "override the bandwidth between hosts (bytes/s each way per device)");
   sub->add_flag("--json", opt->json, "print JSON");
-  sub->callback([sub, opt, &exit_code] { exit_code = run_plan(*sub, *opt); });
+  sub->callback([sub, opt, &exit_code, &out, &err] { exit_code = run_plan(*sub, *opt, out, err); });
 }
 
 }  // namespace cpattn::cli

@@ -121,8 +121,8 @@ void require_memory_for(const AttentionSpec& a, int tensor_count, const std::str
               {ErrorItem{{"batch", "seq_len", "num_q_heads", "head_dim"}, value, msg.str()}});
 }
 
-void print_errors(const std::vector<ErrorItem>& errors) {
-  for (const auto& e : errors) std::cerr << "error (invalid_config): " << e.message << "\n";
+void print_errors(const std::vector<ErrorItem>& errors, std::ostream& err) {
+  for (const auto& e : errors) err << "error (invalid_config): " << e.message << "\n";
 }
 
 }  // namespace cpattn::cli

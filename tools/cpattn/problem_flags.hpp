@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,6 @@ nlohmann::ordered_json attention_to_json(const AttentionSpec& attention);
 
 // JSON for a list of errors: [{"field", "fields"?, "value", "message"}].
 std::string errors_to_json(const std::vector<ErrorItem>& errors);
-void print_errors(const std::vector<ErrorItem>& errors);
+void print_errors(const std::vector<ErrorItem>& errors, std::ostream& err = std::cerr);
 
 }  // namespace cpattn::cli

@@ -19,14 +19,14 @@ std::string range_text(const HeadRange& r) {
   return r.size() == 1 ? std::to_string(r.begin) : std::to_string(r.begin) + ".." + std::to_string(r.end - 1);
 }
 
-int run_validate(const CLI::App& app, const ValidateOptions& opt) {
+int run_validate(const CLI::App& app, const ValidateOptions& opt, std::ostream& out, std::ostream& err) {
   Specs specs;
   const std::vector<ErrorItem> errors = all_config_errors(opt.problem.resolve(app), specs);
   if (!errors.empty()) {
     if (opt.json) {
-      std::cout << "{\"valid\": false, \"errors\": " << errors_to_json(errors) << "}\n";
+      out << "{\"valid\": false, \"errors\": " << errors_to_json(errors) << "}\n";
     }
-    print_errors(errors);
+    print_errors(errors, err);
     return 2;
   }
   const AttentionSpec& a = specs.attention;
@@ -40,64 +40,64 @@ int run_validate(const CLI::App& app, const ValidateOptions& opt) {
   const std::int64_t rep = ulysses ? u.replication() : 1;
 
   if (opt.json) {
-    nlohmann::json out;
-    out["valid"] = true;
-    out["strategy"] = to_string(p.strategy);
-    out["cp"] = p.cp;
-    out["tp"] = p.tp;
+    nlohmann::json doc;
+    doc["valid"] = true;
+    doc["strategy"] = to_string(p.strategy);
+    doc["cp"] = p.cp;
+    doc["tp"] = p.tp;
     if (hybrid) {
-      out["ulysses_degree"] = p.ulysses_degree;
-      out["ring_degree"] = p.ring_degree();
+      doc["ulysses_degree"] = p.ulysses_degree;
+      doc["ring_degree"] = p.ring_degree();
     }
-    out["load_balance"] = p.load_balance;
-    out["layout"] = to_string(p.effective_layout());
-    out["replication"] = rep;
-    out["work_skew"] = ulysses ? u.work_skew() : 1.0;
-    if (ulysses) out["kv_head_order"] = u.kv_head_order();
-    out["ranks"] = nlohmann::json::array();
+    doc["load_balance"] = p.load_balance;
+    doc["layout"] = to_string(p.effective_layout());
+    doc["replication"] = rep;
+    doc["work_skew"] = ulysses ? u.work_skew() : 1.0;
+    if (ulysses) doc["kv_head_order"] = u.kv_head_order();
+    doc["ranks"] = nlohmann::json::array();
     for (const auto& r : placement) {
       std::vector<std::int64_t> q;
       for (std::int64_t h = r.q_heads.begin; h < r.q_heads.end; ++h) q.push_back(h);
-      out["ranks"].push_back({{"rank", r.rank}, {"q_heads", q}, {"kv_heads", r.kv_heads}});
+      doc["ranks"].push_back({{"rank", r.rank}, {"q_heads", q}, {"kv_heads", r.kv_heads}});
     }
-    std::cout << out.dump() << "\n";
+    out << doc.dump() << "\n";
     return 0;
   }
-  std::cout << "valid: " << to_string(p.strategy) << ", cp=" << p.cp
-            << (hybrid ? " (ulysses groups of " + std::to_string(p.ulysses_degree) + " x a ring of " +
-                             std::to_string(p.ring_degree()) + ")"
-                       : std::string())
-            << ", tp=" << p.tp << ", q heads " << a.num_q_heads << ", kv heads " << a.num_kv_heads
-            << ", head dim " << a.head_dim << ", seq " << a.seq_len << ", batch " << a.batch << ", "
-            << to_string(a.dtype) << (p.load_balance ? ", load balance (dual chunk swap)" : "") << "\n";
-  if (p.tp > 1) std::cout << "heads below are local to one tp rank (heads / tp)\n";
+  out << "valid: " << to_string(p.strategy) << ", cp=" << p.cp
+      << (hybrid ? " (ulysses groups of " + std::to_string(p.ulysses_degree) + " x a ring of " +
+                       std::to_string(p.ring_degree()) + ")"
+                 : std::string())
+      << ", tp=" << p.tp << ", q heads " << a.num_q_heads << ", kv heads " << a.num_kv_heads << ", head dim "
+      << a.head_dim << ", seq " << a.seq_len << ", batch " << a.batch << ", " << to_string(a.dtype)
+      << (p.load_balance ? ", load balance (dual chunk swap)" : "") << "\n";
+  if (p.tp > 1) out << "heads below are local to one tp rank (heads / tp)\n";
   if (ulysses) {
-    std::cout << "replication: " << rep << " (kv head order before the all-to-all: [";
+    out << "replication: " << rep << " (kv head order before the all-to-all: [";
     const auto order = u.kv_head_order();
-    for (std::size_t i = 0; i < order.size(); ++i) std::cout << (i ? ", " : "") << "kv" << order[i];
-    std::cout << "])\n";
-    std::cout << "work skew: " << u.work_skew() << " (most q heads on a rank over the fewest"
-              << (u.work_skew() > 1.0 ? "; the ranks with more q heads set the time" : "") << ")\n";
+    for (std::size_t i = 0; i < order.size(); ++i) out << (i ? ", " : "") << "kv" << order[i];
+    out << "])\n";
+    out << "work skew: " << u.work_skew() << " (most q heads on a rank over the fewest"
+        << (u.work_skew() > 1.0 ? "; the ranks with more q heads set the time" : "") << ")\n";
   } else {
-    std::cout << "replication: 1 (all_gather: every rank holds every head for its sequence shard)\n";
+    out << "replication: 1 (all_gather: every rank holds every head for its sequence shard)\n";
   }
   for (const auto& r : placement) {
-    std::cout << "rank " << r.rank << " -> q heads " << range_text(r.q_heads) << ", kv head"
-              << (r.kv_heads.size() > 1 ? "s " : " ");
-    for (std::size_t i = 0; i < r.kv_heads.size(); ++i) std::cout << (i ? "," : "") << r.kv_heads[i];
-    std::cout << "\n";
+    out << "rank " << r.rank << " -> q heads " << range_text(r.q_heads) << ", kv head"
+        << (r.kv_heads.size() > 1 ? "s " : " ");
+    for (std::size_t i = 0; i < r.kv_heads.size(); ++i) out << (i ? "," : "") << r.kv_heads[i];
+    out << "\n";
   }
   return 0;
 }
 
 }  // namespace
 
-void add_validate_command(CLI::App& app, int& exit_code) {
+void add_validate_command(CLI::App& app, int& exit_code, std::ostream& out, std::ostream& err) {
   auto opt = std::make_shared<ValidateOptions>();
   CLI::App* sub = app.add_subcommand("validate", "check a configuration and print the head placement");
   opt->problem.add_to(*sub);
   sub->add_flag("--json", opt->json, "print JSON");
-  sub->callback([sub, opt, &exit_code] { exit_code = run_validate(*sub, *opt); });
+  sub->callback([sub, opt, &exit_code, &out, &err] { exit_code = run_validate(*sub, *opt, out, err); });
 }
 
 }  // namespace cpattn::cli

@@ -1,0 +1,157 @@
+"""cpattn for PyTorch: autograd over cpattn's CPU flash kernels and context-parallel strategies.
+
+    o = cpattn.torch.attention(q, k, v, causal=True, segment_ids=None, scale=None)
+        q [B, S, Hq, D], k and v [B, S, Hkv, D]: float32 or bfloat16 CPU tensors (o has their dtype);
+        segment_ids [B, S] int32 or int64 (packed documents: a token sees only its own document).
+
+    attn = cpattn.torch.ContextParallelAttention(comm, strategy="ulysses", causal=True, load_balance=False)
+    o_local = attn(q_local, k_local, v_local, segment_ids=None)
+        comm: an mpi4py communicator (MPI.COMM_WORLD or one from Split); each process passes its own shard of
+        the sequence in the strategy's layout (attn.local_positions(S) says which tokens) and gets its O shard,
+        with autograd. Every process of comm must call it, with the same shapes.
+"""
+
+import numpy as _np
+import torch as _torch
+
+from . import _cpattn
+from ._cpattn import CommunicationError, ConfigError  # noqa: F401  (re-exported)
+
+__all__ = ["attention", "ContextParallelAttention", "CommunicationError", "ConfigError"]
+
+
+def _to_numpy(t, name):
+    """(array, "") for a tensor the kernels take, else (None, why): float32 as float32, bfloat16 as its 16-bit
+    words; no copy where the tensor allows one."""
+    if not isinstance(t, _torch.Tensor):
+        return None, f"{name}: expected a torch.Tensor, got {type(t).__name__}"
+    if t.device.type != "cpu":
+        return None, f"{name}: tensor on {t.device}; cpattn runs on the CPU (valid: a CPU tensor)"
+    if t.dtype not in (_torch.float32, _torch.bfloat16):
+        return None, f"{name}: dtype {t.dtype} is not supported; valid: torch.float32, torch.bfloat16"
+    t = t.detach()
+    if t.dtype == _torch.bfloat16:
+        if t.dim() > 0 and t.stride(-1) != 1:
+            t = t.contiguous()
+        return t.view(_torch.int16).numpy().view(_np.uint16), ""
+    return t.numpy(), ""
+
+
+def _to_torch(a):
+    if a.dtype == _np.uint16:
+        return _torch.from_numpy(a.view(_np.int16)).view(_torch.bfloat16)
+    return _torch.from_numpy(a)
+
+
+def _segments(segment_ids):
+    if segment_ids is None:
+        return None, ""
+    if not isinstance(segment_ids, _torch.Tensor) or segment_ids.dtype not in (_torch.int32, _torch.int64):
+        return None, "segment_ids: expected an int32 or int64 torch.Tensor [B, S]"
+    return segment_ids.detach().cpu().numpy(), ""
+
+
+def _check(*pairs):
+    """Raises ConfigError with every reason a single process found (the one-process level)."""
+    reasons = [why for _, why in pairs if why]
+    if reasons:
+        raise ConfigError("; ".join(reasons))
+    return [a for a, _ in pairs]
+
+
+class _Attention(_torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, segment_ids, causal, scale, threads):
+        qa, ka, va, seg = _check(_to_numpy(q, "q"), _to_numpy(k, "k"), _to_numpy(v, "v"), _segments(segment_ids))
+        o, lse = _cpattn.attention(qa, ka, va, causal=causal, segment_ids=seg, scale=scale, threads=threads)
+        o = _to_torch(o)
+        ctx.save_for_backward(q, k, v, o)
+        ctx.lse, ctx.seg, ctx.causal, ctx.scale, ctx.threads = lse, seg, causal, scale, threads
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o = ctx.saved_tensors
+        qa, ka, va, oa, da = _check(
+            _to_numpy(q, "q"), _to_numpy(k, "k"), _to_numpy(v, "v"), _to_numpy(o, "o"), _to_numpy(do, "do")
+        )
+        dq, dk, dv = _cpattn.attention_backward(
+            qa, ka, va, oa, ctx.lse, da, causal=ctx.causal, segment_ids=ctx.seg, scale=ctx.scale,
+            threads=ctx.threads,
+        )
+        # one gradient per argument of forward: None for segment_ids, causal, scale, threads
+        return _to_torch(dq), _to_torch(dk), _to_torch(dv), None, None, None, None
+
+
+def attention(q, k, v, causal=True, segment_ids=None, scale=None, threads=None):
+    """Attention over cpattn's flash kernels with autograd. q [B, S, Hq, D]; k, v [B, S, Hkv, D] (Hq a
+    multiple of Hkv: GQA and MQA without repeating K/V); float32 or bfloat16, o in the same dtype. scale:
+    default 1/sqrt(D). threads: kernel threads (default: every hardware thread)."""
+    return _Attention.apply(q, k, v, segment_ids, causal, scale, threads)
+
+
+class _ContextParallel(_torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, impl, q, k, v, segment_ids):
+        arrays = [_to_numpy(q, "q"), _to_numpy(k, "k"), _to_numpy(v, "v"), _segments(segment_ids)]
+        # A reason found here does not raise here: it goes into the agreement every rank makes, so every
+        # rank raises.
+        why = "; ".join(w for _, w in arrays if w)
+        qa, ka, va, seg = (a for a, _ in arrays)
+        o, _, saved = impl.forward(qa, ka, va, seg, why, False)
+        ctx.impl, ctx.saved_forward = impl, saved
+        return _to_torch(o)
+
+    @staticmethod
+    def backward(ctx, do):
+        da, why = _to_numpy(do, "do")
+        dq, dk, dv = ctx.impl.backward(ctx.saved_forward, da, why)
+        return None, _to_torch(dq), _to_torch(dk), _to_torch(dv), None
+
+
+class ContextParallelAttention(_torch.nn.Module):
+    """Attention over the processes of an mpi4py communicator: each passes its shard of the sequence
+    [B, S/cp, H, D] and gets its shard of O, with autograd.
+
+    strategy: "ulysses" (KV heads replicated in grouped order when there are fewer than ranks), "all_gather",
+    "ring" or "hybrid" (ulysses inside groups of ulysses_degree ranks, a ring across them). load_balance:
+    the dual-chunk-swap layout (local_positions says which tokens a rank holds). Other options: layout
+    ("contiguous" or "dual_chunk_swap"), scale (default 1/sqrt(D)), threads (kernel threads per process;
+    default the machine's hardware threads over the communicator's size), remat, timeout (seconds any wait
+    for another rank may take before the job is ended; default 600).
+
+    Each object keeps its own state: objects with different head counts or strategies work side by side, and
+    one object serves any number of calls before their backward (each forward's state lives in its autograd
+    graph).
+    """
+
+    def __init__(self, comm, strategy="ulysses", causal=True, load_balance=False, layout=None,
+                 ulysses_degree=None, scale=None, threads=None, remat=False, timeout=None):
+        super().__init__()
+        if not hasattr(comm, "py2f"):
+            raise ConfigError(f"comm: expected an mpi4py communicator, got {type(comm).__name__}")
+        if not getattr(_cpattn, "with_mpi", False):
+            raise ConfigError("comm: this cpattn was built without MPI")
+        self.strategy = strategy
+        self._impl = _cpattn._ContextParallel(
+            comm.py2f(), strategy, causal, load_balance, layout, ulysses_degree, scale, threads, remat, timeout
+        )
+
+    @property
+    def rank(self):
+        return self._impl.rank
+
+    @property
+    def cp(self):
+        return self._impl.size
+
+    def local_positions(self, seq_len):
+        """The global positions of this rank's tokens (for RoPE, and to cut its shard out of a whole row)."""
+        return _torch.from_numpy(self._impl.local_positions(seq_len))
+
+    def shard(self, x, dim=1):
+        """This rank's shard of a whole-sequence tensor (sequence along `dim`), in the strategy's layout."""
+        return x.index_select(dim, self.local_positions(x.shape[dim]))
+
+    def forward(self, q, k, v, segment_ids=None):
+        return _ContextParallel.apply(self._impl, q, k, v, segment_ids)

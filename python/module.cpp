@@ -1,0 +1,594 @@
+// cpattn's Python extension (cpattn._cpattn): numpy arrays in and out of the flash kernels, the
+// context-parallel strategies on an MPI communicator that mpi4py made, and the validate and plan documents.
+// cpattn/__init__.py and cpattn/torch.py are the public faces; this file only converts and calls the library.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "cpattn/config.hpp"
+#include "cpattn/context_parallel.hpp"
+#include "cpattn/error.hpp"
+#include "cpattn/flash.hpp"
+#include "cpattn/sequence_layout.hpp"
+#include "document_commands.hpp"
+#ifdef CPATTN_WITH_MPI
+#include "cpattn/mpi_comm.hpp"
+#endif
+
+namespace py = pybind11;
+
+namespace cpattn::python {
+namespace {
+
+// float32 arrays, or uint16 arrays holding bfloat16 words (how torch's bfloat16 crosses: numpy has none).
+std::optional<DType> dtype_of(const py::array& a) {
+  if (a.dtype().is(py::dtype::of<float>())) return DType::f32;
+  if (a.dtype().is(py::dtype::of<std::uint16_t>())) return DType::bf16;
+  return std::nullopt;
+}
+
+std::string shape_text(const py::array& a) {
+  std::string s = "[";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + "]";
+}
+
+std::string dtype_text(const py::array& a) {
+  return py::str(a.dtype()).cast<std::string>();
+}
+
+// Problems found while reading the arguments, all reported at once.
+struct Problems {
+  std::vector<ErrorItem> items;
+  void add(const std::string& field, const std::string& value, const std::string& message) {
+    items.push_back({{field}, value, message});
+  }
+  void raise() const {
+    if (!items.empty()) throw Error(ErrorKind::invalid_input, items);
+  }
+};
+
+// A [B, S, H, D] array as a view the kernels take: zero-copy when the last axis is contiguous and the strides
+// are whole elements, else a C-contiguous copy (kept alive in `keep`).
+struct ArrayRef {
+  py::array keep;
+  ConstTensorRef ref;
+};
+
+std::optional<ArrayRef> read_tensor(const py::handle& obj, const std::string& name, Problems& problems) {
+  if (!py::isinstance<py::array>(obj)) {
+    problems.add(name, py::str(py::type::of(obj)).cast<std::string>(),
+                 name +
+                     ": expected a numpy array [B, S, H, D] of float32 (or uint16 holding bfloat16), got " +
+                     py::str(py::type::of(obj)).cast<std::string>());
+    return std::nullopt;
+  }
+  py::array a = py::reinterpret_borrow<py::array>(obj);
+  const auto dtype = dtype_of(a);
+  if (!dtype) {
+    problems.add(
+        name, dtype_text(a),
+        name + ": dtype " + dtype_text(a) + " is not supported; valid: float32, or uint16 holding bfloat16");
+  }
+  if (a.ndim() != 4) {
+    problems.add(name, shape_text(a),
+                 name + ": shape " + shape_text(a) + " has " + std::to_string(a.ndim()) +
+                     " dimensions; expected 4: [batch, seq, heads, head_dim]");
+  }
+  if (!dtype || a.ndim() != 4) return std::nullopt;
+  const auto item = static_cast<py::ssize_t>(dtype_size(*dtype));
+  bool direct = a.shape(3) <= 1 || a.strides(3) == item;
+  for (int i = 0; i < 4; ++i) direct = direct && a.strides(i) >= 0 && a.strides(i) % item == 0;
+  if (!direct) a = py::array::ensure(a, py::array::c_style);
+  ArrayRef out{a, {}};
+  out.ref.ptr = a.data();
+  out.ref.dtype = *dtype;
+  out.ref.shape = {a.shape(0), a.shape(1), a.shape(2), a.shape(3)};
+  for (int i = 0; i < 4; ++i) out.ref.stride[static_cast<std::size_t>(i)] = a.strides(i) / item;
+  out.ref.stride[3] = 1;
+  return out;
+}
+
+// segment_ids [B, S] of int32 or int64 as int32 (values outside int32 refused).
+std::vector<std::int32_t> read_segments(const py::handle& obj, std::int64_t batch, std::int64_t seq,
+                                        Problems& problems) {
+  if (obj.is_none()) return {};
+  py::array a;
+  try {
+    a = py::array::ensure(obj);
+  } catch (const py::error_already_set&) {
+  }
+  if (!a || !(a.dtype().is(py::dtype::of<std::int32_t>()) || a.dtype().is(py::dtype::of<std::int64_t>()))) {
+    problems.add("segment_ids", a ? dtype_text(a) : py::str(py::type::of(obj)).cast<std::string>(),
+                 "segment_ids: expected an int32 or int64 array [batch, seq]");
+    return {};
+  }
+  if (a.ndim() != 2 || a.shape(0) != batch || a.shape(1) != seq) {
+    problems.add("segment_ids", shape_text(a),
+                 "segment_ids: shape " + shape_text(a) + "; expected [" + std::to_string(batch) + ", " +
+                     std::to_string(seq) + "] (batch and seq of q)");
+    return {};
+  }
+  std::vector<std::int32_t> out(static_cast<std::size_t>(batch * seq));
+  if (a.dtype().is(py::dtype::of<std::int32_t>())) {
+    auto v = a.cast<py::array_t<std::int32_t, py::array::forcecast>>().unchecked<2>();
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int64_t s = 0; s < seq; ++s) out[static_cast<std::size_t>(b * seq + s)] = v(b, s);
+    return out;
+  }
+  auto v = a.cast<py::array_t<std::int64_t, py::array::forcecast>>().unchecked<2>();
+  for (std::int64_t b = 0; b < batch; ++b) {
+    for (std::int64_t s = 0; s < seq; ++s) {
+      const std::int64_t x = v(b, s);
+      if (x < INT32_MIN || x > INT32_MAX) {
+        problems.add("segment_ids", std::to_string(x),
+                     "segment_ids: value " + std::to_string(x) + " at [" + std::to_string(b) + ", " +
+                         std::to_string(s) + "] is outside int32");
+        return {};
+      }
+      out[static_cast<std::size_t>(b * seq + s)] = static_cast<std::int32_t>(x);
+    }
+  }
+  return out;
+}
+
+// The attention problem q, k, v describe (one process: cp = 1, S = the arrays' seq), every broken rule
+// collected in `problems`.
+AttentionSpec spec_of(const std::optional<ArrayRef>& q, const std::optional<ArrayRef>& k,
+                      const std::optional<ArrayRef>& v, bool causal, std::optional<double> scale,
+                      Problems& problems) {
+  AttentionSpec a;
+  a.causal = causal;
+  a.softmax_scale = scale;
+  if (!q || !k || !v) return a;
+  const Shape4 &sq = q->ref.shape, &sk = k->ref.shape, &sv = v->ref.shape;
+  if (!(sk == sv)) {
+    problems.add("v", to_string(sv), "v: shape " + to_string(sv) + " differs from k's " + to_string(sk));
+  }
+  if (k->ref.dtype != q->ref.dtype || v->ref.dtype != q->ref.dtype) {
+    problems.add("k", to_string(k->ref.dtype),
+                 std::string("q, k, v: dtypes ") + to_string(q->ref.dtype) + ", " + to_string(k->ref.dtype) +
+                     ", " + to_string(v->ref.dtype) + " differ; all three must be one dtype");
+  }
+  if (sk.b != sq.b || sk.s != sq.s) {
+    problems.add("k", to_string(sk),
+                 "k: shape " + to_string(sk) + " has batch and seq " + std::to_string(sk.b) + ", " +
+                     std::to_string(sk.s) + "; q's are " + std::to_string(sq.b) + ", " +
+                     std::to_string(sq.s) + " (self-attention: the same tokens)");
+  }
+  if (sk.d != sq.d) {
+    problems.add("k", std::to_string(sk.d),
+                 "k: head_dim " + std::to_string(sk.d) + " differs from q's " + std::to_string(sq.d));
+  }
+  if (sq.b < 1 || sq.s < 1) {
+    problems.add("q", to_string(sq), "q: shape " + to_string(sq) + " is empty; batch and seq must be >= 1");
+  }
+  a.batch = sq.b;
+  a.seq_len = sq.s;
+  a.num_q_heads = sq.h;
+  a.num_kv_heads = sk.h;
+  a.head_dim = sq.d;
+  a.dtype = q->ref.dtype;
+  return a;
+}
+
+void add_rule_errors(const AttentionSpec& a, const ParallelSpec& p, Problems& problems) {
+  for (ErrorItem& e : validation_errors(a, p)) problems.items.push_back(std::move(e));
+}
+
+// An owning numpy array over a Tensor's storage (no copy: the Tensor lives in the array's capsule).
+py::array to_numpy(Tensor&& t) {
+  auto* owner = new Tensor(std::move(t));
+  py::capsule free(owner, [](void* p) { delete static_cast<Tensor*>(p); });
+  const Shape4 s = owner->shape();
+  const auto item = static_cast<py::ssize_t>(dtype_size(owner->dtype()));
+  const std::vector<py::ssize_t> shape = {s.b, s.s, s.h, s.d};
+  const std::vector<py::ssize_t> strides = {s.s * s.h * s.d * item, s.h * s.d * item, s.d * item, item};
+  const py::dtype dt = owner->dtype() == DType::f32 ? py::dtype::of<float>() : py::dtype::of<std::uint16_t>();
+  return py::array(dt, shape, strides, owner->raw(), free);
+}
+
+py::array lse_to_numpy(std::vector<float>&& lse, std::int64_t b, std::int64_t h, std::int64_t s) {
+  auto* owner = new std::vector<float>(std::move(lse));
+  py::capsule free(owner, [](void* p) { delete static_cast<std::vector<float>*>(p); });
+  return py::array_t<float>({b, h, s}, owner->data(), free);
+}
+
+std::vector<std::int32_t> natural_positions(std::int64_t batch, std::int64_t seq) {
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(batch * seq));
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t s = 0; s < seq; ++s)
+      pos[static_cast<std::size_t>(b * seq + s)] = static_cast<std::int32_t>(s);
+  return pos;
+}
+
+FlashConfig kernel_config(std::optional<int> threads, Problems& problems) {
+  FlashConfig config;
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (threads && *threads < 1) {
+    problems.add("threads", std::to_string(*threads),
+                 "threads: " + std::to_string(*threads) + " must be >= 1");
+  }
+  config.threads = threads.value_or(hw);
+  return config;
+}
+
+py::tuple attention(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj, bool causal,
+                    const py::object& segment_ids, std::optional<double> scale, std::optional<int> threads) {
+  Problems problems;
+  auto q = read_tensor(q_obj, "q", problems), k = read_tensor(k_obj, "k", problems),
+       v = read_tensor(v_obj, "v", problems);
+  const AttentionSpec a = spec_of(q, k, v, causal, scale, problems);
+  if (problems.items.empty()) add_rule_errors(a, ParallelSpec{}, problems);
+  const FlashConfig config = kernel_config(threads, problems);
+  problems.raise();
+  const auto seg = read_segments(segment_ids, a.batch, a.seq_len, problems);
+  problems.raise();
+  const auto pos = natural_positions(a.batch, a.seq_len);
+  Tensor o(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim});
+  std::vector<float> lse(static_cast<std::size_t>(a.batch * a.num_q_heads * a.seq_len));
+  {
+    py::gil_scoped_release release;
+    const AttentionMask mask{pos, pos, seg, seg, causal};
+    flash_forward(q->ref, k->ref, v->ref, mask, a.scale(), config, ref(o), lse.data());
+  }
+  return py::make_tuple(to_numpy(std::move(o)),
+                        lse_to_numpy(std::move(lse), a.batch, a.num_q_heads, a.seq_len));
+}
+
+py::tuple attention_backward(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
+                             const py::object& o_obj, const py::object& lse_obj, const py::object& do_obj,
+                             bool causal, const py::object& segment_ids, std::optional<double> scale,
+                             std::optional<int> threads) {
+  Problems problems;
+  auto q = read_tensor(q_obj, "q", problems), k = read_tensor(k_obj, "k", problems),
+       v = read_tensor(v_obj, "v", problems), o = read_tensor(o_obj, "o", problems),
+       d_out = read_tensor(do_obj, "do", problems);
+  const AttentionSpec a = spec_of(q, k, v, causal, scale, problems);
+  if (problems.items.empty()) add_rule_errors(a, ParallelSpec{}, problems);
+  const FlashConfig config = kernel_config(threads, problems);
+  if (q) {
+    for (const auto& [x, name] : {std::pair{&o, "o"}, std::pair{&d_out, "do"}}) {
+      if (*x && !((*x)->ref.shape == q->ref.shape && (*x)->ref.dtype == q->ref.dtype)) {
+        problems.add(name, to_string((*x)->ref.shape),
+                     std::string(name) + ": shape " + to_string((*x)->ref.shape) + " " +
+                         to_string((*x)->ref.dtype) + " differs from q's " + to_string(q->ref.shape) + " " +
+                         to_string(q->ref.dtype));
+      }
+    }
+  }
+  py::array lse;
+  if (!py::isinstance<py::array>(lse_obj) ||
+      !py::reinterpret_borrow<py::array>(lse_obj).dtype().is(py::dtype::of<float>())) {
+    problems.add("lse", "", "lse: expected the float32 array [B, Hq, S] that attention returned");
+  } else {
+    lse = py::array::ensure(lse_obj, py::array::c_style);
+    if (q && !(lse.ndim() == 3 && lse.shape(0) == a.batch && lse.shape(1) == a.num_q_heads &&
+               lse.shape(2) == a.seq_len)) {
+      problems.add("lse", shape_text(lse),
+                   "lse: shape " + shape_text(lse) + "; expected [" + std::to_string(a.batch) + ", " +
+                       std::to_string(a.num_q_heads) + ", " + std::to_string(a.seq_len) + "]");
+    }
+  }
+  problems.raise();
+  const auto seg = read_segments(segment_ids, a.batch, a.seq_len, problems);
+  problems.raise();
+  const auto pos = natural_positions(a.batch, a.seq_len);
+  Tensor dq(a.dtype, q->ref.shape), dk(a.dtype, k->ref.shape), dv(a.dtype, v->ref.shape);
+  {
+    py::gil_scoped_release release;
+    const AttentionMask mask{pos, pos, seg, seg, causal};
+    flash_backward(q->ref, k->ref, v->ref, o->ref, static_cast<const float*>(lse.data()), d_out->ref, mask,
+                   a.scale(), config, ref(dq), ref(dk), ref(dv));
+  }
+  return py::make_tuple(to_numpy(std::move(dq)), to_numpy(std::move(dk)), to_numpy(std::move(dv)));
+}
+
+py::array local_positions_of(std::int64_t seq_len, std::int64_t cp, std::int64_t rank,
+                             const std::string& layout) {
+  Problems problems;
+  if (cp < 1) problems.add("cp", std::to_string(cp), "cp: " + std::to_string(cp) + " must be >= 1");
+  if (rank < 0 || rank >= cp) {
+    problems.add("rank", std::to_string(rank), "rank: " + std::to_string(rank) + " must be in [0, cp)");
+  }
+  const ShardLayout l = parse_layout(layout, "layout");
+  const std::int64_t chunks = l == ShardLayout::dual_chunk_swap ? 2 * cp : cp;
+  if (cp >= 1 && (seq_len < chunks || seq_len % chunks != 0)) {
+    problems.add("seq_len", std::to_string(seq_len),
+                 "seq_len: " + std::to_string(seq_len) + " must be a positive multiple of " +
+                     std::to_string(chunks) + " (" + to_string(l) + " at cp " + std::to_string(cp) + ")");
+  }
+  problems.raise();
+  const auto pos = local_positions(l, seq_len, cp, rank);
+  py::array_t<std::int64_t> out(static_cast<py::ssize_t>(pos.size()));
+  std::copy(pos.begin(), pos.end(), out.mutable_data());
+  return out;
+}
+
+py::tuple run_document(const std::string& command,
+                       const std::vector<std::pair<std::string, py::object>>& kwargs) {
+  std::vector<std::pair<std::string, cli::FlagValue>> flags;
+  for (const auto& [name, value] : kwargs) {
+    if (py::isinstance<py::bool_>(value)) {
+      flags.emplace_back(name, value.cast<bool>());
+    } else {
+      flags.emplace_back(name, py::str(value).cast<std::string>());
+    }
+  }
+  cli::DocumentAnswer answer = cli::run_document_command(command, flags);
+  return py::make_tuple(answer.exit_code, answer.document);
+}
+
+#ifdef CPATTN_WITH_MPI
+
+// What one rank passes in a forward, agreed on by every rank before anything else: a rank whose arguments are
+// wrong, or that disagrees with the others, makes every rank raise.
+struct Agreement {
+  enum Field { bad_rank, batch, seq, q_heads, kv_heads, head_dim, dtype, segments, count };
+  static constexpr const char* names[count] = {"rank",     "batch",    "seq (local)", "q heads",
+                                               "kv heads", "head_dim", "dtype",       "segment_ids given"};
+};
+
+// The strategies over an MPI communicator (mpi4py's, by its Fortran handle), one C++ object per problem
+// shape, created on first use (every rank creates it at the same call: shapes are agreed on first).
+class ContextParallel {
+ public:
+  ContextParallel(std::int64_t fortran_handle, const std::string& strategy, bool causal, bool load_balance,
+                  std::optional<std::string> layout, std::optional<std::int64_t> ulysses_degree,
+                  std::optional<double> scale, std::optional<int> threads, bool remat,
+                  std::optional<double> timeout) {
+    int initialized = 0, finalized = 0;
+    MPI_Initialized(&initialized);
+    MPI_Finalized(&finalized);
+    if (!initialized || finalized) {
+      throw Error(ErrorKind::invalid_config, "comm", "",
+                  "comm: MPI is not initialised (import mpi4py.MPI before making ContextParallelAttention)");
+    }
+    Problems problems;
+    parallel_.strategy = parse_strategy(strategy, "strategy");
+    parallel_.load_balance = load_balance;
+    if (layout) parallel_.layout = parse_layout(*layout, "layout");
+    parallel_.ulysses_degree = ulysses_degree.value_or(0);
+    causal_ = causal;
+    scale_ = scale;
+    options_.remat = remat;
+    if (threads && *threads < 1) {
+      problems.add("threads", std::to_string(*threads),
+                   "threads: " + std::to_string(*threads) + " must be >= 1");
+    }
+    options_.threads = threads.value_or(0);
+    if (timeout && !(*timeout > 0 && *timeout <= 1e6)) {
+      problems.add("timeout", std::to_string(*timeout), "timeout: seconds in (0, 1e6]");
+    }
+    problems.raise();
+    comm_ = std::make_unique<MpiCommunicator>(MPI_Comm_f2c(static_cast<MPI_Fint>(fortran_handle)));
+    if (timeout) comm_->set_timeout(std::chrono::milliseconds(static_cast<std::int64_t>(*timeout * 1000)));
+    parallel_.cp = comm_->size();
+  }
+
+  int rank() const { return comm_->rank(); }
+  int size() const { return comm_->size(); }
+
+  // (o, lse, saved): saved goes back to backward.
+  py::tuple forward(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
+                    const py::object& segment_ids, const std::string& caller_problem, bool forward_only) {
+    Problems problems;
+    std::optional<ArrayRef> q, k, v;
+    if (!caller_problem.empty()) {
+      problems.add("input", "", caller_problem);
+    } else {
+      q = read_tensor(q_obj, "q", problems);
+      k = read_tensor(k_obj, "k", problems);
+      v = read_tensor(v_obj, "v", problems);
+    }
+    AttentionSpec a = spec_of(q, k, v, causal_, scale_, problems);
+    std::vector<std::int32_t> seg;
+    if (problems.items.empty()) seg = read_segments(segment_ids, a.batch, a.seq_len, problems);
+    const std::int64_t local_seq = a.seq_len;
+    a.seq_len = local_seq * parallel_.cp;
+    agree(a, local_seq, !segment_ids.is_none(), problems);
+    // Every rank holds the same spec now: the rules are the same everywhere, and so is the error.
+    ContextParallelAttention& cp = object_for(a);
+    Tensor qt = copy_in(q->ref), kt = copy_in(k->ref), vt = copy_in(v->ref);
+    AttentionOutput out;
+    std::shared_ptr<ContextParallelAttention::Saved> saved;
+    {
+      py::gil_scoped_release release;
+      out = cp.forward(qt, kt, vt, seg, forward_only);
+      if (!forward_only) saved = cp.take_saved();
+    }
+    const Shape4 os = out.o.shape();
+    py::array o = to_numpy(std::move(out.o));
+    py::array lse = lse_to_numpy(std::move(out.lse), os.b, os.h, os.s);
+    py::object handle = py::none();
+    if (saved) handle = py::cast(SavedForward{key_of(a), std::move(saved)});
+    return py::make_tuple(o, lse, handle);
+  }
+
+  struct SavedForward {
+    std::string key;
+    std::shared_ptr<ContextParallelAttention::Saved> saved;
+  };
+
+  py::tuple backward(SavedForward& saved, const py::object& do_obj, const std::string& caller_problem) {
+    Problems problems;
+    std::optional<ArrayRef> d_out;
+    if (!caller_problem.empty()) {
+      problems.add("input", "", caller_problem);
+    } else {
+      d_out = read_tensor(do_obj, "do", problems);
+    }
+    // The object checks d_out against its spec on every rank (and agrees on the outcome) before data moves;
+    // a rank whose argument could not even be read passes an empty tensor, which fails that check.
+    const auto it = objects_.find(saved.key);
+    CPATTN_ASSERT(it != objects_.end());
+    Tensor dt = d_out && problems.items.empty() ? copy_in(d_out->ref) : Tensor();
+    AttentionGradients g;
+    try {
+      py::gil_scoped_release release;
+      g = it->second->backward(dt, *saved.saved);
+    } catch (const Error&) {
+      problems.raise();  // this rank's own reason first
+      throw;
+    }
+    return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)), to_numpy(std::move(g.dv)));
+  }
+
+  py::array local_positions(std::int64_t seq_len) const {
+    return local_positions_of(seq_len, parallel_.cp, comm_->rank(), to_string(parallel_.effective_layout()));
+  }
+
+ private:
+  static std::string key_of(const AttentionSpec& a) {
+    return std::to_string(a.batch) + "," + std::to_string(a.seq_len) + "," + std::to_string(a.num_q_heads) +
+           "," + std::to_string(a.num_kv_heads) + "," + std::to_string(a.head_dim) + "," + to_string(a.dtype);
+  }
+
+  void agree(const AttentionSpec& a, std::int64_t local_seq, bool has_segments, const Problems& problems) {
+    const int rank = comm_->rank();
+    std::int64_t mine[Agreement::count] = {problems.items.empty() ? -1 : rank,
+                                           a.batch,
+                                           local_seq,
+                                           a.num_q_heads,
+                                           a.num_kv_heads,
+                                           a.head_dim,
+                                           static_cast<std::int64_t>(a.dtype),
+                                           has_segments ? 1 : 0};
+    // max of each field, then max of its negation (the min), in one call
+    std::int64_t both[2 * Agreement::count];
+    for (int i = 0; i < Agreement::count; ++i) {
+      both[i] = mine[i];
+      both[Agreement::count + i] = -mine[i];
+    }
+    {
+      py::gil_scoped_release release;
+      comm_->all_reduce(both, 2 * Agreement::count, ReduceOp::max);
+    }
+    problems.raise();
+    const std::string me = "rank " + std::to_string(rank) + ": ";
+    if (both[Agreement::bad_rank] >= 0) {
+      throw Error(ErrorKind::invalid_input, "rank", std::to_string(both[Agreement::bad_rank]),
+                  me + "rank " + std::to_string(both[Agreement::bad_rank]) +
+                      " passed arguments that cannot run (its error names them); nothing was computed");
+    }
+    std::vector<ErrorItem> items;
+    for (int i = Agreement::batch; i < Agreement::count; ++i) {
+      const std::int64_t hi = both[i], lo = -both[Agreement::count + i];
+      if (hi != lo) {
+        items.push_back({{Agreement::names[i]},
+                         std::to_string(mine[i]),
+                         me + std::string(Agreement::names[i]) + " differs between ranks (from " +
+                             std::to_string(lo) + " to " + std::to_string(hi) + "; this rank's: " +
+                             std::to_string(mine[i]) + "); every rank must pass the same shapes"});
+      }
+    }
+    if (!items.empty()) throw Error(ErrorKind::invalid_input, items);
+  }
+
+  ContextParallelAttention& object_for(const AttentionSpec& a) {
+    const std::string key = key_of(a);
+    auto it = objects_.find(key);
+    if (it == objects_.end()) {
+      std::unique_ptr<ContextParallelAttention> made;
+      {
+        py::gil_scoped_release release;
+        made = std::make_unique<ContextParallelAttention>(a, parallel_, *comm_, options_);
+      }
+      it = objects_.emplace(key, std::move(made)).first;
+    }
+    return *it->second;
+  }
+
+  static Tensor copy_in(const ConstTensorRef& r) {
+    Tensor t(r.dtype, r.shape);
+    const std::size_t row = static_cast<std::size_t>(r.shape.d) * dtype_size(r.dtype);
+    auto* dst = static_cast<char*>(t.raw());
+    const auto* src = static_cast<const char*>(r.ptr);
+    const auto item = static_cast<std::int64_t>(dtype_size(r.dtype));
+    for (std::int64_t b = 0; b < r.shape.b; ++b)
+      for (std::int64_t s = 0; s < r.shape.s; ++s)
+        for (std::int64_t h = 0; h < r.shape.h; ++h, dst += row)
+          std::memcpy(dst, src + r.offset(b, s, h) * item, row);
+    return t;
+  }
+
+  ParallelSpec parallel_;
+  bool causal_ = true;
+  std::optional<double> scale_;
+  ContextParallelOptions options_;
+  std::unique_ptr<MpiCommunicator> comm_;
+  std::map<std::string, std::unique_ptr<ContextParallelAttention>> objects_;
+};
+
+#endif
+
+}  // namespace
+}  // namespace cpattn::python
+
+PYBIND11_MODULE(_cpattn, m) {
+  using namespace cpattn;
+  using namespace cpattn::python;
+  m.doc() = "cpattn's extension; use the cpattn and cpattn.torch modules";
+
+  static py::exception<Error> config_error(m, "ConfigError", PyExc_ValueError);
+  static py::exception<Error> communication_error(m, "CommunicationError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      py::list items;
+      for (const ErrorItem& i : e.items()) {
+        py::dict d;
+        d["field"] = i.fields.empty() ? std::string() : i.fields.front();
+        d["fields"] = i.fields;
+        d["value"] = i.value;
+        d["message"] = i.message;
+        items.append(d);
+      }
+      const bool config = e.kind() == ErrorKind::invalid_config || e.kind() == ErrorKind::invalid_input;
+      py::object type = config ? py::object(config_error) : py::object(communication_error);
+      if (e.kind() == ErrorKind::internal) type = py::reinterpret_borrow<py::object>(PyExc_RuntimeError);
+      py::object instance = type(std::string(e.what()));
+      if (e.kind() != ErrorKind::internal) instance.attr("errors") = items;
+      PyErr_SetObject(type.ptr(), instance.ptr());
+    }
+  });
+
+  m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal") = true,
+        py::arg("segment_ids") = py::none(), py::arg("scale") = py::none(), py::arg("threads") = py::none());
+  m.def("attention_backward", &attention_backward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+        py::arg("lse"), py::arg("do"), py::arg("causal") = true, py::arg("segment_ids") = py::none(),
+        py::arg("scale") = py::none(), py::arg("threads") = py::none());
+  m.def("local_positions", &local_positions_of, py::arg("seq_len"), py::arg("cp"), py::arg("rank"),
+        py::arg("layout") = "contiguous");
+  m.def("_run_document", &run_document);
+  m.def("simd_target", [] { return flash_vector_target(); });
+#ifdef CPATTN_WITH_MPI
+  m.attr("with_mpi") = true;
+  py::class_<ContextParallel::SavedForward>(m, "_SavedForward");
+  py::class_<ContextParallel>(m, "_ContextParallel")
+      .def(py::init<std::int64_t, const std::string&, bool, bool, std::optional<std::string>,
+                    std::optional<std::int64_t>, std::optional<double>, std::optional<int>, bool,
+                    std::optional<double>>(),
+           py::arg("fortran_handle"), py::arg("strategy"), py::arg("causal"), py::arg("load_balance"),
+           py::arg("layout"), py::arg("ulysses_degree"), py::arg("scale"), py::arg("threads"),
+           py::arg("remat"), py::arg("timeout"))
+      .def_property_readonly("rank", &ContextParallel::rank)
+      .def_property_readonly("size", &ContextParallel::size)
+      .def("forward", &ContextParallel::forward)
+      .def("backward", &ContextParallel::backward)
+      .def("local_positions", &ContextParallel::local_positions);
+#else
+  m.attr("with_mpi") = false;
+#endif
+}
