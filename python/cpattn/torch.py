@@ -92,13 +92,13 @@ def attention(q, k, v, causal=True, segment_ids=None, scale=None, threads=None):
 
 class _ContextParallel(_torch.autograd.Function):
     @staticmethod
-    def forward(ctx, impl, q, k, v, segment_ids):
+    def forward(ctx, impl, q, k, v, segment_ids, forward_only):
         arrays = [_to_numpy(q, "q"), _to_numpy(k, "k"), _to_numpy(v, "v"), _segments(segment_ids)]
         # A reason found here does not raise here: it goes into the agreement every rank makes, so every
         # rank raises.
         why = "; ".join(w for _, w in arrays if w)
         qa, ka, va, seg = (a for a, _ in arrays)
-        o, _, saved = impl.forward(qa, ka, va, seg, why, False)
+        o, _, saved = impl.forward(qa, ka, va, seg, why, forward_only)
         ctx.impl, ctx.saved_forward = impl, saved
         return _to_torch(o)
 
@@ -106,7 +106,7 @@ class _ContextParallel(_torch.autograd.Function):
     def backward(ctx, do):
         da, why = _to_numpy(do, "do")
         dq, dk, dv = ctx.impl.backward(ctx.saved_forward, da, why)
-        return None, _to_torch(dq), _to_torch(dk), _to_torch(dv), None
+        return None, _to_torch(dq), _to_torch(dk), _to_torch(dv), None, None
 
 
 class ContextParallelAttention(_torch.nn.Module):
@@ -154,4 +154,8 @@ class ContextParallelAttention(_torch.nn.Module):
         return x.index_select(dim, self.local_positions(x.shape[dim]))
 
     def forward(self, q, k, v, segment_ids=None):
-        return _ContextParallel.apply(self._impl, q, k, v, segment_ids)
+        # No graph to build (no_grad, or no input needs a gradient): the forward keeps no state for a backward.
+        needs_grad = _torch.is_grad_enabled() and any(
+            isinstance(t, _torch.Tensor) and t.requires_grad for t in (q, k, v)
+        )
+        return _ContextParallel.apply(self._impl, q, k, v, segment_ids, not needs_grad)

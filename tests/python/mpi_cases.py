@@ -1,0 +1,160 @@
+"""Cases run by every process under mpirun (test_mpi.py launches them): python3 mpi_cases.py CASE.
+Each process asserts on its own results and prints "CASE ok rank R" at the end; any failure raises (mpi4py
+then aborts the job, so a failed case cannot leave the others waiting)."""
+
+import sys
+
+import torch
+from mpi4py import MPI
+
+import cpattn
+import cpattn.torch as ct
+import naive
+
+WORLD = MPI.COMM_WORLD
+
+
+def problem(B, S, Hq, Hkv, D, seed, packed=False, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, S, h, D, generator=g).to(dtype) for h in (Hq, Hkv, Hkv))
+    do = torch.randn(B, S, Hq, D, generator=g).to(dtype)
+    seg = None
+    if packed:
+        seg = torch.zeros(B, S, dtype=torch.int32)
+        seg[:, S // 3:] = 1
+        seg[:, 3 * S // 4:] = 2
+    return q, k, v, do, seg
+
+
+def single_process(q, k, v, do, causal, seg):
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    o = ct.attention(qs, ks, vs, causal=causal, segment_ids=seg, threads=1)
+    o.backward(do)
+    return o.detach(), qs.grad, ks.grad, vs.grad
+
+
+def check_strategy(comm, strategy, seed, bitwise, Hq=8, Hkv=2, S=256, causal=True, packed=False, **options):
+    """This rank's O equals the single-process result on its shard (bit for bit where `bitwise`), gradients
+    within 1e-6 of the largest magnitude."""
+    B, D = 2, 32
+    q, k, v, do, seg = problem(B, S, Hq, Hkv, D, seed, packed)
+    attn = ct.ContextParallelAttention(comm, strategy=strategy, causal=causal, threads=1, **options)
+    ql, kl, vl = (attn.shard(t).clone().requires_grad_() for t in (q, k, v))
+    o = attn(ql, kl, vl, segment_ids=None if seg is None else attn.shard(seg))
+    o.backward(attn.shard(do))
+    want = single_process(q, k, v, do, causal, seg)
+    o_want = attn.shard(want[0])
+    if bitwise:
+        assert torch.equal(o, o_want), (strategy, (o - o_want).abs().max().item())
+    else:
+        assert naive.relative_error(o, o_want) < 1e-6, (strategy, naive.relative_error(o, o_want))
+    for name, got, ref in zip(("dq", "dk", "dv"), (ql.grad, kl.grad, vl.grad), want[1:]):
+        err = naive.relative_error(got, attn.shard(ref))
+        assert err < 1e-6, (strategy, name, err)
+    return attn
+
+
+def case_strategies():
+    # KV replication: Hq 8 on Hkv 2 at cp 4 puts each kv head on two ranks.
+    check_strategy(WORLD, "ulysses", 1, bitwise=True)
+    check_strategy(WORLD, "ulysses", 2, bitwise=True, packed=True)
+    check_strategy(WORLD, "all_gather", 3, bitwise=True, load_balance=True)
+    check_strategy(WORLD, "all_gather", 4, bitwise=True, load_balance=True, packed=True, causal=False)
+    # The ring and the hybrid merge partial softmaxes: close, not bitwise.
+    check_strategy(WORLD, "ring", 5, bitwise=False, load_balance=True)
+    check_strategy(WORLD, "hybrid", 6, bitwise=False, ulysses_degree=2, load_balance=True)
+
+
+def case_bfloat16():
+    B, S, Hq, Hkv, D = 1, 256, 8, 2, 32
+    q, k, v, do, _ = problem(B, S, Hq, Hkv, D, 7, dtype=torch.bfloat16)
+    attn = ct.ContextParallelAttention(WORLD, strategy="ulysses", threads=1)
+    ql, kl, vl = (attn.shard(t).clone().requires_grad_() for t in (q, k, v))
+    o = attn(ql, kl, vl)
+    o.backward(attn.shard(do))
+    assert o.dtype == torch.bfloat16 and ql.grad.dtype == torch.bfloat16 and kl.grad.dtype == torch.bfloat16
+    o_want = attn.shard(ct.attention(q, k, v, threads=1))
+    assert torch.equal(o, o_want)
+
+
+def case_subgroups():
+    # 8 processes: two groups of 4 running different problems at the same time.
+    color = WORLD.rank // 4
+    sub = WORLD.Split(color, WORLD.rank)
+    if color == 0:
+        check_strategy(sub, "ulysses", 10, bitwise=True, Hq=8, Hkv=2)
+    else:
+        check_strategy(sub, "all_gather", 11, bitwise=True, Hq=12, Hkv=3, S=384, load_balance=True)
+    sub.Free()
+
+
+def case_side_by_side():
+    # Two objects with different head counts and strategies, interleaved, each with two forwards in flight
+    # before their backwards (no state leaks between them, none is overwritten).
+    a = ct.ContextParallelAttention(WORLD, strategy="ulysses", threads=1)
+    b = ct.ContextParallelAttention(WORLD, strategy="all_gather", load_balance=True, threads=1)
+    pa = problem(1, 128, 8, 2, 16, 20)
+    pb = problem(1, 256, 4, 1, 32, 21)
+    pa2 = problem(1, 128, 8, 2, 16, 22)
+    runs = []
+    for attn, (q, k, v, do, _) in ((a, pa), (b, pb), (a, pa2)):
+        ql, kl, vl = (attn.shard(t).clone().requires_grad_() for t in (q, k, v))
+        runs.append((attn, ql, kl, vl, attn(ql, kl, vl), (q, k, v, do)))
+    for attn, ql, kl, vl, o, (q, k, v, do) in reversed(runs):
+        o.backward(attn.shard(do))
+        want = single_process(q, k, v, do, True, None)
+        assert torch.equal(o, attn.shard(want[0]))
+        for got, ref in zip((ql.grad, kl.grad, vl.grad), want[1:]):
+            assert naive.relative_error(got, attn.shard(ref)) < 1e-6
+
+
+def expect_error(kind, fn, *needles):
+    try:
+        fn()
+    except kind as e:
+        for needle in needles:
+            assert needle in str(e), (needle, str(e))
+        return str(e)
+    raise AssertionError(f"no {kind.__name__} raised")
+
+
+def case_errors():
+    rank = WORLD.rank
+    q, k, v, _, _ = problem(1, 256, 8, 2, 32, 30)
+    attn = ct.ContextParallelAttention(WORLD, strategy="ulysses", threads=1)
+    ql, kl, vl = (attn.shard(t) for t in (q, k, v))
+    # A shape that disagrees on one rank only: every rank raises, the bad one naming its tensor.
+    bad = ql[:, :, :, :16] if rank == 2 else ql
+    msg = expect_error(cpattn.ConfigError, lambda: attn(bad, kl, vl))
+    assert ("head_dim" in msg or "q" in msg) if rank == 2 else "rank 2" in msg, msg
+    # A wrong dtype on one rank (caught in Python before C++) also raises everywhere.
+    bad = ql.double() if rank == 1 else ql
+    msg = expect_error(cpattn.ConfigError, lambda: attn(bad, kl, vl))
+    assert "float64" in msg if rank == 1 else "rank 1" in msg, msg
+    # A local seq that differs between ranks: each rank names the field and the range.
+    expect_error(cpattn.ConfigError, lambda: attn(ql[:, : 64 - rank], kl[:, : 64 - rank], vl[:, : 64 - rank]), "seq")
+    # The wrong size of communicator for the problem: ulysses needs cp <= Hq.
+    expect_error(cpattn.ConfigError, lambda: attn(ql[:, :, :2], kl[:, :, :1], vl[:, :, :1]), "num_q_heads")
+    # An unknown strategy, a bad option.
+    expect_error(cpattn.ConfigError, lambda: ct.ContextParallelAttention(WORLD, strategy="zigzag"), "strategy")
+    expect_error(cpattn.ConfigError, lambda: ct.ContextParallelAttention(WORLD, threads=0), "threads")
+    expect_error(cpattn.ConfigError, lambda: ct.ContextParallelAttention("world"), "comm")
+    # After all of that the communicator and the object still work.
+    o = attn(ql, kl, vl)
+    assert torch.equal(o, attn.shard(ct.attention(q, k, v, threads=1)))
+
+
+def case_dies():
+    # Rank 1 dies before the collective: mpirun ends the job (the others must not wait forever).
+    if WORLD.rank == 1:
+        import os
+        os._exit(3)
+    q, k, v, _, _ = problem(1, 256, 8, 2, 32, 40)
+    attn = ct.ContextParallelAttention(WORLD, strategy="ulysses", threads=1, timeout=60)
+    attn(attn.shard(q), attn.shard(k), attn.shard(v))
+
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    globals()["case_" + name]()
+    print(f"{name} ok rank {WORLD.rank}", flush=True)

@@ -1,0 +1,27 @@
+"""PyTorch's own attention written naively in float64: the reference the Python tests compare against."""
+
+import torch
+
+
+def attention(q, k, v, causal=True, segment_ids=None, scale=None):
+    """q [B, S, Hq, D], k and v [B, S, Hkv, D] (any float dtype, computed in it); GQA by repeating K/V."""
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, 2)
+    v = v.repeat_interleave(group, 2)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    n = q.shape[1]
+    visible = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        visible = torch.tril(visible)
+    visible = visible[None, None]
+    if segment_ids is not None:
+        visible = visible & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    s = s.masked_fill(~visible, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1).nan_to_num(0.0), v)
+
+
+def relative_error(got, want):
+    """Largest difference over the largest magnitude of `want`."""
+    want = want.double()
+    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()

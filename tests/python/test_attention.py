@@ -1,0 +1,236 @@
+"""cpattn.torch.attention and the numpy level against PyTorch's naive attention in float64; bad inputs."""
+
+import json
+import os
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="python3-torch is not installed (scripts/setup installs it)")
+
+import cpattn  # noqa: E402
+import cpattn.torch as ct  # noqa: E402
+import naive  # noqa: E402
+
+CASES = [
+    # (name, B, S, Hq, Hkv, D, causal, packed)
+    ("causal_gqa", 2, 192, 8, 2, 32, True, False),
+    ("noncausal_gqa", 1, 160, 8, 2, 64, False, False),
+    ("causal_mqa", 1, 130, 8, 1, 32, True, False),
+    ("noncausal_mha", 1, 96, 4, 4, 16, False, False),
+    ("packed_causal_gqa", 2, 200, 8, 2, 32, True, True),
+    ("packed_noncausal_mqa", 1, 150, 8, 1, 48, False, True),
+]
+
+
+def make(B, S, Hq, Hkv, D, packed, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, Hq, D, generator=g)
+    k = torch.randn(B, S, Hkv, D, generator=g)
+    v = torch.randn(B, S, Hkv, D, generator=g)
+    do = torch.randn(B, S, Hq, D, generator=g)
+    seg = None
+    if packed:  # three documents in row 0, two in the others
+        seg = torch.zeros(B, S, dtype=torch.int64)
+        seg[0, S // 3:] = 1
+        seg[0, 2 * S // 3:] = 2
+        seg[1:, S // 2:] = 5
+    return q, k, v, do, seg
+
+
+def float64_reference(q, k, v, do, causal, seg):
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    o = naive.attention(q64, k64, v64, causal, seg)
+    o.backward(do.double())
+    return o.detach(), q64.grad, k64.grad, v64.grad
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_float32_matches_float64_within_1e_5(case):
+    _, B, S, Hq, Hkv, D, causal, packed = case
+    q, k, v, do, seg = make(B, S, Hq, Hkv, D, packed)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    o = ct.attention(qg, kg, vg, causal=causal, segment_ids=seg)
+    assert o.dtype == torch.float32 and o.shape == q.shape
+    o.backward(do)
+    want = float64_reference(q, k, v, do, causal, seg)
+    for name, got, ref in zip(("o", "dq", "dk", "dv"), (o, qg.grad, kg.grad, vg.grad), want):
+        assert got.dtype == torch.float32
+        assert naive.relative_error(got, ref) < 1e-5, name
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bfloat16_keeps_its_dtype_within_3e_2(case):
+    _, B, S, Hq, Hkv, D, causal, packed = case
+    q, k, v, do, seg = make(B, S, Hq, Hkv, D, packed)
+    qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))
+    o = ct.attention(qb, kb, vb, causal=causal, segment_ids=None if seg is None else seg.int())
+    o.backward(do.bfloat16())
+    want = float64_reference(q, k, v, do, causal, seg)
+    for name, got, ref in zip(("o", "dq", "dk", "dv"), (o, qb.grad, kb.grad, vb.grad), want):
+        assert got.dtype == torch.bfloat16, name
+        assert naive.relative_error(got, ref) < 3e-2, name
+
+
+def test_negative_control_a_wrong_mask_is_caught():
+    # The comparison can fail: causal output against a non-causal reference is far off.
+    q, k, v, do, _ = make(1, 128, 4, 2, 32, False)
+    o = ct.attention(q, k, v, causal=True)
+    wrong = naive.attention(q.double(), k.double(), v.double(), causal=False)
+    assert naive.relative_error(o, wrong) > 1e-2
+
+
+def test_scale_is_passed_through():
+    q, k, v, _, _ = make(1, 64, 4, 2, 32, False)
+    o = ct.attention(q, k, v, causal=False, scale=0.05)
+    assert naive.relative_error(o, naive.attention(q.double(), k.double(), v.double(), False, None, 0.05)) < 1e-5
+
+
+def test_numpy_level_strided_views_equal_contiguous_copies():
+    rng = np.random.default_rng(1)
+    qkv = rng.standard_normal((1, 128, 12, 32), dtype=np.float32)  # q heads 0..7, k 8..9, v 10..11
+    q, k, v = qkv[:, :, :8], qkv[:, :, 8:10], qkv[:, :, 10:]
+    assert not q.flags.c_contiguous
+    o1, lse1 = cpattn.attention(q, k, v)
+    o2, lse2 = cpattn.attention(*(np.ascontiguousarray(x) for x in (q, k, v)))
+    assert np.array_equal(o1, o2) and np.array_equal(lse1, lse2)
+    assert o1.dtype == np.float32 and lse1.shape == (1, 8, 128)
+    do = rng.standard_normal(o1.shape, dtype=np.float32)
+    g1 = cpattn.attention_backward(q, k, v, o1, lse1, do)
+    g2 = cpattn.attention_backward(*(np.ascontiguousarray(x) for x in (q, k, v)), o2, lse2, do)
+    for a, b in zip(g1, g2):
+        assert np.array_equal(a, b)
+    # a last axis that is not contiguous is copied, not misread
+    qt = np.ascontiguousarray(np.swapaxes(q, 2, 3)).swapaxes(2, 3)
+    assert qt.strides[3] != 4
+    o3, _ = cpattn.attention(qt, k, v)
+    assert np.array_equal(o1, o3)
+
+
+def test_non_contiguous_torch_tensors_and_expanded_gradients():
+    q, k, v, _, _ = make(1, 96, 8, 2, 32, False)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    qg = qt.clone().requires_grad_()
+    o = ct.attention(qg, k, v)
+    o.sum().backward()  # dO is an expanded tensor (stride 0)
+    q2 = q.clone().requires_grad_()
+    o2 = ct.attention(q2, k, v)
+    o2.backward(torch.ones_like(o2))
+    assert torch.equal(o, o2) and torch.equal(qg.grad, q2.grad)
+
+
+def test_backward_gives_none_for_every_non_tensor_argument():
+    q, k, v, do, seg = make(1, 64, 4, 2, 16, True)
+    o = ct.attention(q.clone().requires_grad_(), k, v, segment_ids=seg)
+    # The Function's own backward, as autograd calls it: one entry per argument of forward (q, k, v,
+    # segment_ids, causal, scale, threads), None for each that is not a differentiable tensor (yunchang #149).
+    out = o.grad_fn.apply(do)
+    assert len(out) == 7
+    assert all(isinstance(g, torch.Tensor) for g in out[:3])
+    assert all(g is None for g in out[3:])
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (lambda q, k, v: (q[0], k, v), "q"),  # wrong rank of tensor
+        (lambda q, k, v: (q, k[..., :16], v[..., :16]), "k"),  # head dims disagree
+        (lambda q, k, v: (q, k, v.double()), "v"),  # a dtype the kernels do not take
+        (lambda q, k, v: (q, k[:, :32], v[:, :32]), "k"),  # seq disagrees
+        (lambda q, k, v: (q[:, :, :5], k, v), "num_q_heads"),  # 5 % 2 != 0
+        (lambda q, k, v: (q, k, v[:, :, :1]), "v"),  # k and v differ
+        (lambda q, k, v: (q.numpy(), k, v), "q"),  # not a tensor
+    ],
+)
+def test_bad_inputs_raise_config_error_naming_the_field(args, field):
+    q, k, v, _, _ = make(1, 64, 8, 2, 32, False)
+    with pytest.raises(cpattn.ConfigError) as e:
+        ct.attention(*args(q, k, v))
+    assert isinstance(e.value, ValueError)
+    assert field in str(e.value)
+
+
+def test_all_broken_rules_are_listed_at_once():
+    q = np.zeros((1, 8, 3, 600), np.float32)
+    k = np.zeros((1, 8, 2, 600), np.float64)
+    with pytest.raises(cpattn.ConfigError) as e:
+        cpattn.attention(q, k, k)
+    fields = [item["field"] for item in e.value.errors]
+    assert fields.count("k") >= 1 and "v" in fields
+
+
+def test_bad_segment_ids():
+    q, k, v, _, _ = make(2, 64, 4, 2, 16, False)
+    for seg in (torch.zeros(2, 63, dtype=torch.int32), torch.zeros(2, 64), torch.full((2, 64), 2**40)):
+        with pytest.raises(cpattn.ConfigError, match="segment_ids"):
+            ct.attention(q, k, v, segment_ids=seg)
+
+
+def test_gil_is_released_during_compute():
+    q, k, v, _, _ = make(1, 2048, 8, 2, 64, False)
+    ticks = [0]
+    done = threading.Event()
+
+    def run():
+        ct.attention(q, k, v, threads=1)
+        done.set()
+
+    t = threading.Thread(target=run)
+    start = time.perf_counter()
+    t.start()
+    while not done.is_set():
+        ticks[0] += 1
+        time.sleep(0.001)
+    t.join()
+    elapsed = time.perf_counter() - start
+    # The main thread ran on while the kernel computed (the GIL held would leave it at a tick or two).
+    assert elapsed > 0.02 and ticks[0] >= 10, (elapsed, ticks[0])
+
+
+def cli(*args):
+    program = os.environ.get("CPATTN_PROGRAM", "cpattn")
+    out = subprocess.run([program, *args, "--json"], capture_output=True, text=True)
+    return out.returncode, json.loads(out.stdout)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(strategy="ulysses", cp=4, q_heads=32, kv_heads=2, head_dim=256, seq=65536, dtype="bf16"),
+        dict(strategy="hybrid", cp=8, ulysses_degree=4, q_heads=28, kv_heads=4, head_dim=128, seq=65536),
+        dict(strategy="all_gather", cp=4, q_heads=30, kv_heads=4, head_dim=600, seq=100, load_balance=True),
+    ],
+)
+def test_validate_is_the_programs_document(config):
+    flags = []
+    for name, value in config.items():
+        flags += ["--" + name.replace("_", "-")] + ([] if value is True else [str(value)])
+    code, doc = cli("validate", *flags)
+    assert cpattn.validate(**config) == doc
+    assert (code == 0) == doc["valid"]
+
+
+def test_plan_is_the_programs_document():
+    code, doc = cli("plan", "--preset", "llama3-8b", "--seq", "65536", "--cp", "16", "--ranks-per-host", "8",
+                    "--segments", "61440,4096")
+    assert code == 0
+    assert cpattn.plan(preset="llama3-8b", seq=65536, cp=16, ranks_per_host=8, segments=[61440, 4096]) == doc
+    assert doc["recommended"]["strategy"] == "hybrid"
+
+
+def test_validate_refuses_unknown_keywords_and_bad_values():
+    with pytest.raises(cpattn.ConfigError, match="q_heads"):
+        cpattn.validate(qheads=32)
+    with pytest.raises(cpattn.ConfigError, match="cp"):
+        cpattn.validate(cp="four", q_heads=8, kv_heads=2, head_dim=64, seq=64)
+    assert cpattn.validate(cp=3, q_heads=8, kv_heads=2, head_dim=64, seq=64, strategy="ulysses")["valid"] is False
+
+
+def test_import_does_not_initialise_mpi():
+    code = "import cpattn, cpattn.torch, sys; print('mpi4py.MPI' in sys.modules)"
+    out = subprocess.run([os.environ.get("PYTHON", "/usr/bin/python3"), "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
