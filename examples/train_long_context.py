@@ -256,7 +256,9 @@ def main(argv=None):
         correct = (logits.detach().argmax(-1)[mask] == targets[mask]).sum().item()
         # one all-reduce: every gradient, the loss and the count of right answers
         flat = torch.cat([p.grad.reshape(-1) for p in params]).double().numpy()
-        summed = procs.sum(np.concatenate([flat, [loss_sum.item(), correct]]))
+        # the time limit decided by rank 0 alone, so that every process stops at the same step
+        over = float(procs.rank == 0 and args.time_limit is not None and time.perf_counter() - start > args.time_limit)
+        summed = procs.sum(np.concatenate([flat, [over, loss_sum.item(), correct]]))
         offset = 0
         for p in params:
             p.grad.copy_(torch.from_numpy(summed[offset:offset + p.numel()]).view_as(p.grad))
@@ -284,7 +286,7 @@ def main(argv=None):
             if args.target_accuracy is not None and held >= args.target_accuracy:
                 reached = evals[-1]
                 break
-        if args.time_limit is not None and elapsed > args.time_limit:
+        if summed[-3] > 0:
             break
     elapsed = time.perf_counter() - start
     if procs.rank == 0:

@@ -32,8 +32,8 @@ namespace {
 
 // float32 arrays, or uint16 arrays holding bfloat16 words (how torch's bfloat16 crosses: numpy has none).
 std::optional<DType> dtype_of(const py::array& a) {
-  if (a.dtype().is(py::dtype::of<float>())) return DType::f32;
-  if (a.dtype().is(py::dtype::of<std::uint16_t>())) return DType::bf16;
+  if (py::array_t<float>::check_(a)) return DType::f32;
+  if (py::array_t<std::uint16_t>::check_(a)) return DType::bf16;
   return std::nullopt;
 }
 

@@ -13,6 +13,7 @@
 
 import numpy as _np
 import torch as _torch
+from torch.autograd.function import once_differentiable as _once_differentiable
 
 from . import _cpattn
 from ._cpattn import CommunicationError, ConfigError  # noqa: F401  (re-exported)
@@ -51,11 +52,18 @@ def _segments(segment_ids):
     return segment_ids.detach().cpu().numpy(), ""
 
 
+def _config_error(reasons):
+    """ConfigError for reasons found in Python, with `errors` as the C++ side gives it."""
+    e = ConfigError("\n".join(reasons))
+    e.errors = [{"field": r.split(":")[0], "fields": [r.split(":")[0]], "value": "", "message": r} for r in reasons]
+    return e
+
+
 def _check(*pairs):
     """Raises ConfigError with every reason a single process found (the one-process level)."""
     reasons = [why for _, why in pairs if why]
     if reasons:
-        raise ConfigError("; ".join(reasons))
+        raise _config_error(reasons)
     return [a for a, _ in pairs]
 
 
@@ -70,6 +78,7 @@ class _Attention(_torch.autograd.Function):
         return o
 
     @staticmethod
+    @_once_differentiable
     def backward(ctx, do):
         q, k, v, o = ctx.saved_tensors
         qa, ka, va, oa, da = _check(
@@ -103,9 +112,14 @@ class _ContextParallel(_torch.autograd.Function):
         return _to_torch(o)
 
     @staticmethod
+    @_once_differentiable
     def backward(ctx, do):
+        if ctx.saved_forward is None:
+            raise RuntimeError("ContextParallelAttention: backward ran twice on one forward (its state is freed "
+                               "after the first; retain_graph is not supported)")
         da, why = _to_numpy(do, "do")
-        dq, dk, dv = ctx.impl.backward(ctx.saved_forward, da, why)
+        saved, ctx.saved_forward = ctx.saved_forward, None  # freed once used: no state outlives its backward
+        dq, dk, dv = ctx.impl.backward(saved, da, why)
         return None, _to_torch(dq), _to_torch(dk), _to_torch(dv), None, None
 
 
@@ -129,9 +143,9 @@ class ContextParallelAttention(_torch.nn.Module):
                  ulysses_degree=None, scale=None, threads=None, remat=False, timeout=None):
         super().__init__()
         if not hasattr(comm, "py2f"):
-            raise ConfigError(f"comm: expected an mpi4py communicator, got {type(comm).__name__}")
+            raise _config_error([f"comm: expected an mpi4py communicator, got {type(comm).__name__}"])
         if not getattr(_cpattn, "with_mpi", False):
-            raise ConfigError("comm: this cpattn was built without MPI")
+            raise _config_error(["comm: this cpattn was built without MPI"])
         self.strategy = strategy
         self._impl = _cpattn._ContextParallel(
             comm.py2f(), strategy, causal, load_balance, layout, ulysses_degree, scale, threads, remat, timeout
