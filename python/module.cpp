@@ -6,13 +6,14 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpattn/config.hpp"
@@ -340,13 +341,15 @@ struct Agreement {
 };
 
 // The strategies over an MPI communicator (mpi4py's, by its Fortran handle), one C++ object per problem
-// shape, created on first use (every rank creates it at the same call: shapes are agreed on first).
+// shape, created on first use (every rank creates it at the same call: shapes are agreed on first); the
+// objects of the 8 most recently used shapes are kept.
 class ContextParallel {
  public:
   ContextParallel(std::int64_t fortran_handle, const std::string& strategy, bool causal, bool load_balance,
                   std::optional<std::string> layout, std::optional<std::int64_t> ulysses_degree,
                   std::optional<double> scale, std::optional<int> threads, bool remat,
-                  std::optional<double> timeout) {
+                  std::optional<double> timeout,
+                  const std::vector<std::tuple<std::string, std::string, std::string>>& caller_problems) {
     int initialized = 0, finalized = 0;
     MPI_Initialized(&initialized);
     MPI_Finalized(&finalized);
@@ -354,10 +357,20 @@ class ContextParallel {
       throw Error(ErrorKind::invalid_config, "comm", "",
                   "comm: MPI is not initialised (import mpi4py.MPI before making ContextParallelAttention)");
     }
+    // Every option is checked on every rank, and the outcome agreed on after the collective that makes the
+    // communicator: a bad option on one rank raises on all of them instead of leaving the others waiting.
     Problems problems;
-    parallel_.strategy = parse_strategy(strategy, "strategy");
+    for (const auto& [field, value, message] : caller_problems) problems.add(field, value, message);
+    const auto parse = [&](const auto& read) {
+      try {
+        read();
+      } catch (const Error& e) {
+        problems.items.insert(problems.items.end(), e.items().begin(), e.items().end());
+      }
+    };
+    parse([&] { parallel_.strategy = parse_strategy(strategy, "strategy"); });
     parallel_.load_balance = load_balance;
-    if (layout) parallel_.layout = parse_layout(*layout, "layout");
+    if (layout) parse([&] { parallel_.layout = parse_layout(*layout, "layout"); });
     parallel_.ulysses_degree = ulysses_degree.value_or(0);
     causal_ = causal;
     scale_ = scale;
@@ -367,12 +380,28 @@ class ContextParallel {
                    "threads: " + std::to_string(*threads) + " must be >= 1");
     }
     options_.threads = threads.value_or(0);
+    std::chrono::milliseconds deadline = std::chrono::seconds(600);
     if (timeout && !(*timeout > 0 && *timeout <= 1e6)) {
-      problems.add("timeout", std::to_string(*timeout), "timeout: seconds in (0, 1e6]");
+      problems.add("timeout", std::to_string(*timeout),
+                   "timeout: " + std::to_string(*timeout) + " is not valid; valid: seconds in (0, 1e6]");
+    } else if (timeout) {
+      deadline = std::chrono::milliseconds(static_cast<std::int64_t>(*timeout * 1000));
+    }
+    {
+      py::gil_scoped_release release;
+      comm_ = std::make_unique<MpiCommunicator>(MPI_Comm_f2c(static_cast<MPI_Fint>(fortran_handle)), deadline);
+    }
+    std::int64_t bad = problems.items.empty() ? -1 : comm_->rank();
+    {
+      py::gil_scoped_release release;
+      comm_->all_reduce(&bad, 1, ReduceOp::max);
     }
     problems.raise();
-    comm_ = std::make_unique<MpiCommunicator>(MPI_Comm_f2c(static_cast<MPI_Fint>(fortran_handle)));
-    if (timeout) comm_->set_timeout(std::chrono::milliseconds(static_cast<std::int64_t>(*timeout * 1000)));
+    if (bad >= 0) {
+      throw Error(ErrorKind::invalid_config, "rank", std::to_string(bad),
+                  "rank " + std::to_string(comm_->rank()) + ": rank " + std::to_string(bad) +
+                      " passed options that are not valid (its error names them); nothing was made");
+    }
     parallel_.cp = comm_->size();
   }
 
@@ -398,25 +427,27 @@ class ContextParallel {
     a.seq_len = local_seq * parallel_.cp;
     agree(a, local_seq, !segment_ids.is_none(), problems);
     // Every rank holds the same spec now: the rules are the same everywhere, and so is the error.
-    ContextParallelAttention& cp = object_for(a);
+    const std::shared_ptr<ContextParallelAttention> cp = object_for(a);
     Tensor qt = copy_in(q->ref), kt = copy_in(k->ref), vt = copy_in(v->ref);
     AttentionOutput out;
     std::shared_ptr<ContextParallelAttention::Saved> saved;
     {
       py::gil_scoped_release release;
-      out = cp.forward(qt, kt, vt, seg, forward_only);
-      if (!forward_only) saved = cp.take_saved();
+      out = cp->forward(qt, kt, vt, seg, forward_only);
+      if (!forward_only) saved = cp->take_saved();
     }
     const Shape4 os = out.o.shape();
     py::array o = to_numpy(std::move(out.o));
     py::array lse = lse_to_numpy(std::move(out.lse), os.b, os.h, os.s);
     py::object handle = py::none();
-    if (saved) handle = py::cast(SavedForward{key_of(a), std::move(saved)});
+    if (saved) handle = py::cast(SavedForward{cp, std::move(saved)});
     return py::make_tuple(o, lse, handle);
   }
 
+  // A forward's state for its backward, with the object that made it (kept alive by it, even after the object
+  // left the cache of recent shapes).
   struct SavedForward {
-    std::string key;
+    std::shared_ptr<ContextParallelAttention> object;
     std::shared_ptr<ContextParallelAttention::Saved> saved;
   };
 
@@ -430,13 +461,11 @@ class ContextParallel {
     }
     // The object checks d_out against its spec on every rank (and agrees on the outcome) before data moves;
     // a rank whose argument could not even be read passes an empty tensor, which fails that check.
-    const auto it = objects_.find(saved.key);
-    CPATTN_ASSERT(it != objects_.end());
     Tensor dt = d_out && problems.items.empty() ? copy_in(d_out->ref) : Tensor();
     AttentionGradients g;
     try {
       py::gil_scoped_release release;
-      g = it->second->backward(dt, *saved.saved);
+      g = saved.object->backward(dt, *saved.saved);
     } catch (const Error&) {
       problems.raise();  // this rank's own reason first
       throw;
@@ -495,18 +524,23 @@ class ContextParallel {
     if (!items.empty()) throw Error(ErrorKind::invalid_input, items);
   }
 
-  ContextParallelAttention& object_for(const AttentionSpec& a) {
+  // The object for a shape: the most recently used shapes keep theirs (every rank makes the same calls in the
+  // same order, so every rank keeps and evicts the same ones; creating one is collective).
+  std::shared_ptr<ContextParallelAttention> object_for(const AttentionSpec& a) {
     const std::string key = key_of(a);
-    auto it = objects_.find(key);
-    if (it == objects_.end()) {
-      std::unique_ptr<ContextParallelAttention> made;
-      {
-        py::gil_scoped_release release;
-        made = std::make_unique<ContextParallelAttention>(a, parallel_, *comm_, options_);
-      }
-      it = objects_.emplace(key, std::move(made)).first;
+    auto it = std::find_if(objects_.begin(), objects_.end(), [&](const auto& o) { return o.first == key; });
+    if (it != objects_.end()) {
+      std::rotate(objects_.begin(), it, it + 1);  // most recent first
+      return objects_.front().second;
     }
-    return *it->second;
+    std::shared_ptr<ContextParallelAttention> made;
+    {
+      py::gil_scoped_release release;
+      made = std::make_shared<ContextParallelAttention>(a, parallel_, *comm_, options_);
+    }
+    objects_.insert(objects_.begin(), {key, made});
+    if (objects_.size() > kept_shapes) objects_.pop_back();
+    return made;
   }
 
   static Tensor copy_in(const ConstTensorRef& r) {
@@ -527,7 +561,8 @@ class ContextParallel {
   std::optional<double> scale_;
   ContextParallelOptions options_;
   std::unique_ptr<MpiCommunicator> comm_;
-  std::map<std::string, std::unique_ptr<ContextParallelAttention>> objects_;
+  static constexpr std::size_t kept_shapes = 8;
+  std::vector<std::pair<std::string, std::shared_ptr<ContextParallelAttention>>> objects_;  // most recent first
 };
 
 #endif
@@ -579,10 +614,10 @@ PYBIND11_MODULE(_cpattn, m) {
   py::class_<ContextParallel>(m, "_ContextParallel")
       .def(py::init<std::int64_t, const std::string&, bool, bool, std::optional<std::string>,
                     std::optional<std::int64_t>, std::optional<double>, std::optional<int>, bool,
-                    std::optional<double>>(),
+                    std::optional<double>, const std::vector<std::tuple<std::string, std::string, std::string>>&>(),
            py::arg("fortran_handle"), py::arg("strategy"), py::arg("causal"), py::arg("load_balance"),
            py::arg("layout"), py::arg("ulysses_degree"), py::arg("scale"), py::arg("threads"),
-           py::arg("remat"), py::arg("timeout"))
+           py::arg("remat"), py::arg("timeout"), py::arg("caller_problems"))
       .def_property_readonly("rank", &ContextParallel::rank)
       .def_property_readonly("size", &ContextParallel::size)
       .def("forward", &ContextParallel::forward)

@@ -20,7 +20,10 @@ namespace cpattn {
 
 class MpiCommunicator final : public Communicator {
  public:
-  explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD);
+  // Duplicates `comm` (a collective), then meets every rank to find the hosts under `timeout`: a rank that
+  // never arrives ends the job after it, as any later wait does.
+  explicit MpiCommunicator(MPI_Comm comm = MPI_COMM_WORLD,
+                           std::chrono::milliseconds timeout = std::chrono::seconds(600));
   ~MpiCommunicator() override;
   MpiCommunicator(const MpiCommunicator&) = delete;
   MpiCommunicator& operator=(const MpiCommunicator&) = delete;
@@ -90,7 +93,7 @@ class MpiCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1;
   std::vector<int> world_;               // world(r) for each rank r
   std::vector<unsigned char> gathered_;  // reduce_scatter's blocks from every rank, kept between calls
-  std::chrono::milliseconds timeout_{std::chrono::seconds(600)};
+  std::chrono::milliseconds timeout_;
   bool progress_thread_ = false;
   friend class MpiShift;
 };

@@ -23,7 +23,14 @@ __all__ = ["attention", "ContextParallelAttention", "CommunicationError", "Confi
 
 def _to_numpy(t, name):
     """(array, "") for a tensor the kernels take, else (None, why): float32 as float32, bfloat16 as its 16-bit
-    words; no copy where the tensor allows one."""
+    words; no copy where the tensor allows one. Never raises: under MPI the reason joins the agreement."""
+    try:
+        return _tensor_to_numpy(t, name)
+    except Exception as e:  # a tensor numpy cannot view (sparse, a lazy negation or conjugate, ...)
+        return None, f"{name}: cannot be read as an array ({type(e).__name__}: {e})"
+
+
+def _tensor_to_numpy(t, name):
     if not isinstance(t, _torch.Tensor):
         return None, f"{name}: expected a torch.Tensor, got {type(t).__name__}"
     if t.device.type != "cpu":
@@ -49,7 +56,32 @@ def _segments(segment_ids):
         return None, ""
     if not isinstance(segment_ids, _torch.Tensor) or segment_ids.dtype not in (_torch.int32, _torch.int64):
         return None, "segment_ids: expected an int32 or int64 torch.Tensor [B, S]"
-    return segment_ids.detach().cpu().numpy(), ""
+    try:
+        return segment_ids.detach().cpu().numpy(), ""
+    except Exception as e:
+        return None, f"segment_ids: cannot be read as an array ({type(e).__name__}: {e})"
+
+
+def _option(reasons, name, value, kind):
+    """value if it is None or of the kind an option takes, else None with the reason added (never raises: the
+    reason joins the agreement every rank makes, so a bad option on one rank raises on all)."""
+    if value is None:
+        return None
+    if kind is bool:
+        ok = isinstance(value, (bool, _np.bool_))
+    elif kind is int:
+        ok = isinstance(value, (int, _np.integer)) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float, _np.integer, _np.floating)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if ok and kind is int and not -(2**31) <= value < 2**31:
+        reasons.append((name, str(value), f"{name}: {value} is out of range (valid: a 32-bit integer)"))
+        return None
+    if ok:
+        return kind(value)
+    reasons.append((name, repr(value), f"{name}: expected {kind.__name__}, got {type(value).__name__} {value!r}"))
+    return None
 
 
 def _config_error(reasons):
@@ -146,10 +178,23 @@ class ContextParallelAttention(_torch.nn.Module):
             raise _config_error([f"comm: expected an mpi4py communicator, got {type(comm).__name__}"])
         if not getattr(_cpattn, "with_mpi", False):
             raise _config_error(["comm: this cpattn was built without MPI"])
-        self.strategy = strategy
-        self._impl = _cpattn._ContextParallel(
-            comm.py2f(), strategy, causal, load_balance, layout, ulysses_degree, scale, threads, remat, timeout
+        reasons = []
+        options = dict(
+            strategy=_option(reasons, "strategy", strategy, str),
+            causal=_option(reasons, "causal", causal, bool),
+            load_balance=_option(reasons, "load_balance", load_balance, bool),
+            layout=_option(reasons, "layout", layout, str),
+            ulysses_degree=_option(reasons, "ulysses_degree", ulysses_degree, int),
+            scale=_option(reasons, "scale", scale, float),
+            threads=_option(reasons, "threads", threads, int),
+            remat=_option(reasons, "remat", remat, bool),
+            timeout=_option(reasons, "timeout", timeout, float),
         )
+        for name in ("strategy", "causal", "load_balance", "remat"):  # required: stand-ins where one was bad
+            if options[name] is None:
+                options[name] = "ulysses" if name == "strategy" else False
+        self.strategy = strategy
+        self._impl = _cpattn._ContextParallel(comm.py2f(), caller_problems=reasons, **options)
 
     @property
     def rank(self):

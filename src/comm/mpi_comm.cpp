@@ -97,7 +97,7 @@ bool force_packed_alltoallv() {
   std::_Exit(1);  // MPI_Abort does not return; the compiler cannot know
 }
 
-MpiCommunicator::MpiCommunicator(MPI_Comm comm) {
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::chrono::milliseconds timeout) : timeout_(timeout) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
@@ -604,13 +604,12 @@ std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
   check(MPI_Comm_split(comm_, color, key, &sub), "MPI_Comm_split", world(rank_));
   std::unique_ptr<MpiCommunicator> out;
   try {
-    out = std::make_unique<MpiCommunicator>(sub);
+    out = std::make_unique<MpiCommunicator>(sub, timeout_);
   } catch (...) {
     MPI_Comm_free(&sub);
     throw;
   }
   MPI_Comm_free(&sub);
-  out->set_timeout(timeout_);
   return out;
 }
 

@@ -139,9 +139,38 @@ def case_errors():
     expect_error(cpattn.ConfigError, lambda: ct.ContextParallelAttention(WORLD, strategy="zigzag"), "strategy")
     expect_error(cpattn.ConfigError, lambda: ct.ContextParallelAttention(WORLD, threads=0), "threads")
     expect_error(cpattn.ConfigError, lambda: ct.ContextParallelAttention("world"), "comm")
+    # A bad option on one rank only (its communicator is made first, a collective): every rank raises, the bad
+    # one naming its option, the others naming that rank.
+    bad = {0: dict(strategy="zigzag"), 1: dict(threads="two"), 2: dict(timeout=-1), 3: dict(layout=3)}[rank]
+    for bad_rank in range(4):
+        options = bad if rank == bad_rank else {}
+        field = next(iter(bad)) if rank == bad_rank else f"rank {bad_rank} passed options"
+        expect_error(cpattn.ConfigError, lambda: ct.ContextParallelAttention(WORLD, **{"threads": 1, **options}), field)
+    # A tensor numpy cannot view on one rank (a lazy negation): every rank raises.
+    bad = ql.neg()._neg_view() if rank == 3 else ql
+    msg = expect_error(cpattn.ConfigError, lambda: attn(bad, kl, vl))
+    assert "q: cannot be read" in msg if rank == 3 else "rank 3 passed arguments" in msg, msg
     # After all of that the communicator and the object still work.
     o = attn(ql, kl, vl)
     assert torch.equal(o, attn.shard(ct.attention(q, k, v, threads=1)))
+
+
+def case_many_shapes():
+    # More shapes than the object keeps: a forward of the first shape still in flight while ten others run
+    # (its object leaves the cache and is kept alive by that forward); its backward is still right.
+    attn = ct.ContextParallelAttention(WORLD, strategy="all_gather", threads=1)
+    q, k, v, do, _ = problem(1, 64, 4, 2, 16, 50)
+    ql, kl, vl = (attn.shard(t).clone().requires_grad_() for t in (q, k, v))
+    o = attn(ql, kl, vl)
+    for i in range(10):
+        p = problem(1, 32 * (i + 3), 4, 2, 16, 51 + i)
+        op = attn(*(attn.shard(t) for t in p[:3]))
+        assert torch.equal(op, attn.shard(ct.attention(*p[:3], threads=1)))
+    o.backward(attn.shard(do))
+    want = single_process(q, k, v, do, True, None)
+    assert torch.equal(o, attn.shard(want[0]))
+    for got, ref in zip((ql.grad, kl.grad, vl.grad), want[1:]):
+        assert naive.relative_error(got, attn.shard(ref)) < 1e-6
 
 
 def case_dies():

@@ -28,7 +28,7 @@ def mpirun(np, case, timeout=240):
     return out.returncode, out.stdout + out.stderr, time.monotonic() - start
 
 
-@pytest.mark.parametrize("case", ["strategies", "bfloat16", "side_by_side", "errors"])
+@pytest.mark.parametrize("case", ["strategies", "bfloat16", "side_by_side", "errors", "many_shapes"])
 def test_four_ranks(case):
     code, output, _ = mpirun(4, case)
     assert code == 0, output

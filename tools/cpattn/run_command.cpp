@@ -121,8 +121,7 @@ WholeResult execute(const std::string& backend, const AttentionSpec& a, const Pa
     int provided = 0;
     MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
   }
-  MpiCommunicator comm;
-  comm.set_timeout(settings.comm_timeout);
+  MpiCommunicator comm(MPI_COMM_WORLD, settings.comm_timeout);
   my_rank = comm.rank();
   if (comm.size() != p.cp) {
     bad_input("--cp", std::to_string(p.cp),
