@@ -389,7 +389,8 @@ class ContextParallel {
     }
     {
       py::gil_scoped_release release;
-      comm_ = std::make_unique<MpiCommunicator>(MPI_Comm_f2c(static_cast<MPI_Fint>(fortran_handle)), deadline);
+      comm_ =
+          std::make_unique<MpiCommunicator>(MPI_Comm_f2c(static_cast<MPI_Fint>(fortran_handle)), deadline);
     }
     std::int64_t bad = problems.items.empty() ? -1 : comm_->rank();
     {
@@ -562,7 +563,8 @@ class ContextParallel {
   ContextParallelOptions options_;
   std::unique_ptr<MpiCommunicator> comm_;
   static constexpr std::size_t kept_shapes = 8;
-  std::vector<std::pair<std::string, std::shared_ptr<ContextParallelAttention>>> objects_;  // most recent first
+  std::vector<std::pair<std::string, std::shared_ptr<ContextParallelAttention>>>
+      objects_;  // most recent first
 };
 
 #endif
@@ -593,6 +595,7 @@ PYBIND11_MODULE(_cpattn, m) {
       const bool config = e.kind() == ErrorKind::invalid_config || e.kind() == ErrorKind::invalid_input;
       py::object type = config ? py::object(config_error) : py::object(communication_error);
       if (e.kind() == ErrorKind::internal) type = py::reinterpret_borrow<py::object>(PyExc_RuntimeError);
+      if (e.kind() == ErrorKind::out_of_memory) type = py::reinterpret_borrow<py::object>(PyExc_MemoryError);
       py::object instance = type(std::string(e.what()));
       if (e.kind() != ErrorKind::internal) instance.attr("errors") = items;
       PyErr_SetObject(type.ptr(), instance.ptr());
@@ -614,7 +617,8 @@ PYBIND11_MODULE(_cpattn, m) {
   py::class_<ContextParallel>(m, "_ContextParallel")
       .def(py::init<std::int64_t, const std::string&, bool, bool, std::optional<std::string>,
                     std::optional<std::int64_t>, std::optional<double>, std::optional<int>, bool,
-                    std::optional<double>, const std::vector<std::tuple<std::string, std::string, std::string>>&>(),
+                    std::optional<double>,
+                    const std::vector<std::tuple<std::string, std::string, std::string>>&>(),
            py::arg("fortran_handle"), py::arg("strategy"), py::arg("causal"), py::arg("load_balance"),
            py::arg("layout"), py::arg("ulysses_degree"), py::arg("scale"), py::arg("threads"),
            py::arg("remat"), py::arg("timeout"), py::arg("caller_problems"))

@@ -2,6 +2,7 @@
 // carries one or more ErrorItems, each naming the field(s), the offending value and what would be valid.
 #pragma once
 
+#include <cstddef>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -13,6 +14,8 @@ enum class ErrorKind {
   invalid_input,   // tensors, files or configs whose content is wrong
   communication,   // a collective failed: a peer rank failed, a mismatch, a timeout, an MPI error
   internal,        // an invariant inside cpattn broke (a bug)
+  out_of_memory,   // an allocation failed: the bytes and what they were for are named (and the rank, on a
+                   // rank)
 };
 
 const char* to_string(ErrorKind kind);
@@ -35,6 +38,12 @@ class Error : public std::runtime_error {
   ErrorKind kind_;
   std::vector<ErrorItem> items_;
 };
+
+// Throws Error(out_of_memory): "out of memory while allocating N bytes for <what>".
+[[noreturn]] void fail_allocation(std::size_t bytes, const std::string& what);
+// The same error said of one rank: "out of memory on rank r while allocating ..." (other kinds: "rank r:
+// ...").
+Error on_rank(const Error& e, int rank);
 
 // Throws Error(internal) with file:line when an internal invariant fails.
 [[noreturn]] void fail_invariant(const char* expr, const char* file, int line);

@@ -16,7 +16,7 @@ namespace cpattn {
 
 // Ends the job from this rank (MPI_Abort on `comm`, MPI_COMM_WORLD: every rank of the job), and this process
 // within 10 s even where MPI_Abort cannot reach mpirun.
-[[noreturn]] void end_mpi_job(MPI_Comm comm);
+[[noreturn]] void end_mpi_job(MPI_Comm comm, int exit_code = 1);
 
 class MpiCommunicator final : public Communicator {
  public:

@@ -608,6 +608,16 @@ void InProcessGroup::run(const std::function<void(Communicator&)>& fn) {
   auto body = [&](int r) {
     try {
       fn(communicator(r));
+    } catch (const Error& e) {
+      // An allocation that failed says on which rank (the bytes and what for, it said itself).
+      errors[r] = e.kind() == ErrorKind::out_of_memory ? std::make_exception_ptr(on_rank(e, r))
+                                                       : std::current_exception();
+      abort(r, e.what());
+    } catch (const std::bad_alloc&) {
+      const Error e(ErrorKind::out_of_memory, "memory", "",
+                    "out of memory on rank " + std::to_string(r) + " (std::bad_alloc from a container)");
+      errors[r] = std::make_exception_ptr(e);
+      abort(r, e.what());
     } catch (const std::exception& e) {
       errors[r] = std::current_exception();
       abort(r, e.what());

@@ -84,17 +84,17 @@ bool force_packed_alltoallv() {
 
 }  // namespace
 
-[[noreturn]] void end_mpi_job(MPI_Comm comm) {
+[[noreturn]] void end_mpi_job(MPI_Comm comm, int exit_code) {
   // MPI_Abort asks mpirun (through this host's daemon) to end every rank; where mpirun cannot be reached (a
   // host cut off from it) it may never return: leave on our own after a grace period.
-  std::thread([] {
+  std::thread([exit_code] {
     std::this_thread::sleep_for(std::chrono::seconds(10));
     std::fprintf(stderr, "MPI_Abort did not end this process in 10 s; exiting\n");
     std::fflush(stderr);
-    std::_Exit(1);
+    std::_Exit(exit_code);
   }).detach();
-  MPI_Abort(comm == MPI_COMM_NULL ? MPI_COMM_WORLD : comm, 1);
-  std::_Exit(1);  // MPI_Abort does not return; the compiler cannot know
+  MPI_Abort(comm == MPI_COMM_NULL ? MPI_COMM_WORLD : comm, exit_code);
+  std::_Exit(exit_code);  // MPI_Abort does not return; the compiler cannot know
 }
 
 MpiCommunicator::MpiCommunicator(MPI_Comm comm, std::chrono::milliseconds timeout) : timeout_(timeout) {

@@ -26,6 +26,8 @@ const char* to_string(ErrorKind kind) {
       return "communication";
     case ErrorKind::internal:
       return "internal";
+    case ErrorKind::out_of_memory:
+      return "out_of_memory";
   }
   return "unknown";
 }
@@ -40,6 +42,24 @@ void fail_invariant(const char* expr, const char* file, int line) {
   throw Error(
       ErrorKind::internal, "invariant", expr,
       std::string("cpattn internal error: ") + expr + " failed at " + file + ":" + std::to_string(line));
+}
+
+void fail_allocation(std::size_t bytes, const std::string& what) {
+  throw Error(ErrorKind::out_of_memory, "memory", std::to_string(bytes),
+              "out of memory while allocating " + std::to_string(bytes) + " bytes for " + what);
+}
+
+Error on_rank(const Error& e, int rank) {
+  const std::string prefix = "out of memory";
+  std::vector<ErrorItem> items = e.items();
+  for (ErrorItem& item : items) {
+    if (e.kind() == ErrorKind::out_of_memory && item.message.rfind(prefix, 0) == 0) {
+      item.message.insert(prefix.size(), " on rank " + std::to_string(rank));
+    } else {
+      item.message = "rank " + std::to_string(rank) + ": " + item.message;
+    }
+  }
+  return Error(e.kind(), std::move(items));
 }
 
 }  // namespace cpattn

@@ -39,7 +39,8 @@ Tensor::Tensor(DType dtype, Shape4 shape) : dtype_(dtype), shape_(shape) {
   if (bytes == 0) return;
   const std::size_t rounded = (bytes + 63) / 64 * 64;
   auto* p = static_cast<std::byte*>(std::aligned_alloc(64, rounded));
-  if (p == nullptr) throw std::bad_alloc();
+  if (p == nullptr)
+    fail_allocation(rounded, std::string("a ") + to_string(shape) + " " + to_string(dtype) + " tensor");
   std::memset(p, 0, rounded);
   storage_.reset(p);
 }

@@ -10,7 +10,9 @@
 #include <iterator>
 #include <mutex>
 #include <new>
+
 #include <vector>
+#include "cpattn/error.hpp"
 
 #include "cpattn/flash.hpp"
 
@@ -107,7 +109,7 @@ ScratchFloats::ScratchFloats(std::size_t n) {
   } else {
     p = std::malloc(bytes);
   }
-  if (p == nullptr) throw std::bad_alloc();
+  if (p == nullptr) fail_allocation(bytes_ > 0 ? bytes_ : bytes, "the kernels' scratch");
   data_ = static_cast<float*>(p);
 }
 

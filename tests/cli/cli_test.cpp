@@ -530,8 +530,8 @@ TEST(CliRun, BadInputExits2) {
       {"run --cp 4 --q-heads 8 --kv-heads 2 --head-dim 8 --seq 64 --segments 32,x", "not a positive"},
       {"run --cp 4 --q-heads 8 --kv-heads 2 --head-dim 8 --seq 64 --backend nccl", "--backend"},
       {"run --strategy ulysses --cp 8 --q-heads 6 --kv-heads 2 --head-dim 8 --seq 64", "num_q_heads"},
-      {"run --cp 2 --q-heads 2 --kv-heads 2 --head-dim 8 --seq 64 --comm-timeout 0", "--comm-timeout (0)"},
-      {"run --cp 2 --q-heads 2 --kv-heads 2 --head-dim 8 --seq 64 --comm-timeout -3", "--comm-timeout (-3)"},
+      {"run --cp 2 --q-heads 2 --kv-heads 2 --head-dim 8 --seq 64 --comm-timeout 0", "--comm-timeout '0'"},
+      {"run --cp 2 --q-heads 2 --kv-heads 2 --head-dim 8 --seq 64 --comm-timeout -3", "--comm-timeout '-3'"},
       {"run --cp 2 --load /nonexistent/dir", "/nonexistent/dir/q.npy"},
   };
   expect_bad_input(cases);

@@ -199,7 +199,7 @@ int bench_comm(const CommOptions& opt) {
   if (!print) return 0;
   out["memcpy_gbps"] = memcpy_gbps;
   if (opt.json) {
-    std::cout << out.dump(2) << "\n";
+    std::cout << json_text(out, 2) << "\n";
     return 0;
   }
   std::cout << "memcpy (same threads, same bytes): up to " << std::setprecision(3) << memcpy_gbps
@@ -311,7 +311,7 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
     out["results"].push_back(std::move(result));
   }
   if (opt.json) {
-    std::cout << out.dump(2) << "\n";
+    std::cout << json_text(out, 2) << "\n";
     return 0;
   }
   std::cout << "bench strategy: B=" << a.batch << " S=" << a.seq_len << " Hq=" << a.num_q_heads

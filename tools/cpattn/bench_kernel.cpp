@@ -238,7 +238,7 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
     out["reference_seconds"] = nullptr;
   }
   if (opt.json) {
-    std::cout << out.dump(2) << "\n";
+    std::cout << json_text(out, 2) << "\n";
     return 0;
   }
   std::cout << std::setprecision(4) << "bench kernel: B=" << a.batch << " S=" << a.seq_len

@@ -1,37 +1,101 @@
-// cpattn: the command-line program. It only wires the library's parts together.
+// cpattn: the command-line program. It only wires the library's parts together, and answers every failure the
+// same way: the errors on stderr, exit 2 for bad input (1 for a failed run, a communication failure, memory),
+// and with --json one document on stdout ({"ok": false, ...} for run and bench, {"valid": false, ...} for
+// validate and plan) whatever failed.
 #include <CLI/CLI.hpp>
 
 #include <exception>
+#include <filesystem>
 #include <iostream>
+#include <new>
 #include <string>
+#include <vector>
 
 #include "cpattn/error.hpp"
+#include "cpattn/parse.hpp"
 
 #ifdef CPATTN_WITH_MPI
 #include <mpi.h>
 #endif
 #include "bench_command.hpp"
 #include "plan_command.hpp"
+#include "problem_flags.hpp"
 #include "run_command.hpp"
 #include "validate_command.hpp"
 
+namespace {
+
+using cpattn::Error;
+using cpattn::ErrorItem;
+using cpattn::ErrorKind;
+
+// What the arguments ask for, read before parsing, so that a failure of the parse itself is answered in kind.
+struct Invocation {
+  std::string command;  // "run", "validate", "plan", "bench" or "" where none is named
+  bool json = false;
+};
+
+// Under mpirun only world rank 0 prints the document (the ranks agree; one document for the job).
+bool prints_documents() {
+#ifdef CPATTN_WITH_MPI
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) {
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    return rank == 0;
+  }
+#endif
+  return true;
+}
+
+int fail(const Invocation& inv, ErrorKind kind, const std::vector<ErrorItem>& items,
+         const std::string& hint = "") {
+  for (const ErrorItem& item : items)
+    std::cerr << "error (" << cpattn::to_string(kind) << "): " << item.message << "\n";
+  if (!hint.empty()) std::cerr << hint << "\n";
+  if (inv.json && prints_documents()) {
+    const bool document = inv.command == "validate" || inv.command == "plan";
+    std::cout << cpattn::cli::failure_json(document ? "valid" : "ok", items) << std::endl;
+  }
+  return kind == ErrorKind::invalid_config || kind == ErrorKind::invalid_input ? 2 : 1;
+}
+
+// The flag a CLI11 message is about ("--causal excludes --no-causal": --causal), else "arguments".
+std::string flag_in(const std::string& message) {
+  const auto at = message.find("--");
+  if (at == std::string::npos) return "arguments";
+  const auto end = message.find_first_of(" :,'\"", at);
+  return message.substr(at, end == std::string::npos ? std::string::npos : end - at);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  CLI::App app{"cpattn: context-parallel attention (all_gather and ulysses with KV-head replication)"};
+  CLI::App app{
+      "cpattn: context-parallel attention (all_gather, ulysses with KV-head replication, ring, hybrid)"};
   app.require_subcommand(1);
   int exit_code = 0;
   cpattn::cli::add_validate_command(app, exit_code);
   cpattn::cli::add_run_command(app, exit_code);
   cpattn::cli::add_bench_command(app, exit_code);
   cpattn::cli::add_plan_command(app, exit_code);
+  Invocation inv;
   std::string names;
   bool known = false;
   for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
     names += (names.empty() ? "" : ", ") + sub->get_name();
-    known = known || (argc > 1 && sub->get_name() == argv[1]);
+    if (argc > 1 && sub->get_name() == argv[1]) {
+      known = true;
+      inv.command = argv[1];
+    }
   }
+  for (int i = 1; i < argc; ++i) inv.json = inv.json || std::string(argv[i]) == "--json";
   if (argc > 1 && argv[1][0] != '-' && !known) {
-    std::cerr << "error: unknown command '" << argv[1] << "'; valid: " << names << "\n";
-    return 2;
+    return fail(
+        inv, ErrorKind::invalid_input,
+        {{{"command"}, argv[1], "unknown command '" + cpattn::quoted(argv[1]) + "'; valid: " + names}});
   }
   try {
     app.parse(argc, argv);
@@ -40,16 +104,22 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::cerr << "error: " << e.what() << "\n"
-              << "run 'cpattn --help' for the flags\n";
-    return 2;
-  } catch (const cpattn::Error& e) {
-    std::cerr << "error (" << cpattn::to_string(e.kind()) << "): " << e.what() << "\n";
-    return e.kind() == cpattn::ErrorKind::invalid_config || e.kind() == cpattn::ErrorKind::invalid_input ? 2
-                                                                                                         : 1;
+    const std::string message = cpattn::quoted(e.what());
+    return fail(
+        inv, ErrorKind::invalid_input, {{{flag_in(message)}, "", message}},
+        "run 'cpattn " + (inv.command.empty() ? std::string() : inv.command + " ") + "--help' for the flags");
+  } catch (const Error& e) {
+    return fail(inv, e.kind(), e.items());
+  } catch (const std::bad_alloc&) {
+    return fail(
+        inv, ErrorKind::out_of_memory,
+        {{{"memory"}, "", "out of memory (std::bad_alloc from a container); reduce the problem's size"}});
+  } catch (const std::filesystem::filesystem_error& e) {
+    const std::string path = e.path1().string();
+    return fail(inv, ErrorKind::invalid_input,
+                {{{path}, path, "'" + cpattn::quoted(path) + "': " + e.code().message()}});
   } catch (const std::exception& e) {
-    std::cerr << "error: " << e.what() << "\n";
-    return 1;
+    return fail(inv, ErrorKind::internal, {{{"internal"}, "", cpattn::quoted(e.what())}});
   }
 #ifdef CPATTN_WITH_MPI
   int initialized = 0, finalized = 0;

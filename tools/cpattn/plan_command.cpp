@@ -110,7 +110,7 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
     errors = validation_errors(specs.attention, general);
   }
   if (!errors.empty()) {
-    if (opt.json) out << "{\"valid\": false, \"errors\": " << errors_to_json(errors) << "}\n";
+    if (opt.json) out << failure_json("valid", errors) << "\n";
     print_errors(errors, err);
     return 2;
   }
@@ -212,7 +212,7 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
         {"ring_degree", all_gather ? nlohmann::ordered_json() : nlohmann::ordered_json(cp / u)}};
   }
   if (opt.json) {
-    out << doc.dump(2) << "\n";
+    out << json_text(doc, 2) << "\n";
     return 0;
   }
   out << "cpattn plan: " << req.model.name << ", S=" << req.attention.seq_len << " B=" << req.attention.batch

@@ -1,5 +1,7 @@
 #include "problem_flags.hpp"
 
+#include "flag_parsing.hpp"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,21 +14,27 @@ namespace cpattn::cli {
 void ProblemFlags::add_to(CLI::App& app) {
   app.add_option("--config", config_files, "YAML config file(s) with the seed framework's keys; later wins")
       ->check(CLI::ExistingFile);
-  app.add_option("--strategy", values.strategy, "all_gather, ulysses, ring or hybrid");
-  app.add_option("--cp", values.cp, "context-parallel ranks");
-  app.add_option("--ulysses-degree", values.ulysses_degree,
-                 "hybrid: ranks per ulysses group (a divisor of cp, <= q heads); the ring has cp / this");
-  app.add_option("--tp", values.tp, "tensor-parallel degree over heads");
-  app.add_option("--q-heads", values.num_q_heads, "query heads");
-  app.add_option("--kv-heads", values.num_kv_heads, "key/value heads");
-  app.add_option("--head-dim", values.head_dim, "head dimension");
-  app.add_option("--seq", values.seq_len, "sequence length (tokens of one packed row)");
-  app.add_option("--batch", values.batch, "batch size");
-  app.add_option("--dtype", values.dtype, "fp32 or bf16");
+  add_text(app, "--strategy", values.strategy, "all_gather, ulysses, ring or hybrid");
+  // Sizes are read as decimal int64 here; their rules (cp >= 1, heads dividing, ...) are validation's, which
+  // reports every broken rule at once.
+  constexpr std::int64_t any_lo = std::numeric_limits<std::int64_t>::min();
+  constexpr std::int64_t any_hi = std::numeric_limits<std::int64_t>::max();
+  add_integer(app, "--cp", values.cp, any_lo, any_hi, "context-parallel ranks");
+  add_integer(app, "--ulysses-degree", values.ulysses_degree, any_lo, any_hi,
+              "hybrid: ranks per ulysses group (a divisor of cp, <= q heads); the ring has cp / this");
+  add_integer(app, "--tp", values.tp, any_lo, any_hi, "tensor-parallel degree over heads");
+  add_integer(app, "--q-heads", values.num_q_heads, any_lo, any_hi, "query heads");
+  add_integer(app, "--kv-heads", values.num_kv_heads, any_lo, any_hi, "key/value heads");
+  add_integer(app, "--head-dim", values.head_dim, any_lo, any_hi, "head dimension");
+  add_integer(app, "--seq", values.seq_len, any_lo, any_hi, "sequence length (tokens of one packed row)");
+  add_integer(app, "--batch", values.batch, any_lo, any_hi, "batch size");
+  add_text(app, "--dtype", values.dtype, "fp32 or bf16");
   app.add_flag("--load-balance", load_balance,
                "all_gather, ring or hybrid with dual-chunk-swap load balance");
-  app.add_flag("--causal", causal, "causal mask (the default)");
-  app.add_flag("--no-causal", no_causal, "no causal mask");
+  CLI::Option* yes = app.add_flag("--causal", causal, "causal mask (the default)");
+  CLI::Option* no = app.add_flag("--no-causal", no_causal, "no causal mask");
+  yes->excludes(no);
+  no->excludes(yes);
 }
 
 ConfigValues ProblemFlags::resolve(const CLI::App& app) const {
@@ -58,25 +66,30 @@ nlohmann::json value_json(const std::string& v) {
 }  // namespace
 
 std::vector<std::int64_t> parse_document_lengths(const std::string& text, const std::string& flag) {
-  std::vector<std::int64_t> lengths;
-  std::stringstream ss(text);
-  std::string part;
-  while (std::getline(ss, part, ',')) {
-    std::size_t used = 0;
-    std::int64_t n = -1;
-    try {
-      n = std::stoll(part, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != part.size() || n <= 0) {
-      throw Error(ErrorKind::invalid_input, flag, text,
-                  flag + " '" + text + "': '" + part + "' is not a positive document length");
-    }
-    lengths.push_back(n);
-  }
-  if (lengths.empty())
+  if (text.empty())
     throw Error(ErrorKind::invalid_input, flag, text, flag + " is empty; give lengths like 6144,2048");
+  std::vector<std::int64_t> lengths;
+  std::int64_t total = 0;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = text.find(',', start);
+    const std::string part =
+        text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    try {
+      lengths.push_back(parse_integer(part, flag, 1, std::numeric_limits<std::int64_t>::max(),
+                                      "a positive document length"));
+    } catch (const Error&) {
+      throw Error(ErrorKind::invalid_input, flag, text,
+                  flag + " '" + quoted(text) + "': '" + quoted(part) +
+                      "' is not a positive document length (decimal digits, at most 2^63 - 1)");
+    }
+    if (__builtin_add_overflow(total, lengths.back(), &total)) {
+      throw Error(ErrorKind::invalid_input, flag, text,
+                  flag + " '" + quoted(text) + "': the lengths add up to more than 2^63 - 1 tokens");
+    }
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
   return lengths;
 }
 
@@ -96,7 +109,19 @@ std::string errors_to_json(const std::vector<ErrorItem>& errors) {
     item["message"] = e.message;
     list.push_back(item);
   }
-  return list.dump();
+  return json_text(list);
+}
+
+std::string failure_json(const std::string& key, const std::vector<ErrorItem>& errors) {
+  return "{\"" + key + "\": false, \"errors\": " + errors_to_json(errors) + "}";
+}
+
+std::string json_text(const nlohmann::ordered_json& doc, int indent) {
+  return doc.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+std::string json_text(const nlohmann::json& doc, int indent) {
+  return doc.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 void require_memory_for(const AttentionSpec& a, int tensor_count, const std::string& what) {

@@ -43,6 +43,12 @@ nlohmann::ordered_json attention_to_json(const AttentionSpec& attention);
 
 // JSON for a list of errors: [{"field", "fields"?, "value", "message"}].
 std::string errors_to_json(const std::vector<ErrorItem>& errors);
+// A failed command's one JSON document: {"<key>": false, "errors": [...]} (key "ok" for run and bench,
+// "valid" for validate and plan).
+std::string failure_json(const std::string& key, const std::vector<ErrorItem>& errors);
+// A document as text, always valid UTF-8 (a byte that is not is replaced by U+FFFD), never throwing on it.
+std::string json_text(const nlohmann::ordered_json& doc, int indent = -1);
+std::string json_text(const nlohmann::json& doc, int indent = -1);
 void print_errors(const std::vector<ErrorItem>& errors, std::ostream& err = std::cerr);
 
 }  // namespace cpattn::cli

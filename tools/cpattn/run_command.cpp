@@ -1,6 +1,7 @@
 #include "run_command.hpp"
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <iomanip>
 #include <iostream>
@@ -13,6 +14,7 @@
 #include "cpattn/npy.hpp"
 #include "cpattn/placement.hpp"
 #include "cpattn/sequence_layout.hpp"
+#include "flag_parsing.hpp"
 #include "harness/check.hpp"
 #include "harness/whole_problem.hpp"
 #include "problem_flags.hpp"
@@ -40,6 +42,23 @@ struct RunOptions {
 
 [[noreturn]] void bad_input(const std::string& field, const std::string& value, const std::string& message) {
   throw Error(ErrorKind::invalid_input, field, value, message);
+}
+
+// A process that mpirun (or another MPI launcher) started with siblings, asked for the in-process group:
+// every process would run its own whole job, unrelated to the others. Refused, naming --backend mpi.
+void refuse_inproc_under_launcher() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"}) {
+    const char* value = std::getenv(name);
+    if (value == nullptr) continue;
+    const std::string text = value;
+    if (text.find_first_not_of("0123456789") == std::string::npos && !text.empty() && text != "1" &&
+        text.size() < 10 && std::stoi(text) > 1) {
+      bad_input("--backend", "inproc",
+                "this process was started by an MPI launcher with " + text + " processes (" + name + "=" +
+                    text +
+                    ") but --backend is inproc: each would run its own unrelated job; add --backend mpi");
+    }
+  }
 }
 
 std::vector<std::int64_t> parse_segments(const std::string& text, std::int64_t seq) {
@@ -134,9 +153,14 @@ WholeResult execute(const std::string& backend, const AttentionSpec& a, const Pa
     harness::share_whole_result(comm, a, p, settings.forward_only, result);
     result.hosts = comm.hosts();
   } catch (const std::exception& e) {
-    // No fault-tolerant MPI: end the whole job, naming this rank, instead of leaving peers waiting.
-    std::cerr << "error: rank " << comm.rank() << ": " << e.what() << "\n";
-    end_mpi_job(MPI_COMM_WORLD);
+    // No fault-tolerant MPI: end the whole job, naming this rank, instead of leaving peers waiting. Bad input
+    // ends it with exit 2, as the in-process group's run does.
+    const auto* error = dynamic_cast<const Error*>(&e);
+    const bool bad = error != nullptr && (error->kind() == ErrorKind::invalid_config ||
+                                          error->kind() == ErrorKind::invalid_input);
+    std::cerr << "error (" << (error != nullptr ? to_string(error->kind()) : "internal") << "): rank "
+              << comm.rank() << ": " << e.what() << "\n";
+    end_mpi_job(MPI_COMM_WORLD, bad ? 2 : 1);
   }
   return result;
 #else
@@ -324,7 +348,7 @@ int run(const CLI::App& app, RunOptions& opt) {
   Specs specs;
   const auto errors = all_config_errors(values, specs);
   if (!errors.empty()) {
-    if (opt.json) std::cout << "{\"ok\": false, \"errors\": " << errors_to_json(errors) << "}\n";
+    if (opt.json) std::cout << failure_json("ok", errors) << "\n";
     print_errors(errors);
     return 2;
   }
@@ -339,21 +363,31 @@ int run(const CLI::App& app, RunOptions& opt) {
   }
   const AttentionSpec& a = specs.attention;
   const ParallelSpec& p = specs.parallel;
+  if (opt.backend == "inproc") refuse_inproc_under_launcher();
+  if (opt.backend == "inproc" && p.cp > kMaxInProcessRanks) {
+    bad_input("--cp", std::to_string(p.cp),
+              "--cp (" + std::to_string(p.cp) + ") is more ranks than the in-process group runs (at most " +
+                  std::to_string(kMaxInProcessRanks) + ", one thread each); use --backend mpi under mpirun");
+  }
   if (p.tp != 1)
     bad_input("--tp", std::to_string(p.tp), "cpattn run simulates one tensor-parallel group; use --tp 1");
   // Inputs Q, K, V, dO and outputs O, dQ, dK, dV, before the ranks' own copies and the check's.
   require_memory_for(a, 8, "cpattn run");
   if (opt.load_dir.empty()) problem = harness::random_problem(a, opt.seed);
-  if (!opt.segments.empty())
-    problem.segment_ids = segment_ids_from_lengths(a.batch, parse_segments(opt.segments, a.seq_len));
+  if (!opt.segments.empty()) {
+    std::vector<std::int32_t> ids =
+        segment_ids_from_lengths(a.batch, parse_segments(opt.segments, a.seq_len));
+    if (!problem.segment_ids.empty() && ids != problem.segment_ids) {
+      bad_input("--segments", opt.segments,
+                "--segments '" + opt.segments + "' disagrees with " + opt.load_dir +
+                    "/segment_ids.npy (the documents differ); give one of them, or both alike");
+    }
+    problem.segment_ids = std::move(ids);
+  }
   harness::RunSettings settings;
   settings.options.remat = opt.remat;
   settings.options.threads = opt.threads;
   settings.forward_only = opt.forward_only;
-  if (!(opt.comm_timeout > 0 && opt.comm_timeout <= 86400)) {
-    bad_input("--comm-timeout", fmt(opt.comm_timeout),
-              "--comm-timeout (" + fmt(opt.comm_timeout) + ") must be in (0, 86400] seconds");
-  }
   settings.comm_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(opt.comm_timeout * 1000));
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int threads_per_rank = opt.threads > 0 ? opt.threads : std::max(1, cores / static_cast<int>(p.cp));
@@ -373,7 +407,7 @@ int run(const CLI::App& app, RunOptions& opt) {
   }
   if (!opt.save_dir.empty()) save_outputs(opt.save_dir, a, result, opt.forward_only);
   if (opt.json) {
-    std::cout << out.dump(2) << "\n";
+    std::cout << json_text(out, 2) << "\n";
   } else {
     print_text(opt, a, p, out);
     std::cout << check_text;
@@ -388,19 +422,24 @@ void add_run_command(CLI::App& app, int& exit_code) {
   CLI::App* sub =
       app.add_subcommand("run", "run distributed attention (forward + backward) on the in-process group");
   opt->problem.add_to(*sub);
-  sub->add_option("--segments", opt->segments, "packed document lengths, e.g. 6144,2048 (sum = --seq)");
-  sub->add_flag("--remat", opt->remat, "recompute (re-gather / re-exchange) in backward instead of keeping");
-  sub->add_flag("--forward-only", opt->forward_only, "prefill: forward only, no state kept");
-  sub->add_option("--backend", opt->backend,
-                  "inproc (the in-process group) or mpi (one process per rank, mpirun)");
-  sub->add_option("--threads", opt->threads, "kernel threads per rank (default max(1, cores / cp))");
-  sub->add_option("--seed", opt->seed, "seed of the random inputs");
-  sub->add_option("--comm-timeout", opt->comm_timeout,
-                  "seconds a rank waits on its peers before it fails naming them (default 600)");
+  add_text(*sub, "--segments", opt->segments, "packed document lengths, e.g. 6144,2048 (sum = --seq)");
+  CLI::Option* remat = sub->add_flag("--remat", opt->remat,
+                                     "recompute (re-gather / re-exchange) in backward instead of keeping");
+  CLI::Option* forward_only =
+      sub->add_flag("--forward-only", opt->forward_only, "prefill: forward only, no state kept");
+  remat->excludes(forward_only);  // nothing to recompute without a backward
+  forward_only->excludes(remat);
+  add_choice(*sub, "--backend", opt->backend, {"inproc", "mpi"},
+             "the in-process group, or one process per rank under mpirun");
+  add_integer(*sub, "--threads", opt->threads, 1, kMaxThreads,
+              "kernel threads per rank (default max(1, cores / cp))");
+  add_integer(*sub, "--seed", opt->seed, 0, 4294967295, "seed of the random inputs");
+  add_real(*sub, "--comm-timeout", opt->comm_timeout, 0.001, 86400,
+           "seconds a rank waits on its peers before it fails naming them (default 600)");
   sub->add_flag("--check", opt->check, "compare with the single-device kernel and the float64 reference");
   sub->add_flag("--json", opt->json, "print one JSON document");
-  sub->add_option("--load", opt->load_dir, "read q.npy k.npy v.npy do.npy [segment_ids.npy] from DIR");
-  sub->add_option("--save", opt->save_dir, "write o.npy lse.npy dq.npy dk.npy dv.npy to DIR");
+  add_text(*sub, "--load", opt->load_dir, "read q.npy k.npy v.npy do.npy [segment_ids.npy] from DIR");
+  add_text(*sub, "--save", opt->save_dir, "write o.npy lse.npy dq.npy dk.npy dv.npy to DIR");
   sub->callback([sub, opt, &exit_code] { exit_code = run(*sub, *opt); });
 }
 

@@ -24,7 +24,7 @@ int run_validate(const CLI::App& app, const ValidateOptions& opt, std::ostream& 
   const std::vector<ErrorItem> errors = all_config_errors(opt.problem.resolve(app), specs);
   if (!errors.empty()) {
     if (opt.json) {
-      out << "{\"valid\": false, \"errors\": " << errors_to_json(errors) << "}\n";
+      out << failure_json("valid", errors) << "\n";
     }
     print_errors(errors, err);
     return 2;
@@ -60,7 +60,7 @@ int run_validate(const CLI::App& app, const ValidateOptions& opt, std::ostream& 
       for (std::int64_t h = r.q_heads.begin; h < r.q_heads.end; ++h) q.push_back(h);
       doc["ranks"].push_back({{"rank", r.rank}, {"q_heads", q}, {"kv_heads", r.kv_heads}});
     }
-    out << doc.dump() << "\n";
+    out << json_text(doc) << "\n";
     return 0;
   }
   out << "valid: " << to_string(p.strategy) << ", cp=" << p.cp

@@ -1,0 +1,35 @@
+// Numbers as users type them (flags, config keys): one decimal reading for every integer and one for every
+// real number, so that no flag takes 010 for octal 8, 0x10 for 16, "" for a default or 2^64 for a wrapped
+// value. Each refuses with Error(invalid_input) naming the field, the text as typed and what is valid.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "cpattn/error.hpp"
+
+namespace cpattn {
+
+// An optional sign, then decimal digits only (leading zeros are decimal: "010" is 10); nothing else, not even
+// spaces. Refused: empty text, any other character, a value outside [min, max] (the message states the range
+// and, past int64, that the text is too large). `valid` says what the field takes ("a count of ranks").
+std::int64_t parse_integer(const std::string& text, const std::string& field,
+                           std::int64_t min = std::numeric_limits<std::int64_t>::min(),
+                           std::int64_t max = std::numeric_limits<std::int64_t>::max(),
+                           const std::string& valid = "an integer");
+
+// A finite decimal number ("1.5", "2e-3", "600"), in [min, max]; no hex floats, inf, nan or spaces.
+double parse_real(const std::string& text, const std::string& field, double min, double max,
+                  const std::string& valid = "a number");
+
+// "a, b" -> the text made safe to quote in a message: control characters and bytes that are not UTF-8 as
+// \xNN escapes, at most 200 characters (the rest as "...").
+std::string quoted(const std::string& text);
+
+// The nearest of `known` to `word` by edit distance, or "" where none is close (more than a third of the
+// word's length away).
+std::string nearest(const std::string& word, const std::vector<std::string>& known);
+
+}  // namespace cpattn

@@ -1,0 +1,139 @@
+#include "cpattn/parse.hpp"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
+namespace cpattn {
+namespace {
+
+std::string range_text(std::int64_t min, std::int64_t max) {
+  constexpr auto lo = std::numeric_limits<std::int64_t>::min(), hi = std::numeric_limits<std::int64_t>::max();
+  if (min == lo && max == hi) return "";
+  if (max == hi) return " >= " + std::to_string(min);
+  if (min == lo) return " <= " + std::to_string(max);
+  return " in [" + std::to_string(min) + ", " + std::to_string(max) + "]";
+}
+
+std::string real_text(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", x);
+  return buf;
+}
+
+}  // namespace
+
+std::int64_t parse_integer(const std::string& text, const std::string& field, std::int64_t min,
+                           std::int64_t max, const std::string& valid) {
+  const std::string want = valid + range_text(min, max);
+  auto refuse = [&](const std::string& why) -> std::int64_t {
+    throw Error(
+        ErrorKind::invalid_input, field, text,
+        field + " '" + quoted(text) + "' " + why + "; valid: " + want + ", written in decimal digits");
+  };
+  std::size_t i = 0;
+  const bool negative = !text.empty() && text[0] == '-';
+  if (!text.empty() && (text[0] == '-' || text[0] == '+')) i = 1;
+  if (i == text.size()) return refuse(text.empty() ? "is empty" : "has no digits");
+  // Accumulated as a negative number: int64's range is one larger below zero.
+  std::int64_t value = 0;
+  bool overflow = false;
+  for (; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c < '0' || c > '9') return refuse("is not a decimal integer");
+    const int digit = c - '0';
+    if (value < (std::numeric_limits<std::int64_t>::min() + digit) / 10) overflow = true;
+    if (!overflow) value = value * 10 - digit;
+  }
+  if (!overflow && !negative && value == std::numeric_limits<std::int64_t>::min()) overflow = true;
+  if (overflow) return refuse("is too large (beyond a 64-bit integer)");
+  if (!negative) value = -value;
+  if (value < min || value > max) return refuse("is out of range");
+  return value;
+}
+
+double parse_real(const std::string& text, const std::string& field, double min, double max,
+                  const std::string& valid) {
+  const std::string want = valid + " in [" + real_text(min) + ", " + real_text(max) + "]";
+  auto refuse = [&](const std::string& why) -> double {
+    throw Error(ErrorKind::invalid_input, field, text,
+                field + " '" + quoted(text) + "' " + why + "; valid: " + want);
+  };
+  if (text.empty()) return refuse("is empty");
+  // Decimal notation only: digits, one point, an exponent; strtod alone would take hex, inf, nan and spaces.
+  if (text.find_first_not_of("0123456789+-.eE") != std::string::npos)
+    return refuse("is not a decimal number");
+  errno = 0;
+  char* end = nullptr;
+  const double x = std::strtod(text.c_str(), &end);
+  if (end != text.c_str() + text.size()) return refuse("is not a decimal number");
+  if (errno == ERANGE || !std::isfinite(x)) return refuse("is out of range");
+  if (!(x >= min && x <= max)) return refuse("is out of range");
+  return x;
+}
+
+std::string quoted(const std::string& text) {
+  std::string out;
+  std::size_t i = 0, shown = 0;
+  auto escape = [&](unsigned char c) {
+    char buf[8];
+    std::snprintf(buf, sizeof buf, "\\x%02X", c);
+    out += buf;
+  };
+  while (i < text.size()) {
+    if (shown == 200) return out + "...";
+    const auto c = static_cast<unsigned char>(text[i]);
+    std::size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    bool ok = len > 0 && i + len <= text.size();
+    for (std::size_t k = 1; ok && k < len; ++k) ok = (static_cast<unsigned char>(text[i + k]) >> 6) == 0x2;
+    if (ok && len == 2) ok = c >= 0xC2;  // no overlong forms
+    if (ok && len == 3) {
+      const auto c1 = static_cast<unsigned char>(text[i + 1]);
+      ok = !(c == 0xE0 && c1 < 0xA0) && !(c == 0xED && c1 >= 0xA0);  // no overlong forms, no surrogates
+    }
+    if (ok && len == 4) {
+      const auto c1 = static_cast<unsigned char>(text[i + 1]);
+      ok = c <= 0xF4 && !(c == 0xF0 && c1 < 0x90) && !(c == 0xF4 && c1 >= 0x90);
+    }
+    if (!ok) {
+      escape(c);
+      ++i;
+    } else if (len == 1 && (c < 0x20 || c == 0x7F)) {
+      escape(c);
+      ++i;
+    } else {
+      out.append(text, i, len);
+      i += len;
+    }
+    ++shown;
+  }
+  return out;
+}
+
+std::string nearest(const std::string& word, const std::vector<std::string>& known) {
+  std::string best;
+  std::size_t best_distance = word.size() / 3 + 1;
+  for (const std::string& k : known) {
+    // Levenshtein distance, one row at a time.
+    std::vector<std::size_t> row(k.size() + 1);
+    for (std::size_t j = 0; j <= k.size(); ++j) row[j] = j;
+    for (std::size_t i = 1; i <= word.size(); ++i) {
+      std::size_t diagonal = row[0];
+      row[0] = i;
+      for (std::size_t j = 1; j <= k.size(); ++j) {
+        const std::size_t up = row[j];
+        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (word[i - 1] == k[j - 1] ? 0 : 1)});
+        diagonal = up;
+      }
+    }
+    if (row[k.size()] < best_distance) {
+      best_distance = row[k.size()];
+      best = k;
+    }
+  }
+  return best;
+}
+
+}  // namespace cpattn
