@@ -1,6 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <string>
+
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cpattn/config.hpp"
 #include "cpattn/config_file.hpp"
@@ -246,7 +251,6 @@ base_emb_dim: 4096
 base_num_decoder_layers: 60
 inhomogeneous_layer_cycle_interval: 4
 dtype: bfloat16
-some_unknown_key: {nested: [1, 2]}
 )",
                                    "test.yml");
   EXPECT_EQ(v.strategy.value(), "ulysses");
@@ -317,6 +321,74 @@ TEST(ConfigFile, MissingSizesAndBadStringsAreReportedTogether) {
   ASSERT_EQ(errors.size(), 4u);  // seq_len, num_kv_heads, head_dim unset; strategy unknown
   EXPECT_EQ(errors[0].fields[0], "seq_len");
   EXPECT_NE(errors[3].message.find("'rings' is not a strategy"), std::string::npos);
+}
+
+// A key cpattn does not read is refused, not ignored: a misspelt key would otherwise leave its default in
+// place without a word.
+TEST(ConfigFile, RefusesUnknownAndRepeatedKeys) {
+  auto refused = [](const std::string& text, const std::string& field, const std::string& phrase) {
+    try {
+      parse_config_yaml(text, "k.yml");
+      ADD_FAILURE() << text << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::invalid_input);
+      EXPECT_EQ(e.items().at(0).fields.at(0), field) << e.what();
+      EXPECT_NE(std::string(e.what()).find("k.yml"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(phrase), std::string::npos) << e.what();
+    }
+  };
+  refused("ici_context_paralelism: 4\n", "ici_context_paralelism",
+          "unknown key 'ici_context_paralelism'; did you mean 'ici_context_parallelism'?");
+  refused("head_dims: 128\n", "head_dims", "did you mean 'head_dim'?");
+  refused("some_unknown_key: {nested: [1, 2]}\n", "some_unknown_key",
+          "valid keys: context_parallel_strategy");
+  refused("ici_context_parallelism: 4\nici_context_parallelism: 8\n", "ici_context_parallelism",
+          "given twice");
+  refused("\"bad\\x01key\": 1\n", "bad\x01key", "unknown key 'bad\\x01key'");
+  refused("[a, b]: 1\n", "k.yml", "not a plain word");
+}
+
+// Integers read as the flags read them: decimal digits only (a leading zero is not octal, 0x is not hex), and
+// whole floats as the seed framework writes them.
+TEST(ConfigFile, IntegersAreDecimal) {
+  EXPECT_EQ(parse_config_yaml("ici_context_parallelism: 010\n", "a.yml").cp.value(), 10);
+  EXPECT_EQ(parse_config_yaml("ici_context_parallelism: +8\n", "a.yml").cp.value(), 8);
+  EXPECT_EQ(parse_config_yaml("per_device_batch_size: 2.0\n", "a.yml").batch.value(), 2);
+  for (const char* text : {"ici_context_parallelism: 0x10\n", "ici_context_parallelism: 0o10\n",
+                           "ici_context_parallelism: ''\n", "ici_context_parallelism: 1e400\n",
+                           "ici_context_parallelism: .inf\n", "ici_context_parallelism: 4 4\n"}) {
+    try {
+      const auto v = parse_config_yaml(text, "a.yml");
+      ADD_FAILURE() << text << " read as " << v.cp.value_or(-1);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.items().at(0).fields.at(0), "ici_context_parallelism");
+      EXPECT_NE(std::string(e.what()).find("written in decimal digits"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(ConfigFile, ReadsOnlySmallRegularFiles) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("cpattn_config_files_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string fifo = (dir / "fifo.yml").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const std::string big = (dir / "big.yml").string();
+  std::ofstream(big) << "# " << std::string(2 << 20, 'x') << "\n";
+  const std::pair<std::string, std::string> cases[] = {{fifo, "is a FIFO"},
+                                                       {"/dev/zero", "is a device"},
+                                                       {dir.string(), "is a directory"},
+                                                       {big, "at most 1 MiB"}};
+  for (const auto& [path, phrase] : cases) {
+    try {
+      read_config_file(path);
+      ADD_FAILURE() << path;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(phrase), std::string::npos) << e.what();
+    }
+  }
+  fs::remove_all(dir);
 }
 
 }  // namespace

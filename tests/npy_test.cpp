@@ -4,6 +4,9 @@
 #include <filesystem>
 #include <fstream>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include "cpattn/error.hpp"
 #include "cpattn/npy.hpp"
 
@@ -119,6 +122,69 @@ TEST(Npy, RefusesWhatItCannotRead) {
   std::string cut = npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (4,), }", four);
   expect_rejected(cut.substr(0, 30));
   EXPECT_THROW(read_npy("/nonexistent/dir/x.npy"), Error);
+}
+
+// Headers that lie or are cut short are refused before anything trusts them.
+TEST(Npy, RefusesHeadersThatLie) {
+  const std::string four(16, '\0');
+  // A header whose dict is never closed (the padding ends it where '}' should be).
+  EXPECT_NE(expect_rejected(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (4,), ", four))
+                .find("closed by '}'"),
+            std::string::npos);
+  // A version-2 header length of 4 GiB - 1: refused from the length alone.
+  std::string v2 = npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (4,), }", four, 2);
+  v2[8] = v2[9] = v2[10] = v2[11] = '\xff';
+  EXPECT_NE(expect_rejected(v2).find("at most 1 MiB"), std::string::npos);
+  // More data than the shape promises is as wrong as less.
+  EXPECT_NE(expect_rejected(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }", four))
+                .find("the shape needs 8"),
+            std::string::npos);
+  // A shape whose byte count overflows int64 although its element count does not.
+  expect_rejected(
+      npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (4611686018427387904,), }", four));
+  // The header alone is enough to learn the shape: no data needed.
+  const NpyHeader h = parse_npy_header(
+      npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (1000000, 1000), }", ""), "h.npy");
+  EXPECT_EQ(h.shape, (std::vector<std::int64_t>{1000000, 1000}));
+  EXPECT_EQ(h.data_bytes, 8000000000u);
+  EXPECT_EQ(h.data_offset, 128u);
+}
+
+// Only regular files are opened: a FIFO would block the open for ever, /dev/zero would never end.
+TEST(Npy, ReadsOnlyRegularFiles) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("cpattn_npy_files_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string fifo = (dir / "fifo.npy").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  auto refused = [](const std::string& path, const std::string& phrase) {
+    try {
+      read_npy(path);
+      ADD_FAILURE() << path << " was read";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::invalid_input);
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(phrase), std::string::npos) << e.what();
+    }
+  };
+  refused(fifo, "is a FIFO");
+  refused("/dev/zero", "is a device");
+  refused(dir.string(), "is a directory");
+  refused((dir / "absent.npy").string(), "No such file");
+  // A 16 GiB file whose header is true but whose data is sparse: the header reads at once, and nothing of the
+  // data is read or allocated for it.
+  const std::string big = (dir / "big.npy").string();
+  {
+    std::ofstream out(big, std::ios::binary);
+    out << npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (4194304, 1024), }", "");
+  }
+  fs::resize_file(big, 128 + (std::uintmax_t{1} << 34));
+  const NpyHeader h = read_npy_header(big);
+  EXPECT_EQ(h.data_bytes, std::uint64_t{1} << 34);
+  // And one byte short of its promise: refused from the size, before any read.
+  fs::resize_file(big, 127 + (std::uintmax_t{1} << 34));
+  refused(big, "truncated or wrong shape");
+  fs::remove_all(dir);
 }
 
 }  // namespace

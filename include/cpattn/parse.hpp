@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <fstream>
 #include <limits>
 #include <string>
 #include <vector>
@@ -31,5 +32,11 @@ std::string quoted(const std::string& text);
 // The nearest of `known` to `word` by edit distance, or "" where none is close (more than a third of the
 // word's length away).
 std::string nearest(const std::string& word, const std::vector<std::string>& known);
+
+// Opens `path` for binary reading when it is a regular file, and returns its size in bytes. Anything else is
+// refused before it is opened (a FIFO would block the open, /dev/zero or a terminal would never end): Error
+// (invalid_input) "PATH: is a directory|FIFO|device|socket; valid: a regular file", or "PATH: cannot open
+// for reading (REASON)".
+std::uint64_t open_input_file(const std::string& path, std::ifstream& in);
 
 }  // namespace cpattn

@@ -1,6 +1,11 @@
 #include "cpattn/config_file.hpp"
 
+#include "cpattn/parse.hpp"
+
+#include <algorithm>
 #include <cmath>
+#include <iterator>
+#include <vector>
 
 #include <yaml-cpp/yaml.h>
 
@@ -17,27 +22,27 @@ void take(std::optional<T>& into, const std::optional<T>& from) {
 
 [[noreturn]] void bad_value(const std::string& name, const std::string& key, const YAML::Node& node,
                             const char* wanted) {
-  std::string text = node.IsScalar() ? node.Scalar() : (node.IsMap() ? "a mapping" : "a sequence");
-  throw Error(ErrorKind::invalid_input, key, text,
-              name + ": key '" + key + "' has value '" + text + "'; expected " + wanted);
+  const std::string text =
+      node.IsScalar() ? "'" + quoted(node.Scalar()) + "'" : (node.IsMap() ? "a mapping" : "a sequence");
+  throw Error(ErrorKind::invalid_input, key, node.IsScalar() ? node.Scalar() : text,
+              name + ": key '" + key + "' has value " + text + "; expected " + wanted);
 }
 
 std::int64_t as_int(const std::string& name, const std::string& key, const YAML::Node& node) {
   if (!node.IsScalar()) bad_value(name, key, node, "an integer");
+  const std::string& text = node.Scalar();
   try {
-    return node.as<std::int64_t>();
-  } catch (const YAML::Exception&) {
-    // The seed's framework writes some sizes as floats (per_device_batch_size: 1.0): accept whole numbers.
-    try {
-      const double d = node.as<double>();
-      // Range first: converting a double outside int64's range is undefined (found by fuzz_config_yaml).
-      if (d >= -9e18 && d <= 9e18 && d == std::trunc(d)) {
-        return static_cast<std::int64_t>(d);
-      }
-    } catch (const YAML::Exception&) {
-    }
-    bad_value(name, key, node, "an integer");
+    // The one decimal reading of every integer (parse.hpp): no octal 010, no hex, no empty value.
+    return parse_integer(text, key);
+  } catch (const Error&) {
   }
+  // The seed's framework writes some sizes as floats (per_device_batch_size: 1.0): accept whole numbers.
+  try {
+    const double d = parse_real(text, key, -9e18, 9e18);
+    if (d == std::trunc(d)) return static_cast<std::int64_t>(d);
+  } catch (const Error&) {
+  }
+  bad_value(name, key, node, "an integer, written in decimal digits");
 }
 
 bool as_bool(const std::string& name, const std::string& key, const YAML::Node& node) {
@@ -52,6 +57,57 @@ bool as_bool(const std::string& name, const std::string& key, const YAML::Node& 
 std::string as_string(const std::string& name, const std::string& key, const YAML::Node& node) {
   if (!node.IsScalar()) bad_value(name, key, node, "a string");
   return node.Scalar();
+}
+
+// Every key cpattn reads, and nothing else: a key not here is refused (a misspelt key must not be ignored).
+struct KeyReader {
+  const char* key;
+  void (*read)(ConfigValues&, const std::string& name, const std::string& key, const YAML::Node&);
+};
+
+constexpr KeyReader kKeys[] = {
+    {"context_parallel_strategy", [](ConfigValues& v, const std::string& n, const std::string& k,
+                                     const YAML::Node& x) { v.strategy = as_string(n, k, x); }},
+    {"ici_context_parallelism", [](ConfigValues& v, const std::string& n, const std::string& k,
+                                   const YAML::Node& x) { v.cp = as_int(n, k, x); }},
+    {"ici_tensor_parallelism", [](ConfigValues& v, const std::string& n, const std::string& k,
+                                  const YAML::Node& x) { v.tp = as_int(n, k, x); }},
+    {"context_parallel_ulysses_degree", [](ConfigValues& v, const std::string& n, const std::string& k,
+                                           const YAML::Node& x) { v.ulysses_degree = as_int(n, k, x); }},
+    {"num_query_heads", [](ConfigValues& v, const std::string& n, const std::string& k,
+                           const YAML::Node& x) { v.num_q_heads = as_int(n, k, x); }},
+    {"base_num_query_heads", [](ConfigValues& v, const std::string& n, const std::string& k,
+                                const YAML::Node& x) { v.num_q_heads = as_int(n, k, x); }},
+    {"num_kv_heads", [](ConfigValues& v, const std::string& n, const std::string& k,
+                        const YAML::Node& x) { v.num_kv_heads = as_int(n, k, x); }},
+    {"base_num_kv_heads", [](ConfigValues& v, const std::string& n, const std::string& k,
+                             const YAML::Node& x) { v.num_kv_heads = as_int(n, k, x); }},
+    {"head_dim", [](ConfigValues& v, const std::string& n, const std::string& k,
+                    const YAML::Node& x) { v.head_dim = as_int(n, k, x); }},
+    {"max_target_length", [](ConfigValues& v, const std::string& n, const std::string& k,
+                             const YAML::Node& x) { v.seq_len = as_int(n, k, x); }},
+    {"per_device_batch_size", [](ConfigValues& v, const std::string& n, const std::string& k,
+                                 const YAML::Node& x) { v.batch = as_int(n, k, x); }},
+    {"context_parallel_load_balance", [](ConfigValues& v, const std::string& n, const std::string& k,
+                                         const YAML::Node& x) { v.load_balance = as_bool(n, k, x); }},
+    {"context_parallel_attention_load_balance",
+     [](ConfigValues& v, const std::string& n, const std::string& k, const YAML::Node& x) {
+       v.attention_load_balance = as_bool(n, k, x);
+     }},
+    {"dtype", [](ConfigValues& v, const std::string& n, const std::string& k,
+                 const YAML::Node& x) { v.dtype = as_string(n, k, x); }},
+    {"base_emb_dim", [](ConfigValues& v, const std::string& n, const std::string& k,
+                        const YAML::Node& x) { v.emb_dim = as_int(n, k, x); }},
+    {"base_num_decoder_layers", [](ConfigValues& v, const std::string& n, const std::string& k,
+                                   const YAML::Node& x) { v.num_layers = as_int(n, k, x); }},
+    {"inhomogeneous_layer_cycle_interval", [](ConfigValues& v, const std::string& n, const std::string& k,
+                                              const YAML::Node& x) { v.attention_every = as_int(n, k, x); }},
+};
+
+std::string known_keys_text() {
+  std::string out;
+  for (const auto& k : kKeys) out += (out.empty() ? "" : ", ") + std::string(k.key);
+  return out;
 }
 
 }  // namespace
@@ -88,48 +144,46 @@ ConfigValues parse_config_yaml(const std::string& text, const std::string& name)
     throw Error(ErrorKind::invalid_input, name, "",
                 name + ": the top level must be a mapping of keys to values");
   }
+  std::vector<std::string> seen;
   for (const auto& entry : root) {
-    if (!entry.first.IsScalar()) continue;
-    const std::string key = entry.first.Scalar();
-    const YAML::Node& node = entry.second;
-    if (key == "context_parallel_strategy") {
-      v.strategy = as_string(name, key, node);
-    } else if (key == "ici_context_parallelism") {
-      v.cp = as_int(name, key, node);
-    } else if (key == "ici_tensor_parallelism") {
-      v.tp = as_int(name, key, node);
-    } else if (key == "context_parallel_ulysses_degree") {
-      v.ulysses_degree = as_int(name, key, node);
-    } else if (key == "num_query_heads" || key == "base_num_query_heads") {
-      v.num_q_heads = as_int(name, key, node);
-    } else if (key == "num_kv_heads" || key == "base_num_kv_heads") {
-      v.num_kv_heads = as_int(name, key, node);
-    } else if (key == "head_dim") {
-      v.head_dim = as_int(name, key, node);
-    } else if (key == "max_target_length") {
-      v.seq_len = as_int(name, key, node);
-    } else if (key == "per_device_batch_size") {
-      v.batch = as_int(name, key, node);
-    } else if (key == "context_parallel_load_balance") {
-      v.load_balance = as_bool(name, key, node);
-    } else if (key == "context_parallel_attention_load_balance") {
-      v.attention_load_balance = as_bool(name, key, node);
-    } else if (key == "dtype") {
-      v.dtype = as_string(name, key, node);
-    } else if (key == "base_emb_dim") {
-      v.emb_dim = as_int(name, key, node);
-    } else if (key == "base_num_decoder_layers") {
-      v.num_layers = as_int(name, key, node);
-    } else if (key == "inhomogeneous_layer_cycle_interval") {
-      v.attention_every = as_int(name, key, node);
+    if (!entry.first.IsScalar()) {
+      throw Error(ErrorKind::invalid_input, name, "",
+                  name + ": a key is not a plain word (a sequence or mapping used as a key); valid keys: " +
+                      known_keys_text());
     }
+    const std::string key = entry.first.Scalar();
+    if (std::find(seen.begin(), seen.end(), key) != seen.end()) {
+      throw Error(ErrorKind::invalid_input, key, key,
+                  name + ": key '" + quoted(key) + "' is given twice; give each key once");
+    }
+    seen.push_back(key);
+    const auto* known =
+        std::find_if(std::begin(kKeys), std::end(kKeys), [&](const KeyReader& k) { return key == k.key; });
+    if (known == std::end(kKeys)) {
+      std::vector<std::string> names;
+      for (const auto& k : kKeys) names.emplace_back(k.key);
+      const std::string near = nearest(key, names);
+      throw Error(ErrorKind::invalid_input, key, key,
+                  name + ": unknown key '" + quoted(key) + "'" +
+                      (near.empty() ? "" : "; did you mean '" + near + "'?") +
+                      " valid keys: " + known_keys_text());
+    }
+    known->read(v, name, key, entry.second);
   }
   return v;
 }
 
 ConfigValues read_config_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw Error(ErrorKind::invalid_input, path, "", path + ": cannot open config file");
+  std::ifstream in;
+  const std::uint64_t size = open_input_file(path, in);
+  // A config of the seed framework is a few kilobytes; a larger file is not one (and would take long to
+  // parse).
+  constexpr std::uint64_t kMaxConfigBytes = 1 << 20;
+  if (size > kMaxConfigBytes) {
+    throw Error(ErrorKind::invalid_input, path, std::to_string(size),
+                quoted(path) + ": config file is " + std::to_string(size) +
+                    " bytes; valid: a YAML file of at most 1 MiB");
+  }
   std::ostringstream ss;
   ss << in.rdbuf();
   return parse_config_yaml(ss.str(), path);

@@ -5,6 +5,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+
+#include <sys/stat.h>
 
 namespace cpattn {
 namespace {
@@ -134,6 +137,30 @@ std::string nearest(const std::string& word, const std::vector<std::string>& kno
     }
   }
   return best;
+}
+
+std::uint64_t open_input_file(const std::string& path, std::ifstream& in) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    throw Error(ErrorKind::invalid_input, path, "",
+                quoted(path) + ": cannot open for reading (" + std::strerror(err) + ")");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    const char* what = S_ISDIR(st.st_mode)    ? "a directory"
+                       : S_ISFIFO(st.st_mode) ? "a FIFO"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                                              : "a device";
+    throw Error(ErrorKind::invalid_input, path, "",
+                quoted(path) + ": is " + what + "; valid: a regular file");
+  }
+  in.open(path, std::ios::binary);
+  if (!in) {
+    const int err = errno;
+    throw Error(ErrorKind::invalid_input, path, "",
+                quoted(path) + ": cannot open for reading (" + std::strerror(err) + ")");
+  }
+  return static_cast<std::uint64_t>(st.st_size);
 }
 
 }  // namespace cpattn

@@ -1,11 +1,14 @@
 #include "cpattn/npy.hpp"
 
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <limits>
 #include <sstream>
 
 #include "cpattn/error.hpp"
+#include "cpattn/parse.hpp"
 
 namespace cpattn {
 namespace {
@@ -79,7 +82,10 @@ void write_raw(const std::string& path, const char* descr, const std::vector<std
   for (auto d : shape) n *= d;
   const std::string header = header_for(descr, shape);
   std::ofstream out(path, std::ios::binary);
-  if (!out) throw Error(ErrorKind::invalid_input, path, "", path + ": cannot open for writing");
+  if (!out) {
+    throw Error(ErrorKind::invalid_input, path, "",
+                path + ": cannot open for writing (" + std::strerror(errno) + ")");
+  }
   const unsigned char preamble[8] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0};
   out.write(reinterpret_cast<const char*>(preamble), 8);
   const auto len = static_cast<std::uint16_t>(header.size());
@@ -88,7 +94,10 @@ void write_raw(const std::string& path, const char* descr, const std::vector<std
   out.write(header.data(), static_cast<std::streamsize>(header.size()));
   out.write(static_cast<const char*>(values),
             static_cast<std::streamsize>(static_cast<std::size_t>(n) * elem));
-  if (!out) throw Error(ErrorKind::invalid_input, path, "", path + ": write failed");
+  out.close();  // the data reaches the file here: a full disk shows now, not after the caller trusts it
+  if (!out) {
+    throw Error(ErrorKind::invalid_input, path, "", path + ": write failed (" + std::strerror(errno) + ")");
+  }
 }
 
 }  // namespace
@@ -133,35 +142,60 @@ std::vector<std::int32_t> NpyArray::as_int32() const {
   return out;
 }
 
-NpyArray parse_npy(const std::string& c, const std::string& name) {
+namespace {
+
+// numpy writes headers of at most 64 KiB for version 1; later versions allow 4 GiB, which no real array
+// needs.
+constexpr std::uint64_t kMaxHeaderBytes = 1 << 20;
+
+// The magic, version and header length; `c` holds at least the first 12 bytes of the file, or all of it.
+void preamble(const std::string& c, const std::string& name, std::uint64_t& header_len,
+              std::uint64_t& offset) {
   if (c.size() < 10 || static_cast<unsigned char>(c[0]) != 0x93 || c.compare(1, 5, "NUMPY") != 0) {
     bad(name, "missing the \\x93NUMPY magic");
   }
   const int major = static_cast<unsigned char>(c[6]);
-  std::size_t header_len = 0, offset = 0;
+  header_len = 0;
   if (major == 1) {
-    header_len =
-        static_cast<unsigned char>(c[8]) | (static_cast<std::size_t>(static_cast<unsigned char>(c[9])) << 8);
+    header_len = static_cast<unsigned char>(c[8]) |
+                 (static_cast<std::uint64_t>(static_cast<unsigned char>(c[9])) << 8);
     offset = 10;
   } else if (major == 2 || major == 3) {
     if (c.size() < 12) bad(name, "truncated header");
     for (int i = 0; i < 4; ++i)
-      header_len |= static_cast<std::size_t>(static_cast<unsigned char>(c[8 + i])) << (8 * i);
+      header_len |= static_cast<std::uint64_t>(static_cast<unsigned char>(c[8 + i])) << (8 * i);
     offset = 12;
   } else {
     bad(name, "unsupported format version " + std::to_string(major));
   }
+  if (header_len > kMaxHeaderBytes) {
+    bad(name, "header claims " + std::to_string(header_len) + " bytes; at most 1 MiB is read");
+  }
+}
+
+}  // namespace
+
+NpyHeader parse_npy_header(const std::string& c, const std::string& name) {
+  std::uint64_t header_len = 0, offset = 0;
+  preamble(c, name, header_len, offset);
   if (offset + header_len > c.size()) bad(name, "truncated header");
   const std::string header = c.substr(offset, header_len);
+  // A dict, closed: '{' ... '}' then only padding (spaces, one newline). A header cut short is refused here,
+  // not read as far as its keys happen to go.
+  const auto first = header.find_first_not_of(' ');
+  const auto last = header.find_last_not_of(" \n");
+  if (first == std::string::npos || header[first] != '{' || header[last] != '}') {
+    bad(name, "header is not a dict closed by '}'");
+  }
 
-  NpyArray a;
+  NpyHeader h;
   const std::string descr = value_after(header, "descr", name);
   if (descr.rfind("'<f4'", 0) == 0) {
-    a.dtype = NpyDType::f32;
+    h.dtype = NpyDType::f32;
   } else if (descr.rfind("'<f8'", 0) == 0) {
-    a.dtype = NpyDType::f64;
+    h.dtype = NpyDType::f64;
   } else if (descr.rfind("'<i4'", 0) == 0) {
-    a.dtype = NpyDType::i32;
+    h.dtype = NpyDType::i32;
   } else if (descr.rfind("'>", 0) == 0) {
     bad(name, "big-endian data (" + descr.substr(0, descr.find(',')) + "); save it little-endian");
   } else {
@@ -170,29 +204,81 @@ NpyArray parse_npy(const std::string& c, const std::string& name) {
   const std::string fortran = value_after(header, "fortran_order", name);
   if (fortran.rfind("True", 0) == 0) bad(name, "Fortran-order data; save it in C order");
   if (fortran.rfind("False", 0) != 0) bad(name, "fortran_order is neither True nor False");
-  a.shape = parse_shape(value_after(header, "shape", name), name);
+  h.shape = parse_shape(value_after(header, "shape", name), name);
 
   std::int64_t n = 1;
-  for (auto d : a.shape) {
+  for (auto d : h.shape) {
     if (__builtin_mul_overflow(n, d, &n)) bad(name, "shape overflows");
   }
-  const std::size_t elem = element_size(a.dtype);
-  const std::size_t have = c.size() - offset - header_len;
-  if (static_cast<std::uint64_t>(n) > std::numeric_limits<std::uint64_t>::max() / elem ||
-      static_cast<std::uint64_t>(n) * elem != have) {
-    bad(name, "data holds " + std::to_string(have) + " bytes, the shape needs " +
-                  std::to_string(static_cast<std::uint64_t>(n) * elem) + " (truncated or wrong shape)");
+  const std::uint64_t elem = element_size(h.dtype);
+  if (static_cast<std::uint64_t>(n) > std::numeric_limits<std::int64_t>::max() / elem) {
+    bad(name, "shape overflows");
   }
-  a.bytes.assign(c.begin() + static_cast<std::ptrdiff_t>(offset + header_len), c.end());
+  h.data_offset = offset + header_len;
+  h.data_bytes = static_cast<std::uint64_t>(n) * elem;
+  return h;
+}
+
+namespace {
+
+void check_data_size(const NpyHeader& h, std::uint64_t have, const std::string& name) {
+  if (have != h.data_bytes) {
+    bad(name, "data holds " + std::to_string(have) + " bytes, the shape needs " +
+                  std::to_string(h.data_bytes) + " (truncated or wrong shape)");
+  }
+}
+
+}  // namespace
+
+NpyArray parse_npy(const std::string& c, const std::string& name) {
+  const NpyHeader h = parse_npy_header(c, name);
+  check_data_size(h, c.size() - h.data_offset, name);
+  NpyArray a;
+  a.dtype = h.dtype;
+  a.shape = h.shape;
+  a.bytes.assign(c.begin() + static_cast<std::ptrdiff_t>(h.data_offset), c.end());
   return a;
 }
 
+namespace {
+
+NpyHeader read_header(const std::string& path, std::ifstream& in) {
+  const std::uint64_t size = open_input_file(path, in);
+  std::string prefix(static_cast<std::size_t>(std::min<std::uint64_t>(size, 12)), '\0');
+  in.read(prefix.data(), static_cast<std::streamsize>(prefix.size()));
+  std::uint64_t header_len = 0, offset = 0;
+  preamble(prefix, path, header_len, offset);
+  if (offset + header_len > size) bad(path, "truncated header");
+  prefix.resize(static_cast<std::size_t>(offset + header_len));
+  in.seekg(0);
+  in.read(prefix.data(), static_cast<std::streamsize>(prefix.size()));
+  if (!in) bad(path, "read failed");
+  const NpyHeader h = parse_npy_header(prefix, path);
+  check_data_size(h, size - h.data_offset, path);
+  return h;
+}
+
+}  // namespace
+
+NpyHeader read_npy_header(const std::string& path) {
+  std::ifstream in;
+  return read_header(path, in);
+}
+
 NpyArray read_npy(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(ErrorKind::invalid_input, path, "", path + ": cannot open for reading");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return parse_npy(ss.str(), path);
+  std::ifstream in;
+  const NpyHeader h = read_header(path, in);
+  NpyArray a;
+  a.dtype = h.dtype;
+  a.shape = h.shape;
+  try {
+    a.bytes.resize(static_cast<std::size_t>(h.data_bytes));
+  } catch (const std::bad_alloc&) {
+    fail_allocation(static_cast<std::size_t>(h.data_bytes), path);
+  }
+  in.read(reinterpret_cast<char*>(a.bytes.data()), static_cast<std::streamsize>(a.bytes.size()));
+  if (!in) bad(path, "read failed (the file shrank while it was read)");
+  return a;
 }
 
 void write_npy(const std::string& path, const std::vector<std::int64_t>& shape, const float* values) {

@@ -17,6 +17,7 @@
 #include "flag_parsing.hpp"
 #include "harness/check.hpp"
 #include "harness/whole_problem.hpp"
+#include "output_dir.hpp"
 #include "problem_flags.hpp"
 
 #ifdef CPATTN_WITH_MPI
@@ -73,19 +74,32 @@ std::vector<std::int64_t> parse_segments(const std::string& text, std::int64_t s
   return lengths;
 }
 
-// Reads DIR/{q,k,v,do}.npy (+ segment_ids.npy) and sets the sizes they imply, refusing disagreements with
-// flags.
-WholeProblem load_problem(const std::string& dir, ConfigValues& values) {
+// --load DIR: the headers of DIR/{q,k,v,do}.npy (+ segment_ids.npy), read and checked before any data.
+struct LoadDir {
+  std::string dir;
+  NpyHeader q, k, v, d_out;
+  bool has_segments = false;
+};
+
+// Reads the headers and sets the sizes they imply, refusing disagreements with flags; reads no data, so a
+// huge array is refused by validation and the memory check before anything is allocated for it.
+LoadDir inspect_load_dir(const std::string& dir, ConfigValues& values) {
   namespace fs = std::filesystem;
-  auto load4 = [&](const char* name) {
+  LoadDir d{dir, {}, {}, {}, {}, false};
+  auto header4 = [&](const char* name) {
     const std::string path = (fs::path(dir) / name).string();
-    NpyArray a = read_npy(path);
-    if (a.shape.size() != 4 || a.dtype != NpyDType::f32) {
+    NpyHeader h = read_npy_header(path);
+    if (h.shape.size() != 4 || h.dtype != NpyDType::f32) {
       bad_input(path, "", path + ": expected a float32 array [B, S, H, D]");
     }
-    return a;
+    return h;
   };
-  const NpyArray q = load4("q.npy"), k = load4("k.npy"), v = load4("v.npy"), d_out = load4("do.npy");
+  d.q = header4("q.npy");
+  d.k = header4("k.npy");
+  d.v = header4("v.npy");
+  d.d_out = header4("do.npy");
+  const auto& q = d.q.shape;
+  const auto& k = d.k.shape;
   auto agree = [&](std::optional<std::int64_t>& flag, std::int64_t file_value, const char* what) {
     if (flag && *flag != file_value) {
       bad_input(what, std::to_string(*flag),
@@ -94,28 +108,45 @@ WholeProblem load_problem(const std::string& dir, ConfigValues& values) {
     }
     flag = file_value;
   };
-  agree(values.batch, q.shape[0], "--batch");
-  agree(values.seq_len, q.shape[1], "--seq");
-  agree(values.num_q_heads, q.shape[2], "--q-heads");
-  agree(values.head_dim, q.shape[3], "--head-dim");
-  agree(values.num_kv_heads, k.shape[2], "--kv-heads");
-  if (k.shape != v.shape || k.shape[0] != q.shape[0] || k.shape[1] != q.shape[1] ||
-      k.shape[3] != q.shape[3]) {
+  agree(values.batch, q[0], "--batch");
+  agree(values.seq_len, q[1], "--seq");
+  agree(values.num_q_heads, q[2], "--q-heads");
+  agree(values.head_dim, q[3], "--head-dim");
+  agree(values.num_kv_heads, k[2], "--kv-heads");
+  if (k != d.v.shape || k[0] != q[0] || k[1] != q[1] || k[3] != q[3]) {
     bad_input(dir + "/k.npy", "", dir + ": k.npy and v.npy must be [B, S, Hkv, D] with q.npy's B, S and D");
   }
-  if (d_out.shape != q.shape) bad_input(dir + "/do.npy", "", dir + "/do.npy must have q.npy's shape");
-  const DType dtype = values.dtype ? parse_dtype(*values.dtype) : DType::f32;
-  auto tensor = [&](const NpyArray& a) {
+  if (d.d_out.shape != q) bad_input(dir + "/do.npy", "", dir + "/do.npy must have q.npy's shape");
+  const fs::path seg_path = fs::path(dir) / "segment_ids.npy";
+  d.has_segments = fs::exists(fs::symlink_status(seg_path));
+  if (d.has_segments) {
+    const NpyHeader s = read_npy_header(seg_path.string());
+    if (s.dtype != NpyDType::i32 || s.shape != std::vector<std::int64_t>{q[0], q[1]}) {
+      bad_input(seg_path.string(), "",
+                seg_path.string() + ": expected int32 [B, S] = [" + std::to_string(q[0]) + ", " +
+                    std::to_string(q[1]) + "]");
+    }
+  }
+  return d;
+}
+
+// The data of the files inspect_load_dir checked (read_npy checks each header again: a file changed since is
+// refused, not trusted).
+WholeProblem read_load_dir(const LoadDir& d, DType dtype) {
+  namespace fs = std::filesystem;
+  auto tensor = [&](const char* name, const NpyHeader& h) {
+    const std::string path = (fs::path(d.dir) / name).string();
+    const NpyArray a = read_npy(path);
+    if (a.shape != h.shape || a.dtype != h.dtype) bad_input(path, "", path + ": changed while it was read");
     return Tensor::from_floats(dtype, {a.shape[0], a.shape[1], a.shape[2], a.shape[3]}, a.as_floats());
   };
-  WholeProblem p{tensor(q), tensor(k), tensor(v), tensor(d_out), {}};
-  const fs::path seg_path = fs::path(dir) / "segment_ids.npy";
-  if (fs::exists(seg_path)) {
-    const NpyArray s = read_npy(seg_path.string());
-    if (s.dtype != NpyDType::i32 || s.shape != std::vector<std::int64_t>{q.shape[0], q.shape[1]}) {
-      bad_input(seg_path.string(), "",
-                seg_path.string() + ": expected int32 [B, S] = [" + std::to_string(q.shape[0]) + ", " +
-                    std::to_string(q.shape[1]) + "]");
+  WholeProblem p{
+      tensor("q.npy", d.q), tensor("k.npy", d.k), tensor("v.npy", d.v), tensor("do.npy", d.d_out), {}};
+  if (d.has_segments) {
+    const std::string path = (fs::path(d.dir) / "segment_ids.npy").string();
+    const NpyArray s = read_npy(path);
+    if (s.dtype != NpyDType::i32 || s.shape != std::vector<std::int64_t>{d.q.shape[0], d.q.shape[1]}) {
+      bad_input(path, "", path + ": changed while it was read");
     }
     p.segment_ids = s.as_int32();
   }
@@ -272,23 +303,26 @@ std::string check_report(const harness::WholeCheck& c, bool forward_only, nlohma
   return t.str();
 }
 
-// --save DIR: o, lse and (unless forward-only) dq, dk, dv as float32 .npy in natural token order.
+// --save DIR: o, lse and (unless forward-only) dq, dk, dv as float32 .npy in natural token order, all or none
+// (output_dir.hpp).
 void save_outputs(const std::string& dir, const AttentionSpec& a, const WholeResult& result,
                   bool forward_only) {
-  namespace fs = std::filesystem;
-  fs::create_directories(dir);
-  auto save = [&](const char* name, const Tensor& t) {
-    const auto f = t.to_floats();
+  std::vector<std::vector<float>> floats;
+  std::vector<OutputFile> files;
+  floats.reserve(5);
+  auto add = [&](const char* name, const Tensor& t) {
+    floats.push_back(t.to_floats());
     const Shape4 s = t.shape();
-    write_npy((fs::path(dir) / name).string(), {s.b, s.s, s.h, s.d}, f.data());
+    files.push_back({name, {s.b, s.s, s.h, s.d}, floats.back().data()});
   };
-  save("o.npy", result.o);
-  write_npy((fs::path(dir) / "lse.npy").string(), {a.batch, a.num_q_heads, a.seq_len}, result.lse.data());
+  add("o.npy", result.o);
+  files.push_back({"lse.npy", {a.batch, a.num_q_heads, a.seq_len}, result.lse.data()});
   if (!forward_only) {
-    save("dq.npy", result.dq);
-    save("dk.npy", result.dk);
-    save("dv.npy", result.dv);
+    add("dq.npy", result.dq);
+    add("dk.npy", result.dk);
+    add("dv.npy", result.dv);
   }
+  write_outputs(dir, files);
 }
 
 void print_text(const RunOptions& opt, const AttentionSpec& a, const ParallelSpec& p,
@@ -343,8 +377,8 @@ void print_text(const RunOptions& opt, const AttentionSpec& a, const ParallelSpe
 
 int run(const CLI::App& app, RunOptions& opt) {
   ConfigValues values = opt.problem.resolve(app);
-  WholeProblem problem;
-  if (!opt.load_dir.empty()) problem = load_problem(opt.load_dir, values);
+  LoadDir loaded;
+  if (!opt.load_dir.empty()) loaded = inspect_load_dir(opt.load_dir, values);
   Specs specs;
   const auto errors = all_config_errors(values, specs);
   if (!errors.empty()) {
@@ -373,7 +407,9 @@ int run(const CLI::App& app, RunOptions& opt) {
     bad_input("--tp", std::to_string(p.tp), "cpattn run simulates one tensor-parallel group; use --tp 1");
   // Inputs Q, K, V, dO and outputs O, dQ, dK, dV, before the ranks' own copies and the check's.
   require_memory_for(a, 8, "cpattn run");
-  if (opt.load_dir.empty()) problem = harness::random_problem(a, opt.seed);
+  if (!opt.save_dir.empty()) check_output_dir(opt.save_dir, opt.forward_only);
+  WholeProblem problem =
+      opt.load_dir.empty() ? harness::random_problem(a, opt.seed) : read_load_dir(loaded, a.dtype);
   if (!opt.segments.empty()) {
     std::vector<std::int32_t> ids =
         segment_ids_from_lengths(a.batch, parse_segments(opt.segments, a.seq_len));

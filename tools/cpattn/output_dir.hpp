@@ -1,0 +1,31 @@
+// run --save DIR: the outputs written whole or not at all. Checked before anything is computed (a bad path is
+// bad input, exit 2, not a failure after minutes of work); written to temporary names in DIR and renamed
+// only once every file is written, so a failure leaves DIR as it was (docs/errors.md, "What is on disk").
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace cpattn::cli {
+
+struct OutputFile {
+  std::string name;                 // "o.npy"
+  std::vector<std::int64_t> shape;  // float32, C order
+  const float* values = nullptr;
+};
+
+// The names a run writes: o.npy, lse.npy and, unless forward-only, dq.npy, dk.npy, dv.npy.
+std::vector<std::string> output_names(bool forward_only);
+
+// Refuses (Error invalid_input, naming the path) a --save DIR that is not a directory, or does not exist and
+// cannot be made under its nearest existing parent, or cannot be written; an output name taken by anything
+// but a regular file; and, for a forward-only run, gradient files of an earlier run (dq.npy, dk.npy,
+// dv.npy), which would otherwise sit beside the new outputs as if they were theirs.
+void check_output_dir(const std::string& dir, bool forward_only);
+
+// Makes DIR if needed, writes every file to a temporary name in it, then renames each into place. On any
+// failure the temporaries are removed and the existing files are left unchanged; the error names the file.
+void write_outputs(const std::string& dir, const std::vector<OutputFile>& files);
+
+}  // namespace cpattn::cli
