@@ -59,4 +59,71 @@ inline TileKind classify_tile(const BlockMeta& q, const BlockMeta& kv, bool caus
   return causal_full && segment_full && kv.length == kv_block ? TileKind::full : TileKind::partial;
 }
 
+// How many (q block, kv block) pairs classify_tile calls non-empty, without visiting the pairs: O((nq + nk)
+// log nk) rather than nq * nk, so that the planner's count stays quick at any grid. A pair is empty where its
+// segment ranges are disjoint (kv.seg_max < q.seg_min or kv.seg_min > q.seg_max) or, causal, where
+// kv.pos_min > q.pos_max. Since seg_min <= seg_max, "kv.seg_max < q.seg_min" already implies "kv.seg_min <=
+// q.seg_max", so the kv blocks a q block sees are #(pos_min <= P, seg_min <= b) - #(pos_min <= P, seg_max <
+// a): two prefix counts over the kv blocks admitted so far, in order of pos_min, as the q blocks are taken in
+// order of P = pos_max.
+inline std::int64_t count_nonempty_tiles(const std::vector<BlockMeta>& q, const std::vector<BlockMeta>& kv,
+                                         bool causal, bool segments) {
+  const auto nk = static_cast<std::int64_t>(kv.size());
+  if (!causal && !segments) return static_cast<std::int64_t>(q.size()) * nk;
+  // Segment ids in rank order (both bounds of every kv block), for two Fenwick trees over them.
+  std::vector<std::int32_t> ids;
+  if (segments) {
+    for (const auto& k : kv) {
+      ids.push_back(k.seg_min);
+      ids.push_back(k.seg_max);
+    }
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  }
+  const auto rank_of = [&](std::int32_t v) {  // how many ids are <= v
+    return static_cast<std::int64_t>(std::upper_bound(ids.begin(), ids.end(), v) - ids.begin());
+  };
+  std::vector<std::int64_t> by_min(ids.size() + 1, 0), by_max(ids.size() + 1, 0);
+  const auto add = [](std::vector<std::int64_t>& tree, std::int64_t i) {  // i: 1-based
+    for (; i < static_cast<std::int64_t>(tree.size()); i += i & -i) ++tree[static_cast<std::size_t>(i)];
+  };
+  const auto prefix = [](const std::vector<std::int64_t>& tree, std::int64_t i) {  // entries 1..i
+    std::int64_t n = 0;
+    for (; i > 0; i -= i & -i) n += tree[static_cast<std::size_t>(i)];
+    return n;
+  };
+  std::vector<std::size_t> kv_order(kv.size()), q_order(q.size());
+  for (std::size_t i = 0; i < kv_order.size(); ++i) kv_order[i] = i;
+  for (std::size_t i = 0; i < q_order.size(); ++i) q_order[i] = i;
+  if (causal) {
+    std::sort(kv_order.begin(), kv_order.end(),
+              [&](std::size_t x, std::size_t y) { return kv[x].pos_min < kv[y].pos_min; });
+    std::sort(q_order.begin(), q_order.end(),
+              [&](std::size_t x, std::size_t y) { return q[x].pos_max < q[y].pos_max; });
+  }
+  std::int64_t total = 0, admitted = 0;
+  for (const std::size_t qi : q_order) {
+    const BlockMeta& b = q[qi];
+    while (admitted < nk &&
+           (!causal || kv[kv_order[static_cast<std::size_t>(admitted)]].pos_min <= b.pos_max)) {
+      const BlockMeta& k = kv[kv_order[static_cast<std::size_t>(admitted)]];
+      if (segments) {
+        add(by_min, rank_of(k.seg_min));
+        add(by_max, rank_of(k.seg_max));
+      }
+      ++admitted;
+    }
+    if (!segments) {
+      total += admitted;
+    } else {
+      // kv.seg_min <= b.seg_max, less those with kv.seg_max < b.seg_min (ids below b.seg_min: rank_of(b -
+      // 1)).
+      total += prefix(by_min, rank_of(b.seg_max)) - (b.seg_min == std::numeric_limits<std::int32_t>::min()
+                                                         ? 0
+                                                         : prefix(by_max, rank_of(b.seg_min - 1)));
+    }
+  }
+  return total;
+}
+
 }  // namespace cpattn::kernels

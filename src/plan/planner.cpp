@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 #include <sstream>
 
 #include "cpattn/flash.hpp"
@@ -71,21 +72,18 @@ void add_call(std::vector<CollectiveRecord>& list, CollectiveKind kind, const st
   add_to_records(list, kind, phase, collective_cost(kind, count, element_size, ranks, dest));
 }
 
-// Tiles of one q head for the query tokens `q_positions` (local order) against the whole sequence.
+std::vector<kernels::BlockMeta> blocks_of(const std::vector<std::int32_t>& positions,
+                                          const std::vector<std::int32_t>& segments, std::int64_t block) {
+  return kernels::block_meta(positions, segments, 0, static_cast<std::int64_t>(positions.size()), block);
+}
+
+// Tiles of one q head for the query tokens `q_positions` (local order) against kv blocks `kb`, counted
+// without visiting every pair (kernels::count_nonempty_tiles), so any accepted grid plans in little time.
 std::int64_t count_tiles(const std::vector<std::int32_t>& q_positions,
                          const std::vector<std::int32_t>& q_segments,
-                         const std::vector<std::int32_t>& kv_positions,
-                         const std::vector<std::int32_t>& kv_segments, bool causal, std::int64_t block) {
-  const auto qb =
-      kernels::block_meta(q_positions, q_segments, 0, static_cast<std::int64_t>(q_positions.size()), block);
-  const auto kb = kernels::block_meta(kv_positions, kv_segments, 0,
-                                      static_cast<std::int64_t>(kv_positions.size()), block);
-  std::int64_t n = 0;
-  for (const auto& q : qb) {
-    for (const auto& k : kb)
-      n += kernels::classify_tile(q, k, causal, !q_segments.empty(), block) != kernels::TileKind::empty;
-  }
-  return n;
+                         const std::vector<kernels::BlockMeta>& kb, bool causal, std::int64_t block) {
+  return kernels::count_nonempty_tiles(blocks_of(q_positions, q_segments, block), kb, causal,
+                                       !q_segments.empty());
 }
 
 }  // namespace
@@ -196,38 +194,72 @@ void plan_tiles(const PlanContext& c, StrategyPlan& s) {
   };
   const Strategy strategy = c.p.strategy;
   const ShardLayout layout = c.p.effective_layout();
+  // Computed once and shared by the ranks that see the same rows: the whole sequence's kv blocks; ulysses's
+  // per-head count (every rank sees the whole sequence); ring: each ring rank's rows and its steps' counts
+  // (hybrid's ranks of one ulysses group share their ring rank).
+  const auto natural_blocks = blocks_of(natural, segments, c.req.block);
+  std::optional<std::int64_t> ulysses_per_head;
+  // Ring: each ring rank's rows cut into the kernel calls' pieces (the whole rows, or each chunk with load
+  // balance), each piece's blocks and position range, made once.
+  struct Piece {
+    std::vector<kernels::BlockMeta> blocks;
+    std::int32_t pos_min = 0, pos_max = 0;
+  };
+  std::vector<std::vector<Piece>> ring_pieces;
+  std::vector<std::optional<std::vector<std::int64_t>>> ring_steps;
+  if (c.ring_like()) {
+    const std::int64_t parts = c.p.ring_parts(), n = c.S / c.R / parts;
+    for (std::int64_t rr = 0; rr < c.R; ++rr) {
+      const auto [pos, seg] = tokens(c.p.ring_layout(), c.R, rr);
+      ring_pieces.emplace_back();
+      for (std::int64_t part = 0; part < parts; ++part) {
+        auto cut = [&](const std::vector<std::int32_t>& v) {
+          return v.empty() ? v : std::vector<std::int32_t>(v.begin() + part * n, v.begin() + (part + 1) * n);
+        };
+        const auto p_pos = cut(pos);
+        Piece piece{blocks_of(p_pos, cut(seg), c.req.block), 0, 0};
+        if (!p_pos.empty()) {
+          piece.pos_min = *std::min_element(p_pos.begin(), p_pos.end());
+          piece.pos_max = *std::max_element(p_pos.begin(), p_pos.end());
+        }
+        ring_pieces.back().push_back(std::move(piece));
+      }
+    }
+    ring_steps.resize(static_cast<std::size_t>(c.R));
+  }
   for (std::int64_t r = 0; r < c.cp; ++r) {
     std::int64_t per_head = 0;
     if (strategy == Strategy::ulysses) {
-      per_head = count_tiles(natural, segments, natural, segments, c.a.causal, c.req.block);
+      if (!ulysses_per_head) {
+        ulysses_per_head =
+            kernels::count_nonempty_tiles(natural_blocks, natural_blocks, c.a.causal, !segments.empty());
+      }
+      per_head = *ulysses_per_head;
     } else if (c.ring_like()) {
       // The kernel's calls of a step (ring_strategy.cpp): the ring rank's rows whole, or chunk by chunk with
       // load balance, each on a grid of its own; calls the causal mask hides whole are skipped.
-      const std::int64_t parts = c.p.ring_parts(), rows = c.S / c.R, n = rows / parts;
-      auto piece = [&](const std::vector<std::int32_t>& v, std::int64_t part) {
-        return v.empty() ? v : std::vector<std::int32_t>(v.begin() + part * n, v.begin() + (part + 1) * n);
-      };
       const std::int64_t ring_rank = c.p.ring_rank(r);
-      const auto [q_pos, q_seg] = tokens(c.p.ring_layout(), c.R, ring_rank);
-      s.tiles_per_rank_per_step.emplace_back();
-      for (std::int64_t step = 0; step < c.R; ++step) {
-        const auto [kv_pos, kv_seg] = tokens(c.p.ring_layout(), c.R, (ring_rank - step + c.R) % c.R);
-        std::int64_t tiles = 0;
-        for (std::int64_t qa = 0; qa < parts; ++qa) {
-          for (std::int64_t kb = 0; kb < parts; ++kb) {
-            const auto qp = piece(q_pos, qa), kp = piece(kv_pos, kb);
-            if (c.a.causal &&
-                *std::max_element(qp.begin(), qp.end()) < *std::min_element(kp.begin(), kp.end()))
-              continue;
-            tiles += count_tiles(qp, piece(q_seg, qa), kp, piece(kv_seg, kb), c.a.causal, c.req.block);
+      auto& steps = ring_steps[static_cast<std::size_t>(ring_rank)];
+      if (!steps) {
+        steps.emplace();
+        const auto& mine = ring_pieces[static_cast<std::size_t>(ring_rank)];
+        for (std::int64_t step = 0; step < c.R; ++step) {
+          const auto& theirs = ring_pieces[static_cast<std::size_t>((ring_rank - step + c.R) % c.R)];
+          std::int64_t tiles = 0;
+          for (const Piece& qp : mine) {
+            for (const Piece& kp : theirs) {
+              if (c.a.causal && qp.pos_max < kp.pos_min) continue;
+              tiles += kernels::count_nonempty_tiles(qp.blocks, kp.blocks, c.a.causal, c.packed);
+            }
           }
+          steps->push_back(tiles);
         }
-        s.tiles_per_rank_per_step.back().push_back(tiles);
-        per_head += tiles;
       }
+      s.tiles_per_rank_per_step.push_back(*steps);
+      for (const std::int64_t t : *steps) per_head += t;
     } else {
       const auto [q_pos, q_seg] = tokens(layout, c.cp, r);
-      per_head = count_tiles(q_pos, q_seg, natural, segments, c.a.causal, c.req.block);
+      per_head = count_tiles(q_pos, q_seg, natural_blocks, c.a.causal, c.req.block);
     }
     s.tiles_per_rank_per_q_head.push_back(per_head);
     s.tiles_per_rank.push_back(per_head * c.local_q_heads(r) * c.B);
@@ -310,11 +342,12 @@ CommModel plan_communication(const PlanContext& c) {
         }
         const std::int64_t e = static_cast<std::int64_t>(comm_dtype_size(call.dtype));
         double intra = 0, inter = 0;
-        for (std::int64_t i = 0; i < n; ++i) {
+        // A permute sends to the next rank alone: one peer, not n (a ring of 1024 ranks has 2046 of them).
+        const bool permute = call.kind == CollectiveKind::collective_permute;
+        for (std::int64_t i = permute ? (me + 1) % n : 0; i < n; ++i) {
           if (i == me) continue;
           std::int64_t elements = call.count;
           if (!call.blocks.empty()) elements = call.blocks[me][i];
-          if (call.kind == CollectiveKind::collective_permute && i != (me + 1) % n) elements = 0;
           const std::int64_t peer = base + i * stride, bytes = elements * e;
           if (c.links.crosses(rank, peer)) {
             inter += static_cast<double>(bytes);
@@ -322,6 +355,7 @@ CommModel plan_communication(const PlanContext& c) {
           } else {
             intra += static_cast<double>(bytes);
           }
+          if (permute) break;
         }
         const double t = c.links.seconds(intra, inter);
         call_seconds[k] = std::max(call_seconds[k], t);

@@ -11,9 +11,12 @@
 #include <random>
 #include <thread>
 
+#include <unistd.h>
+
 #include "cpattn/inproc.hpp"
 #include "cpattn/placement.hpp"
 #include "cpattn/planner.hpp"
+#include "flag_parsing.hpp"
 #include "harness/whole_problem.hpp"
 #include "problem_flags.hpp"
 
@@ -40,6 +43,9 @@ struct CommOptions {
 };
 
 constexpr int kTries = 5;
+
+// The largest per-rank size bench comm takes (16 GiB): bytes *= 4 stays far from overflow.
+constexpr std::int64_t kMaxCommBytes = std::int64_t{1} << 34;
 
 // Rows of the strided all_to_all case: 1024 fp32 (one token's 8 heads of D = 128 in Ulysses).
 constexpr std::int64_t kStridedRow = 1024;
@@ -124,7 +130,36 @@ Timing time_collective(Communicator& comm, const std::string& kind, std::int64_t
   return {best_try_seconds(comm, iters, once), iters};
 }
 
+// The sizes must make sense together, and fit: every rank holds about four buffers of the largest size (send,
+// receive, and the memcpy baseline's two).
+void check_comm_options(const CommOptions& opt) {
+  if (opt.min_bytes > opt.max_bytes) {
+    throw Error(ErrorKind::invalid_input, "--min-bytes", std::to_string(opt.min_bytes),
+                "--min-bytes (" + std::to_string(opt.min_bytes) + ") is larger than --max-bytes (" +
+                    std::to_string(opt.max_bytes) + "); valid: min <= max");
+  }
+  const int most_ranks = opt.backend == "inproc" ? *std::max_element(opt.ranks.begin(), opt.ranks.end()) : 1;
+  if (opt.backend == "inproc" && opt.min_bytes < 4 * most_ranks) {
+    throw Error(ErrorKind::invalid_input, "--min-bytes", std::to_string(opt.min_bytes),
+                "--min-bytes (" + std::to_string(opt.min_bytes) +
+                    ") leaves a rank's block empty at --ranks " + std::to_string(most_ranks) +
+                    "; valid: at least 4 bytes (one float) per rank, " + std::to_string(4 * most_ranks));
+  }
+  const double need = 4.0 * static_cast<double>(opt.max_bytes) * most_ranks;
+  const double have =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGESIZE));
+  if (need > have / 2) {
+    throw Error(ErrorKind::invalid_input, "--max-bytes", std::to_string(opt.max_bytes),
+                "--max-bytes (" + std::to_string(opt.max_bytes) + ") at " + std::to_string(most_ranks) +
+                    " rank(s) needs about " + std::to_string(static_cast<std::int64_t>(need / 1048576)) +
+                    " MiB (four buffers per rank) and this machine has " +
+                    std::to_string(static_cast<std::int64_t>(have / 1048576)) +
+                    " MiB; valid: at most half of it");
+  }
+}
+
 int bench_comm(const CommOptions& opt) {
+  check_comm_options(opt);
   nlohmann::ordered_json out;
   out["results"] = nlohmann::ordered_json::array();
   const std::vector<std::string> kinds = {"all_to_all", "all_to_all_strided", "all_to_all_v", "all_gather",
@@ -348,10 +383,11 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   auto comm_opt = std::make_shared<CommOptions>();
   CLI::App* comm =
       bench->add_subcommand("comm", "collective bandwidth against memcpy (and raw MPI_Alltoall)");
-  comm->add_option("--backend", comm_opt->backend, "inproc or mpi (under mpirun)");
-  comm->add_option("--ranks", comm_opt->ranks, "in-process group sizes")->delimiter(',');
-  comm->add_option("--min-bytes", comm_opt->min_bytes, "smallest per-rank size");
-  comm->add_option("--max-bytes", comm_opt->max_bytes, "largest per-rank size");
+  add_choice(*comm, "--backend", comm_opt->backend, {"inproc", "mpi"}, "the group (mpi: under mpirun)");
+  add_integer_list(*comm, "--ranks", comm_opt->ranks, 1, kMaxInProcessRanks, "in-process group sizes");
+  add_integer(*comm, "--min-bytes", comm_opt->min_bytes, 4, kMaxCommBytes,
+              "smallest per-rank size (at least 4 bytes per rank)");
+  add_integer(*comm, "--max-bytes", comm_opt->max_bytes, 4, kMaxCommBytes, "largest per-rank size");
   comm->add_flag("--json", comm_opt->json, "print JSON");
   comm->callback([comm_opt, &exit_code] { exit_code = bench_comm(*comm_opt); });
 
@@ -359,7 +395,7 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   CLI::App* st =
       bench->add_subcommand("strategy", "ulysses, all_gather and ring against the single-device kernel");
   st_opt->problem.add_to(*st);
-  st->add_option("--cps", st_opt->cps, "cp values to compare")->delimiter(',');
+  add_integer_list(*st, "--cps", st_opt->cps, 1, kMaxInProcessRanks, "cp values to compare");
   st->add_flag("--json", st_opt->json, "print JSON");
   st->callback([st, st_opt, &exit_code] { exit_code = bench_strategy(*st, *st_opt); });
 

@@ -17,6 +17,7 @@
 #include "cpattn/flash.hpp"
 #include "cpattn/reference.hpp"
 #include "cpattn/sequence_layout.hpp"
+#include "flag_parsing.hpp"
 #include "harness/whole_problem.hpp"
 #include "kernels/machine_peak.hpp"
 #include "problem_flags.hpp"
@@ -292,20 +293,20 @@ void add_bench_kernel_command(CLI::App& bench, int& exit_code) {
   CLI::App* sub =
       bench.add_subcommand("kernel", "flash forward/backward GFLOP/s against the measured FMA peak");
   opt->problem.add_to(*sub);
-  sub->add_option("--threads", opt->threads, "kernel threads (default 1)");
-  sub->add_option("--min-seconds", opt->min_seconds, "time each kernel at least this long (best run counts)");
-  sub->add_option("--reference-max-seq", opt->reference_max_seq,
-                  "time the float64 reference forward only up to this S (default 4096)");
+  add_integer(*sub, "--threads", opt->threads, 1, kMaxThreads, "kernel threads (default 1)");
+  add_real(*sub, "--min-seconds", opt->min_seconds, 0.0, 600.0,
+           "time each kernel at least this long (best run counts)");
+  add_integer(*sub, "--reference-max-seq", opt->reference_max_seq, 0, std::int64_t{1} << 20,
+              "time the float64 reference forward only up to this S (default 4096)");
   sub->add_flag("--no-amx", opt->no_amx, "bf16: not the AMX path, even where AMX is available");
-  sub->add_option("--bf16-path", opt->bf16_path,
-                  "bf16: the path to run (amx, avx512_bf16 or vector; default: the best this CPU has)");
+  add_text(*sub, "--bf16-path", opt->bf16_path,
+           "bf16: the path to run (amx, avx512_bf16 or vector; default: the best this CPU has)");
   sub->add_flag("--single-run", opt->single_run,
                 "time one forward and one backward call, allocation and first touch included (no warm-up, no "
                 "repeats): for problems that take minutes");
-  sub->add_option(
-      "--simd-target", opt->simd_target,
-      "the vector kernels' SIMD target (Highway's name, e.g. AVX2; default: the best this CPU has; a "
-      "-march=native build has only its own)");
+  add_text(*sub, "--simd-target", opt->simd_target,
+           "the vector kernels' SIMD target (Highway's name, e.g. AVX2; default: the best this CPU has; a "
+           "-march=native build has only its own)");
   sub->add_flag("--json", opt->json, "print JSON");
   sub->callback([sub, opt, &exit_code] { exit_code = bench_kernel(*sub, *opt); });
 }

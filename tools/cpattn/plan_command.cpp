@@ -7,10 +7,15 @@
 #include <sstream>
 
 #include "cpattn/planner.hpp"
+#include "flag_parsing.hpp"
 #include "problem_flags.hpp"
 
 namespace cpattn::cli {
 namespace {
+
+// plan's bounds: tokens of a row, and blocks per row of the tile grid.
+constexpr std::int64_t kMaxPlanSeq = std::int64_t{1} << 22;
+constexpr std::int64_t kMaxPlanBlocks = 8192;
 
 struct PlanOptions {
   ProblemFlags problem;
@@ -102,6 +107,22 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
       text << *v;
       errors.push_back({{flag}, text.str(), std::string(flag) + " must be a positive finite rate"});
     }
+  }
+  // The plan counts tiles on the block grid and keeps the sequence's positions: both bounded, so that any
+  // accepted input plans in a few seconds (and a larger one is refused at once, not after minutes).
+  if (values.seq_len && *values.seq_len > kMaxPlanSeq) {
+    errors.push_back({{"seq_len"},
+                      std::to_string(*values.seq_len),
+                      "--seq (" + std::to_string(*values.seq_len) + ") is longer than plan models (at most " +
+                          std::to_string(kMaxPlanSeq) + " tokens)"});
+  } else if (values.seq_len && (*values.seq_len + opt.block - 1) / opt.block > kMaxPlanBlocks) {
+    errors.push_back({{"--block"},
+                      std::to_string(opt.block),
+                      "--block " + std::to_string(opt.block) + " makes " +
+                          std::to_string((*values.seq_len + opt.block - 1) / opt.block) +
+                          " blocks per row at --seq " + std::to_string(*values.seq_len) +
+                          "; plan takes at most " + std::to_string(kMaxPlanBlocks) + "; valid: --block >= " +
+                          std::to_string((*values.seq_len + kMaxPlanBlocks - 1) / kMaxPlanBlocks)});
   }
   if (errors.empty()) {
     ParallelSpec general = specs.parallel;
@@ -272,7 +293,7 @@ void add_plan_command(CLI::App& app, int& exit_code, std::ostream& out, std::ost
   sub->add_option("--emb-dim", opt->emb_dim, "model width (the reorder moves [B, S/cp, emb_dim])");
   sub->add_option("--layers", opt->layers, "decoder layers");
   sub->add_option("--attention-every", opt->attention_every, "full attention on every N-th layer");
-  sub->add_option("--block", opt->block, "square tile size (default 512)");
+  add_integer(*sub, "--block", opt->block, 1, kMaxPlanSeq, "square tile size (default 512)");
   sub->add_option("--segments", opt->segments, "packed document lengths, e.g. 61440,4096");
   sub->add_flag("--remat", opt->remat, "recompute attention's forward in backward");
   sub->add_option("--hardware", opt->hardware, "h100, h200 or tpu-v7x");
