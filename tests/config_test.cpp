@@ -346,6 +346,9 @@ TEST(ConfigFile, RefusesUnknownAndRepeatedKeys) {
           "given twice");
   refused("\"bad\\x01key\": 1\n", "bad\x01key", "unknown key 'bad\\x01key'");
   refused("[a, b]: 1\n", "k.yml", "not a plain word");
+  refused("num_query_heads: 32\nbase_num_query_heads: 16\n", "base_num_query_heads", "its other spelling");
+  refused("head_dim:\n", "head_dim", "no value (null)");
+  refused("bogus: 1\n", "bogus", "'bogus'; valid keys: ");
 }
 
 // Integers read as the flags read them: decimal digits only (a leading zero is not octal, 0x is not hex), and

@@ -22,8 +22,9 @@ void take(std::optional<T>& into, const std::optional<T>& from) {
 
 [[noreturn]] void bad_value(const std::string& name, const std::string& key, const YAML::Node& node,
                             const char* wanted) {
-  const std::string text =
-      node.IsScalar() ? "'" + quoted(node.Scalar()) + "'" : (node.IsMap() ? "a mapping" : "a sequence");
+  const std::string text = node.IsNull()     ? "no value (null)"
+                           : node.IsScalar() ? "'" + quoted(node.Scalar()) + "'"
+                                             : (node.IsMap() ? "a mapping" : "a sequence");
   throw Error(ErrorKind::invalid_input, key, node.IsScalar() ? node.Scalar() : text,
               name + ": key '" + key + "' has value " + text + "; expected " + wanted);
 }
@@ -144,7 +145,7 @@ ConfigValues parse_config_yaml(const std::string& text, const std::string& name)
     throw Error(ErrorKind::invalid_input, name, "",
                 name + ": the top level must be a mapping of keys to values");
   }
-  std::vector<std::string> seen;
+  std::vector<std::pair<std::string, std::string>> seen;  // (setting, key as written)
   for (const auto& entry : root) {
     if (!entry.first.IsScalar()) {
       throw Error(ErrorKind::invalid_input, name, "",
@@ -152,11 +153,20 @@ ConfigValues parse_config_yaml(const std::string& text, const std::string& name)
                       known_keys_text());
     }
     const std::string key = entry.first.Scalar();
-    if (std::find(seen.begin(), seen.end(), key) != seen.end()) {
-      throw Error(ErrorKind::invalid_input, key, key,
-                  name + ": key '" + quoted(key) + "' is given twice; give each key once");
+    // The seed's two spellings of one setting count as one key: given both, which would win is not the
+    // user's to guess.
+    const std::string setting = key.starts_with("base_num_") ? key.substr(5) : key;
+    const auto earlier =
+        std::find_if(seen.begin(), seen.end(),
+                     [&](const std::pair<std::string, std::string>& s) { return s.first == setting; });
+    if (earlier != seen.end()) {
+      throw Error(
+          ErrorKind::invalid_input, key, key,
+          name + ": key '" + quoted(key) + "' is given twice" +
+              (earlier->second == key ? "" : " (as '" + quoted(earlier->second) + "', its other spelling)") +
+              "; give each key once");
     }
-    seen.push_back(key);
+    seen.emplace_back(setting, key);
     const auto* known =
         std::find_if(std::begin(kKeys), std::end(kKeys), [&](const KeyReader& k) { return key == k.key; });
     if (known == std::end(kKeys)) {
@@ -166,7 +176,7 @@ ConfigValues parse_config_yaml(const std::string& text, const std::string& name)
       throw Error(ErrorKind::invalid_input, key, key,
                   name + ": unknown key '" + quoted(key) + "'" +
                       (near.empty() ? "" : "; did you mean '" + near + "'?") +
-                      " valid keys: " + known_keys_text());
+                      "; valid keys: " + known_keys_text());
     }
     known->read(v, name, key, entry.second);
   }

@@ -72,7 +72,8 @@ double parse_real(const std::string& text, const std::string& field, double min,
   char* end = nullptr;
   const double x = std::strtod(text.c_str(), &end);
   if (end != text.c_str() + text.size()) return refuse("is not a decimal number");
-  if (errno == ERANGE || !std::isfinite(x)) return refuse("is out of range");
+  // ERANGE also marks an underflow to a tiny or zero value, which the range check below judges.
+  if ((errno == ERANGE && std::fabs(x) == HUGE_VAL) || !std::isfinite(x)) return refuse("is out of range");
   if (!(x >= min && x <= max)) return refuse("is out of range");
   return x;
 }

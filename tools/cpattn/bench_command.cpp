@@ -138,7 +138,9 @@ void check_comm_options(const CommOptions& opt) {
                 "--min-bytes (" + std::to_string(opt.min_bytes) + ") is larger than --max-bytes (" +
                     std::to_string(opt.max_bytes) + "); valid: min <= max");
   }
-  const int most_ranks = opt.backend == "inproc" ? *std::max_element(opt.ranks.begin(), opt.ranks.end()) : 1;
+  const int most_ranks = opt.backend == "inproc" && !opt.ranks.empty()
+                             ? *std::max_element(opt.ranks.begin(), opt.ranks.end())
+                             : 1;
   if (opt.backend == "inproc" && opt.min_bytes < 4 * most_ranks) {
     throw Error(ErrorKind::invalid_input, "--min-bytes", std::to_string(opt.min_bytes),
                 "--min-bytes (" + std::to_string(opt.min_bytes) +

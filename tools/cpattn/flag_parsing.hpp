@@ -63,6 +63,10 @@ CLI::Option* add_integer_list(CLI::App& app, const std::string& name, std::vecto
       .add_option_function<std::vector<std::string>>(
           name,
           [&target, name, min, max](const std::vector<std::string>& texts) {
+            if (texts.empty()) {
+              throw Error(ErrorKind::invalid_input, name, "",
+                          name + " is an empty list; give at least one value or leave it out");
+            }
             target.clear();
             for (const std::string& t : texts)
               target.push_back(static_cast<T>(parse_integer(t, name, min, max)));
