@@ -105,6 +105,15 @@ std::vector<BadCase> bad_cases() {
   add("zero_cp", [](AttentionSpec&, ParallelSpec& p) { p.cp = 0; }, {"cp"}, {"cp (0)"});
   add("head_dim_too_large", [](AttentionSpec& a, ParallelSpec&) { a.head_dim = 513; }, {"head_dim"},
       {"1..512"});
+  add("too_many_heads",
+      [](AttentionSpec& a, ParallelSpec&) {
+        a.num_q_heads =
+            2 * 65537;  // the tensor-size product fits at small B, S, D: the bound is its own rule
+        a.num_kv_heads = 65537;
+        a.seq_len = 64;
+        a.head_dim = 8;
+      },
+      {"num_q_heads", "num_kv_heads"}, {"num_q_heads (131074)", "num_kv_heads (65537)", "1..65536"});
   add("gqa_indivisible",
       [](AttentionSpec& a, ParallelSpec& p) {
         a.num_kv_heads = 3;
@@ -186,6 +195,30 @@ std::vector<BadCase> bad_cases() {
       },
       {"ulysses_degree", "ulysses_degree"},
       {"ulysses_degree (4) to be a divisor of cp (6)", "ulysses_degree (4) <= num_q_heads (2)"});
+  // One bad size hides no other broken rule: each is judged where the sizes it reads are valid.
+  add("every_rule_at_once",
+      [](AttentionSpec& a, ParallelSpec& p) {
+        a.batch = 0;
+        a.seq_len = 1001;
+        a.num_q_heads = 2;
+        a.num_kv_heads = 3;
+        a.head_dim = 600;
+        p.cp = 4;
+        p.tp = 1;
+        p.strategy = Strategy::ulysses;
+      },
+      {"batch", "head_dim", "num_q_heads", "seq_len", "cp"},
+      {"batch (0)", "head_dim (600)", "num_kv_heads (3) must divide num_q_heads (2)",
+       "seq_len (1001) must be divisible by cp (4)", "ulysses needs cp (4) <= num_q_heads"});
+  add("zero_tp_with_hybrid",
+      [](AttentionSpec& a, ParallelSpec& p) {
+        a.seq_len = 64;
+        p.cp = 4;
+        p.tp = 0;
+        p.strategy = Strategy::hybrid;
+        p.ulysses_degree = 3;
+      },
+      {"tp", "ulysses_degree"}, {"tp (0)", "ulysses_degree (3) to be a divisor of cp (4)"});
   add("ulysses_degree_without_hybrid", [](AttentionSpec&, ParallelSpec& p) { p.ulysses_degree = 2; },
       {"ulysses_degree"}, {"ulysses_degree (2) is for the hybrid strategy; strategy is ulysses"});
   return cases;

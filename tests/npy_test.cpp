@@ -137,7 +137,7 @@ TEST(Npy, RefusesHeadersThatLie) {
   EXPECT_NE(expect_rejected(v2).find("at most 1 MiB"), std::string::npos);
   // More data than the shape promises is as wrong as less.
   EXPECT_NE(expect_rejected(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }", four))
-                .find("the shape needs 8"),
+                .find("the header's float32 (2) needs 8"),
             std::string::npos);
   // A shape whose byte count overflows int64 although its element count does not.
   expect_rejected(

@@ -29,6 +29,9 @@ ShardLayout parse_layout(const std::string& text, const std::string& field = "la
 
 // The largest head dim the kernels take (their accumulators live on the stack per row).
 inline constexpr std::int64_t kMaxHeadDim = 512;
+// The most q or kv heads a problem may have: far above any model (Qwen3.5-397B-A17B has 32), low enough that
+// a placement, a plan or a head loop over them is bounded.
+inline constexpr std::int64_t kMaxHeads = 65536;
 
 struct AttentionSpec {
   std::int64_t batch = 1;

@@ -36,6 +36,8 @@ struct NpyHeader {
 NpyHeader parse_npy_header(const std::string& prefix, const std::string& name);
 // The whole file's contents: its header, then exactly the bytes it promises (no more, no fewer).
 NpyArray parse_npy(const std::string& contents, const std::string& name);
+// "float64 (1, 64, 2, 8)": an array's type and shape as messages name them.
+std::string npy_type_text(NpyDType dtype, const std::vector<std::int64_t>& shape);
 // A regular file only (parse.hpp's open_input_file): reads the header alone, and refuses a file whose size
 // is not the header's promise, so nothing is read or allocated beyond what a valid header states.
 NpyHeader read_npy_header(const std::string& path);

@@ -1,4 +1,5 @@
 #include "cpattn/config.hpp"
+#include "cpattn/parse.hpp"
 
 #include <cmath>
 #include <limits>
@@ -30,15 +31,16 @@ Strategy parse_strategy(const std::string& text, const std::string& field) {
   if (text == "ulysses") return Strategy::ulysses;
   if (text == "ring") return Strategy::ring;
   if (text == "hybrid") return Strategy::hybrid;
-  throw Error(ErrorKind::invalid_config, field, text,
-              field + " '" + text + "' is not a strategy; valid: all_gather, ulysses, ring or hybrid");
+  throw Error(
+      ErrorKind::invalid_config, field, text,
+      field + " '" + quoted(text) + "' is not a strategy; valid: all_gather, ulysses, ring or hybrid");
 }
 
 ShardLayout parse_layout(const std::string& text, const std::string& field) {
   if (text == "contiguous") return ShardLayout::contiguous;
   if (text == "dual_chunk_swap") return ShardLayout::dual_chunk_swap;
   throw Error(ErrorKind::invalid_config, field, text,
-              field + " '" + text + "' is not a layout; valid: contiguous or dual_chunk_swap");
+              field + " '" + quoted(text) + "' is not a layout; valid: contiguous or dual_chunk_swap");
 }
 
 double AttentionSpec::scale() const {
@@ -93,8 +95,9 @@ void hybrid_rules(Rules& rules, const AttentionSpec& a, const ParallelSpec& p, b
                   "): the size of each ulysses group, ring_degree = cp / ulysses_degree");
     if (u < 1) return;
   }
+  if (!tp_divides) return;  // the heads or tp are broken: their own rules say so
   const std::int64_t hq = a.num_q_heads / p.tp;
-  if (tp_divides && u > hq) {
+  if (u > hq) {
     rules.add({"ulysses_degree", "num_q_heads"}, str(u),
               "hybrid needs ulysses_degree (" + str(u) + ") <= num_q_heads" +
                   (p.tp > 1 ? " per tp rank" : std::string()) + " (" + str(hq) +
@@ -106,14 +109,14 @@ void hybrid_rules(Rules& rules, const AttentionSpec& a, const ParallelSpec& p, b
 
 std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelSpec& p) {
   Rules rules;
-  bool sizes_ok = true;
-  for (const auto& [field, value] : {std::pair<const char*, std::int64_t>{"batch", a.batch},
-                                     {"seq_len", a.seq_len},
-                                     {"num_q_heads", a.num_q_heads},
-                                     {"num_kv_heads", a.num_kv_heads},
-                                     {"head_dim", a.head_dim}}) {
-    sizes_ok = rules.positive(field, value) && sizes_ok;
-  }
+  // Each rule is judged where the sizes it reads are positive, so that one bad size hides no other broken
+  // rule.
+  const bool batch_ok = rules.positive("batch", a.batch);
+  const bool seq_ok = rules.positive("seq_len", a.seq_len);
+  const bool hq_ok = rules.positive("num_q_heads", a.num_q_heads);
+  const bool hkv_ok = rules.positive("num_kv_heads", a.num_kv_heads);
+  const bool dim_ok = rules.positive("head_dim", a.head_dim);
+  const bool sizes_ok = batch_ok && seq_ok && hq_ok && hkv_ok && dim_ok;
   // Ranks are ints (Communicator::rank()); a larger group cannot exist, and 2*cp must not overflow (found by
   // fuzz_validator).
   auto group_size_ok = [&](const char* field, std::int64_t value) {
@@ -137,6 +140,14 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
               "head_dim (" + str(a.head_dim) + ") is larger than the kernels support; valid: 1.." +
                   str(kMaxHeadDim));
   }
+  for (const auto& [field, heads] : {std::pair<const char*, std::int64_t>{"num_q_heads", a.num_q_heads},
+                                     {"num_kv_heads", a.num_kv_heads}}) {
+    if (heads > kMaxHeads) {
+      rules.add({field}, str(heads),
+                std::string(field) + " (" + str(heads) + ") is more heads than cpattn supports; valid: 1.." +
+                    str(kMaxHeads));
+    }
+  }
   if (a.softmax_scale && !(std::isfinite(*a.softmax_scale) && *a.softmax_scale > 0)) {
     std::ostringstream v;
     v << *a.softmax_scale;
@@ -154,13 +165,12 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
                     str(a.num_q_heads) + "*" + str(a.head_dim) + ") overflows; the product must stay below " +
                     str(bytes_max));
     }
-    if (a.num_q_heads % a.num_kv_heads != 0) {
-      rules.add({"num_q_heads", "num_kv_heads"}, str(a.num_q_heads) + "," + str(a.num_kv_heads),
-                "num_kv_heads (" + str(a.num_kv_heads) + ") must divide num_q_heads (" + str(a.num_q_heads) +
-                    ") for grouped-query attention");
-    }
   }
-  if (!(sizes_ok && cp_ok && tp_ok)) return rules.take();
+  if (hq_ok && hkv_ok && a.num_q_heads % a.num_kv_heads != 0) {
+    rules.add({"num_q_heads", "num_kv_heads"}, str(a.num_q_heads) + "," + str(a.num_kv_heads),
+              "num_kv_heads (" + str(a.num_kv_heads) + ") must divide num_q_heads (" + str(a.num_q_heads) +
+                  ") for grouped-query attention");
+  }
 
   const ShardLayout layout = p.effective_layout();
   const bool ulysses = p.strategy == Strategy::ulysses;
@@ -180,7 +190,9 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
               "load_balance (true) needs layout dual_chunk_swap (chunks r and 2*cp-1-r on rank r)");
   }
 
-  if (p.load_balance && !ulysses) {
+  if (!seq_ok || !cp_ok) {
+    // seq_len against cp: judged once both are valid
+  } else if (p.load_balance && !ulysses) {
     if (a.seq_len % (2 * p.cp) != 0) {
       rules.add({"seq_len", "cp"}, str(a.seq_len),
                 "seq_len (" + str(a.seq_len) + ") must be divisible by 2*cp (" + str(2 * p.cp) + ") for " +
@@ -191,19 +203,20 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
               "seq_len (" + str(a.seq_len) + ") must be divisible by cp (" + str(p.cp) + ")");
   }
 
-  bool tp_divides = true;
-  if (a.num_q_heads % p.tp != 0) {
+  // The head rules below read Hq / tp: judged once the heads and tp are valid.
+  bool tp_divides = hq_ok && hkv_ok && tp_ok;
+  if (tp_divides && a.num_q_heads % p.tp != 0) {
     tp_divides = false;
     rules.add({"tp", "num_q_heads"}, str(p.tp),
               "tp (" + str(p.tp) + ") must divide num_q_heads (" + str(a.num_q_heads) + ")");
   }
-  if (a.num_kv_heads % p.tp != 0) {
+  if (hq_ok && hkv_ok && tp_ok && a.num_kv_heads % p.tp != 0) {
     tp_divides = false;
     rules.add({"tp", "num_kv_heads"}, str(p.tp),
               "tp (" + str(p.tp) + ") must divide num_kv_heads (" + str(a.num_kv_heads) + ")");
   }
 
-  if (ulysses && tp_divides) {
+  if (ulysses && tp_divides && cp_ok) {
     // With tensor parallelism the ulysses rules apply to the heads one tp rank holds.
     const std::int64_t hq = a.num_q_heads / p.tp;
     const std::string local = p.tp > 1 ? " per tp rank (heads / tp, tp=" + str(p.tp) + ")" : "";
@@ -217,7 +230,7 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
               "(ulysses groups of ulysses_degree <= num_q_heads ranks inside a ring), ring or all_gather");
     }
   }
-  hybrid_rules(rules, a, p, tp_divides);
+  if (cp_ok) hybrid_rules(rules, a, p, tp_divides);
   return rules.take();
 }
 

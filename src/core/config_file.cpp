@@ -26,7 +26,7 @@ void take(std::optional<T>& into, const std::optional<T>& from) {
                            : node.IsScalar() ? "'" + quoted(node.Scalar()) + "'"
                                              : (node.IsMap() ? "a mapping" : "a sequence");
   throw Error(ErrorKind::invalid_input, key, node.IsScalar() ? node.Scalar() : text,
-              name + ": key '" + key + "' has value " + text + "; expected " + wanted);
+              name + ": key '" + quoted(key) + "' has value " + quoted(text) + "; expected " + wanted);
 }
 
 std::int64_t as_int(const std::string& name, const std::string& key, const YAML::Node& node) {

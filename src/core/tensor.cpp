@@ -6,6 +6,7 @@
 #include <random>
 
 #include "cpattn/error.hpp"
+#include "cpattn/parse.hpp"
 
 namespace cpattn {
 
@@ -21,7 +22,7 @@ DType parse_dtype(const std::string& text, const std::string& field) {
   if (text == "fp32" || text == "float32" || text == "f32" || text == "float") return DType::f32;
   if (text == "bf16" || text == "bfloat16") return DType::bf16;
   throw Error(ErrorKind::invalid_config, field, text,
-              field + " '" + text + "' is not supported; valid: fp32 (float32) or bf16 (bfloat16)");
+              field + " '" + quoted(text) + "' is not supported; valid: fp32 (float32) or bf16 (bfloat16)");
 }
 
 std::string to_string(const Shape4& shape) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -81,26 +82,41 @@ void write_raw(const std::string& path, const char* descr, const std::vector<std
   std::int64_t n = 1;
   for (auto d : shape) n *= d;
   const std::string header = header_for(descr, shape);
-  std::ofstream out(path, std::ios::binary);
-  if (!out) {
+  // stdio rather than a stream: each call that fails sets errno itself, so the reason is this file's.
+  std::FILE* out = std::fopen(path.c_str(), "wb");
+  if (out == nullptr) {
     throw Error(ErrorKind::invalid_input, path, "",
                 path + ": cannot open for writing (" + std::strerror(errno) + ")");
   }
   const unsigned char preamble[8] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0};
-  out.write(reinterpret_cast<const char*>(preamble), 8);
   const auto len = static_cast<std::uint16_t>(header.size());
   const char len_bytes[2] = {static_cast<char>(len & 0xff), static_cast<char>(len >> 8)};
-  out.write(len_bytes, 2);
-  out.write(header.data(), static_cast<std::streamsize>(header.size()));
-  out.write(static_cast<const char*>(values),
-            static_cast<std::streamsize>(static_cast<std::size_t>(n) * elem));
-  out.close();  // the data reaches the file here: a full disk shows now, not after the caller trusts it
-  if (!out) {
-    throw Error(ErrorKind::invalid_input, path, "", path + ": write failed (" + std::strerror(errno) + ")");
+  const std::size_t data_bytes = static_cast<std::size_t>(n) * elem;
+  int error = 0;
+  auto put = [&](const void* bytes, std::size_t count) {
+    if (error == 0 && count > 0 && std::fwrite(bytes, 1, count, out) != count)
+      error = errno != 0 ? errno : EIO;
+  };
+  errno = 0;
+  put(preamble, 8);
+  put(len_bytes, 2);
+  put(header.data(), header.size());
+  put(values, data_bytes);
+  // The data reaches the file at the close: a full disk shows now, not after the caller trusts it.
+  if (std::fclose(out) != 0 && error == 0) error = errno != 0 ? errno : EIO;
+  if (error != 0) {
+    throw Error(ErrorKind::invalid_input, path, "", path + ": write failed (" + std::strerror(error) + ")");
   }
 }
 
 }  // namespace
+
+std::string npy_type_text(NpyDType dtype, const std::vector<std::int64_t>& shape) {
+  std::string text = dtype == NpyDType::f32 ? "float32" : dtype == NpyDType::f64 ? "float64" : "int32";
+  text += " (";
+  for (std::size_t i = 0; i < shape.size(); ++i) text += (i == 0 ? "" : ", ") + std::to_string(shape[i]);
+  return text + ")";
+}
 
 std::int64_t NpyArray::numel() const {
   std::int64_t n = 1;
@@ -223,8 +239,9 @@ namespace {
 
 void check_data_size(const NpyHeader& h, std::uint64_t have, const std::string& name) {
   if (have != h.data_bytes) {
-    bad(name, "data holds " + std::to_string(have) + " bytes, the shape needs " +
-                  std::to_string(h.data_bytes) + " (truncated or wrong shape)");
+    bad(name, "data holds " + std::to_string(have) + " bytes, the header's " +
+                  npy_type_text(h.dtype, h.shape) + " needs " + std::to_string(h.data_bytes) +
+                  " (truncated or wrong shape)");
   }
 }
 

@@ -1,7 +1,9 @@
-// libFuzzer target: the validator on arbitrary sizes (zero, negative, huge) and strategies. It must return
-// the broken rules (each naming a field) without crashing or overflowing; a configuration it accepts must
-// place its heads consistently: ulysses ranks hold disjoint, equal q-head ranges that cover the local heads
-// and the kv heads those q heads read.
+// libFuzzer target: the validator on arbitrary sizes (zero, negative, huge) and all four strategies. It must
+// return the broken rules (each naming a field) without crashing or overflowing; a configuration it accepts
+// must place its heads as docs/design.md says: all_gather and ring ranks hold every head; in each ulysses
+// group (the whole group for ulysses, U = ulysses_degree ranks for hybrid) rank u holds the contiguous q
+// heads q[u], floor(Hq/U) + (u < Hq mod U) of them, ranges that cover the local heads in order, and the kv
+// heads those q heads read.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <cstddef>
@@ -30,7 +32,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   cpattn::ParallelSpec p;
   p.cp = any_size();
   p.tp = any_size();
-  p.strategy = in.ConsumeBool() ? cpattn::Strategy::ulysses : cpattn::Strategy::all_gather;
+  p.strategy = static_cast<cpattn::Strategy>(in.ConsumeIntegralInRange<int>(0, 3));
+  if (p.strategy == cpattn::Strategy::hybrid || in.ConsumeBool()) p.ulysses_degree = any_size();
   p.load_balance = in.ConsumeBool();
   const auto errors = cpattn::validation_errors(a, p);
   for (const auto& e : errors) {
@@ -38,24 +41,31 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   if (!errors.empty()) return 0;
   cpattn::validate(a, p);
+  if (p.cp > 4096) return 0;  // a placement holds one entry per rank: past this, memory rather than rules
   const auto ranks = cpattn::head_placement(a, p);
   if (static_cast<std::int64_t>(ranks.size()) != p.cp) std::abort();
   const std::int64_t hq = a.num_q_heads / p.tp, hkv = a.num_kv_heads / p.tp;
+  const bool split_heads = p.strategy == cpattn::Strategy::ulysses || p.strategy == cpattn::Strategy::hybrid;
+  const std::int64_t group = p.strategy == cpattn::Strategy::hybrid ? p.ulysses_degree : p.cp;
   std::int64_t next = 0;
   for (const auto& r : ranks) {
-    if (p.strategy == cpattn::Strategy::all_gather) {
+    if (!split_heads) {
       if (r.q_heads.begin != 0 || r.q_heads.end != hq) std::abort();
       continue;
     }
-    if (r.q_heads.begin != next || r.q_heads.size() != hq / p.cp) std::abort();
+    const std::int64_t u = r.rank % group;
+    if (u == 0) next = 0;
+    if (r.q_heads.begin != next || r.q_heads.size() != hq / group + (u < hq % group ? 1 : 0)) std::abort();
     next = r.q_heads.end;
-    for (std::int64_t h = r.q_heads.begin; h < r.q_heads.end; ++h) {
-      const std::int64_t kv = cpattn::kv_head_of_q_head(h, hq, hkv);
-      bool held = false;
-      for (std::int64_t k : r.kv_heads) held = held || k == kv;
-      if (!held) std::abort();  // a q head whose kv head the rank does not hold: the wrong-order bug
+    // Exactly the kv heads its q heads read, in order (the GQA map is monotone, so they are contiguous); a q
+    // head whose kv head the rank does not hold is the wrong-order bug.
+    const std::int64_t first = cpattn::kv_head_of_q_head(r.q_heads.begin, hq, hkv);
+    const std::int64_t last = cpattn::kv_head_of_q_head(r.q_heads.end - 1, hq, hkv);
+    if (static_cast<std::int64_t>(r.kv_heads.size()) != last - first + 1) std::abort();
+    for (std::size_t i = 0; i < r.kv_heads.size(); ++i) {
+      if (r.kv_heads[i] != first + static_cast<std::int64_t>(i)) std::abort();
     }
+    if (u == group - 1 && next != hq) std::abort();  // the group's ranges cover every local head
   }
-  if (p.strategy == cpattn::Strategy::ulysses && next != hq) std::abort();
   return 0;
 }

@@ -276,8 +276,7 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
   Specs base;
   auto errors = all_config_errors(values, base);
   if (!errors.empty()) {
-    print_errors(errors);
-    return 2;
+    throw Error(ErrorKind::invalid_config, errors);  // main answers it: stderr, and --json's document
   }
   const AttentionSpec& a = base.attention;
   const harness::WholeProblem problem = harness::random_problem(a, 1);

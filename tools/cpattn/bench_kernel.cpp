@@ -150,8 +150,7 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
   cfg.threads = opt.threads;
   if (auto e = apply_bf16_path(opt, cfg)) errors.push_back(*e);
   if (!errors.empty()) {
-    print_errors(errors);
-    return 2;
+    throw Error(ErrorKind::invalid_config, errors);  // main answers it: stderr, and --json's document
   }
   const AttentionSpec& a = specs.attention;
   require_memory_for(a, 8, "cpattn bench kernel");  // Q, K, V, dO, O, dQ, dK, dV

@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -55,25 +56,34 @@ requires std::is_integral_v<T> CLI::Option* add_integer(CLI::App& app, const std
       ->type_name("INT");
 }
 
-// A comma list of integers ("2,4,8"), each in [min, max].
+// A comma list of integers ("2,4,8"), each in [min, max]; an empty list or an empty item ("2,,4") is refused.
 template <class T>
 CLI::Option* add_integer_list(CLI::App& app, const std::string& name, std::vector<T>& target,
                               std::int64_t min, std::int64_t max, const std::string& description) {
   return app
-      .add_option_function<std::vector<std::string>>(
+      .add_option_function<std::string>(
           name,
-          [&target, name, min, max](const std::vector<std::string>& texts) {
-            if (texts.empty()) {
+          [&target, name, min, max](const std::string& text) {
+            if (text.empty()) {
               throw Error(ErrorKind::invalid_input, name, "",
                           name + " is an empty list; give at least one value or leave it out");
             }
             target.clear();
-            for (const std::string& t : texts)
-              target.push_back(static_cast<T>(parse_integer(t, name, min, max)));
+            for (std::size_t begin = 0;;) {
+              const std::size_t end = std::min(text.find(',', begin), text.size());
+              const std::string item = text.substr(begin, end - begin);
+              if (item.empty()) {
+                throw Error(
+                    ErrorKind::invalid_input, name, text,
+                    name + " '" + quoted(text) + "' has an empty item; valid: INT,INT,... with no gaps");
+              }
+              target.push_back(static_cast<T>(parse_integer(item, name, min, max)));
+              if (end == text.size()) break;
+              begin = end + 1;
+            }
           },
           detail::with_range(description, min, max))
-      ->type_name("INT,...")
-      ->delimiter(',');
+      ->type_name("INT,...");
 }
 
 // A real number in [min, max] (decimal notation).

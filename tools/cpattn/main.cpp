@@ -50,6 +50,19 @@ bool prints_documents() {
   return true;
 }
 
+// Ends MPI where the run began it. Every error after MPI_Init that main sees is one every rank sees alike
+// (--cp against the world's size) or rank 0's alone after the others finished (checking, saving): the ranks
+// all reach MPI_Finalize, so the job ends with this process's exit code rather than mpirun's "exited without
+// finalize". Errors mid-run end the whole job in execute (end_mpi_job).
+void finish_mpi() {
+#ifdef CPATTN_WITH_MPI
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Finalize();
+#endif
+}
+
 int fail(const Invocation& inv, ErrorKind kind, const std::vector<ErrorItem>& items,
          const std::string& hint = "") {
   for (const ErrorItem& item : items)
@@ -59,6 +72,7 @@ int fail(const Invocation& inv, ErrorKind kind, const std::vector<ErrorItem>& it
     const bool document = inv.command == "validate" || inv.command == "plan";
     std::cout << cpattn::cli::failure_json(document ? "valid" : "ok", items) << std::endl;
   }
+  finish_mpi();
   return kind == ErrorKind::invalid_config || kind == ErrorKind::invalid_input ? 2 : 1;
 }
 
@@ -97,6 +111,25 @@ int main(int argc, char** argv) {
         inv, ErrorKind::invalid_input,
         {{{"command"}, argv[1], "unknown command '" + cpattn::quoted(argv[1]) + "'; valid: " + names}});
   }
+  // A command's own commands (bench comm, kernel, strategy): an unknown one is named, not "a subcommand is
+  // required".
+  if (known && argc > 2 && argv[2][0] != '-') {
+    const CLI::App* command = app.get_subcommand(argv[1]);
+    const auto subs = command->get_subcommands([](const CLI::App*) { return true; });
+    std::string sub_names;
+    bool sub_known = subs.empty();
+    for (const CLI::App* sub : subs) {
+      sub_names += (sub_names.empty() ? "" : ", ") + sub->get_name();
+      sub_known = sub_known || sub->get_name() == argv[2];
+    }
+    if (!sub_known) {
+      return fail(
+          inv, ErrorKind::invalid_input,
+          {{{"command"},
+            argv[2],
+            "unknown " + inv.command + " command '" + cpattn::quoted(argv[2]) + "'; valid: " + sub_names}});
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -121,11 +154,6 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     return fail(inv, ErrorKind::internal, {{{"internal"}, "", cpattn::quoted(e.what())}});
   }
-#ifdef CPATTN_WITH_MPI
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (initialized && !finalized) MPI_Finalize();
-#endif
+  finish_mpi();
   return exit_code;
 }

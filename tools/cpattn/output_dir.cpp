@@ -35,6 +35,8 @@ const char* kind_of(fs::file_type t) {
     case fs::file_type::block:
     case fs::file_type::character:
       return "a device";
+    case fs::file_type::not_found:
+      return "absent";
     default:
       return "not a regular file";
   }
@@ -50,7 +52,16 @@ std::vector<std::string> output_names(bool forward_only) {
 void check_output_dir(const std::string& dir, bool forward_only) {
   std::error_code ec;
   const fs::path path(dir);
-  const auto st = fs::status(path, ec);
+  // A missing path (or one under a non-directory) comes back as not_found, with an error code set; any other
+  // error (no permission to look) is the answer.
+  auto status_of = [&](const fs::path& p, bool follow) {
+    const auto st = follow ? fs::status(p, ec) : fs::symlink_status(p, ec);
+    if (ec && st.type() != fs::file_type::not_found) {
+      refuse(p.string(), "cannot be examined (" + ec.message() + ")");
+    }
+    return st;
+  };
+  const auto st = status_of(path, true);
   if (fs::exists(st)) {
     if (!fs::is_directory(st)) refuse(dir, std::string("is ") + kind_of(st.type()) + "; valid: a directory");
     if (::access(dir.c_str(), W_OK | X_OK) != 0) {
@@ -59,10 +70,11 @@ void check_output_dir(const std::string& dir, bool forward_only) {
   } else {
     // Made at the end, under the nearest parent that exists: that parent must be a writable directory.
     fs::path parent = fs::absolute(path, ec).parent_path();
-    while (!parent.empty() && !fs::exists(fs::status(parent, ec)) && parent != parent.root_path()) {
+    if (ec) refuse(dir, "cannot be made absolute (" + ec.message() + ")");
+    while (!parent.empty() && !fs::exists(status_of(parent, true)) && parent != parent.root_path()) {
       parent = parent.parent_path();
     }
-    const auto pst = fs::status(parent, ec);
+    const auto pst = status_of(parent, true);
     if (!fs::is_directory(pst)) {
       refuse(dir, "cannot be made: " + quoted(parent.string()) + " is " + kind_of(pst.type()));
     }
@@ -73,7 +85,7 @@ void check_output_dir(const std::string& dir, bool forward_only) {
   }
   for (const auto& name : output_names(false)) {
     const fs::path file = path / name;
-    const auto fst = fs::symlink_status(file, ec);
+    const auto fst = status_of(file, false);
     if (!fs::exists(fst)) continue;
     if (!fs::is_regular_file(fst)) {
       refuse(file.string(), std::string("is ") + kind_of(fst.type()) +
@@ -91,31 +103,62 @@ void write_outputs(const std::string& dir, const std::vector<OutputFile>& files)
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) refuse(dir, "cannot be made (" + ec.message() + ")");
-  const std::string tag = ".tmp." + std::to_string(::getpid());
-  std::vector<fs::path> written;
-  auto remove_written = [&] {
-    for (const auto& t : written) fs::remove(t, ec);
+  const std::string tag = "." + std::to_string(::getpid());
+  const fs::path base(dir);
+  std::vector<fs::path> temps, targets, backups;  // backups[i] empty: targets[i] did not exist
+  for (const auto& f : files) {
+    temps.push_back(base / ("." + f.name + ".tmp" + tag));
+    targets.push_back(base / f.name);
+    backups.emplace_back();
+  }
+  // Undoes whatever was done: the new files that reached their names removed, the earlier ones put back, the
+  // temporaries removed. Returns what could not be undone (nothing, in any case seen).
+  std::size_t placed = 0;
+  auto undo = [&] {
+    std::string left;
+    std::error_code e;
+    for (std::size_t i = 0; i < placed; ++i) fs::remove(targets[i], e);
+    for (std::size_t i = 0; i < files.size(); ++i) {
+      if (backups[i].empty()) continue;
+      fs::rename(backups[i], targets[i], e);
+      if (e) left += " " + quoted(backups[i].string()) + " (the earlier " + files[i].name + ")";
+    }
+    for (const auto& t : temps) fs::remove(t, e);
+    return left;
+  };
+  auto fail = [&](const std::string& target, const std::string& why) {
+    const std::string left = undo();
+    throw Error(ErrorKind::invalid_input, "--save", target,
+                "--save: " + why + "; nothing was replaced" +
+                    (left.empty() ? std::string() : "; could not be restored:" + left));
   };
   try {
-    for (const auto& f : files) {
-      const fs::path temp = fs::path(dir) / ("." + f.name + tag);
-      written.push_back(temp);
-      write_npy(temp.string(), f.shape, f.values);
-    }
+    for (std::size_t i = 0; i < files.size(); ++i)
+      write_npy(temps[i].string(), files[i].shape, files[i].values);
   } catch (...) {
-    remove_written();
+    undo();
     throw;
   }
+  // Every file is written: move the earlier outputs aside, then the new ones into place. A failure in either
+  // step puts the directory back as it was.
   for (std::size_t i = 0; i < files.size(); ++i) {
-    const fs::path target = fs::path(dir) / files[i].name;
-    fs::rename(written[i], target, ec);
+    if (!fs::exists(fs::symlink_status(targets[i], ec))) continue;
+    const fs::path aside = base / ("." + files[i].name + ".old" + tag);
+    fs::rename(targets[i], aside, ec);
+    if (ec)
+      fail(targets[i].string(),
+           "cannot move " + quoted(targets[i].string()) + " aside (" + ec.message() + ")");
+    backups[i] = aside;
+  }
+  for (; placed < files.size(); ++placed) {
+    fs::rename(temps[placed], targets[placed], ec);
     if (ec) {
-      const std::string why = ec.message();
-      remove_written();
-      throw Error(ErrorKind::invalid_input, "--save", target.string(),
-                  "--save: cannot rename into " + quoted(target.string()) + " (" + why + "); " +
-                      std::to_string(i) + " of " + std::to_string(files.size()) + " outputs were replaced");
+      fail(targets[placed].string(),
+           "cannot rename into " + quoted(targets[placed].string()) + " (" + ec.message() + ")");
     }
+  }
+  for (const auto& b : backups) {
+    if (!b.empty()) fs::remove(b, ec);
   }
 }
 

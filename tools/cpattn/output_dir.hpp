@@ -1,7 +1,7 @@
 // run --save DIR: the outputs written whole or not at all. Checked before anything is computed (a bad path is
 // bad input, exit 2, not a failure after minutes of work); written to temporary names in DIR and renamed
-// only once every file is written, so a failure before the renames leaves DIR as it was (a rename that fails
-// between files, a filesystem error, says how many were replaced; docs/errors.md, "What is on disk").
+// only once every file is written, the earlier outputs moved aside meanwhile and removed last, so that any
+// failure leaves DIR as it was (docs/errors.md, "What is on disk").
 #pragma once
 
 #include <cstdint>
@@ -25,9 +25,9 @@ std::vector<std::string> output_names(bool forward_only);
 // dv.npy), which would otherwise sit beside the new outputs as if they were theirs.
 void check_output_dir(const std::string& dir, bool forward_only);
 
-// Makes DIR if needed, writes every file to a temporary name in it, then renames each into place. On a
-// failure while writing the temporaries are removed and the existing files are left unchanged; the error
-// names the file.
+// Makes DIR if needed, writes every file to a temporary name in it (.NAME.tmp.PID), moves the existing
+// outputs aside (.NAME.old.PID), renames each new one into place and removes the old. On any failure the new
+// files and temporaries are removed and the earlier ones put back; the error names the file.
 void write_outputs(const std::string& dir, const std::vector<OutputFile>& files);
 
 }  // namespace cpattn::cli

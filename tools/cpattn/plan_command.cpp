@@ -2,6 +2,7 @@
 
 #include <iomanip>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -16,6 +17,11 @@ namespace {
 // plan's bounds: tokens of a row, and blocks per row of the tile grid.
 constexpr std::int64_t kMaxPlanSeq = std::int64_t{1} << 22;
 constexpr std::int64_t kMaxPlanBlocks = 8192;
+// The model's other sizes: far above any model (Qwen3.5-397B-A17B: width 4096, 60 layers), low enough that
+// the products the plan forms (bytes per layer, seconds per model) stay finite and exact.
+constexpr std::int64_t kMaxPlanEmbDim = std::int64_t{1} << 24;
+constexpr std::int64_t kMaxPlanLayers = 1000000;
+constexpr double kMaxPlanRate = 1e30;  // FLOP/s or bytes/s
 
 struct PlanOptions {
   ProblemFlags problem;
@@ -52,7 +58,7 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
     const ModelPreset* p = find_preset(opt.preset);
     if (p == nullptr) {
       throw Error(ErrorKind::invalid_input, "--preset", opt.preset,
-                  "--preset '" + opt.preset + "' is not a preset; valid: " + preset_names());
+                  "--preset '" + quoted(opt.preset) + "' is not a preset; valid: " + preset_names());
     }
     values.num_q_heads = p->num_q_heads;
     values.num_kv_heads = p->num_kv_heads;
@@ -80,8 +86,9 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
   if (hw == nullptr) {
     std::string names;
     for (const auto& h : hardware_profiles()) names += (names.empty() ? "" : ", ") + h.name;
-    errors.push_back(
-        {{"--hardware"}, opt.hardware, "--hardware '" + opt.hardware + "' is unknown; valid: " + names});
+    errors.push_back({{"--hardware"},
+                      opt.hardware,
+                      "--hardware '" + quoted(opt.hardware) + "' is unknown; valid: " + names});
   }
   auto positive = [&](const std::optional<std::int64_t>& v, const char* field) {
     if (v && *v < 1)
@@ -94,19 +101,6 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
     errors.push_back({{"ulysses_degree"},
                       std::to_string(*ulysses_degree),
                       "plan plans hybrid at every factorisation of cp; drop --ulysses-degree"});
-  }
-  if (opt.ranks_per_host && *opt.ranks_per_host < 0) {
-    errors.push_back({{"--ranks-per-host"},
-                      std::to_string(*opt.ranks_per_host),
-                      "--ranks-per-host must be >= 0 (0: every rank on one host)"});
-  }
-  for (const auto& [v, flag] : {std::pair{opt.flops, "--flops"}, std::pair{opt.bandwidth, "--bandwidth"},
-                                std::pair{opt.inter_bandwidth, "--inter-bandwidth"}}) {
-    if (v && !(*v > 0 && *v < 1e300)) {
-      std::ostringstream text;
-      text << *v;
-      errors.push_back({{flag}, text.str(), std::string(flag) + " must be a positive finite rate"});
-    }
   }
   // The plan counts tiles on the block grid and keeps the sequence's positions: both bounded, so that any
   // accepted input plans in a few seconds (and a larger one is refused at once, not after minutes).
@@ -290,20 +284,22 @@ void add_plan_command(CLI::App& app, int& exit_code, std::ostream& out, std::ost
   CLI::App* sub = app.add_subcommand("plan", "plan every strategy for a model: bytes, balance, memory, time");
   opt->problem.add_to(*sub);
   sub->add_option("--preset", opt->preset, preset_names());
-  sub->add_option("--emb-dim", opt->emb_dim, "model width (the reorder moves [B, S/cp, emb_dim])");
-  sub->add_option("--layers", opt->layers, "decoder layers");
-  sub->add_option("--attention-every", opt->attention_every, "full attention on every N-th layer");
+  add_integer(*sub, "--emb-dim", opt->emb_dim, 1, kMaxPlanEmbDim,
+              "model width (the reorder moves [B, S/cp, emb_dim])");
+  add_integer(*sub, "--layers", opt->layers, 1, kMaxPlanLayers, "decoder layers");
+  add_integer(*sub, "--attention-every", opt->attention_every, 1, kMaxPlanLayers,
+              "full attention on every N-th layer");
   add_integer(*sub, "--block", opt->block, 1, kMaxPlanSeq, "square tile size (default 512)");
-  sub->add_option("--segments", opt->segments, "packed document lengths, e.g. 61440,4096");
+  add_text(*sub, "--segments", opt->segments, "packed document lengths, e.g. 61440,4096");
   sub->add_flag("--remat", opt->remat, "recompute attention's forward in backward");
-  sub->add_option("--hardware", opt->hardware, "h100, h200 or tpu-v7x");
-  sub->add_option("--flops", opt->flops, "override the FLOP rate (FLOP/s)");
-  sub->add_option("--bandwidth", opt->bandwidth,
-                  "override the bandwidth inside a host (bytes/s each way per device)");
-  sub->add_option("--ranks-per-host", opt->ranks_per_host,
-                  "override the devices per host (rank r on host r / this; 0: one host)");
-  sub->add_option("--inter-bandwidth", opt->inter_bandwidth,
-                  "override the bandwidth between hosts (bytes/s each way per device)");
+  add_text(*sub, "--hardware", opt->hardware, "h100, h200 or tpu-v7x");
+  add_real(*sub, "--flops", opt->flops, 1, kMaxPlanRate, "override the FLOP rate (FLOP/s)");
+  add_real(*sub, "--bandwidth", opt->bandwidth, 1, kMaxPlanRate,
+           "override the bandwidth inside a host (bytes/s each way per device)");
+  add_integer(*sub, "--ranks-per-host", opt->ranks_per_host, 0, std::numeric_limits<std::int32_t>::max(),
+              "override the devices per host (rank r on host r / this; 0: one host)");
+  add_real(*sub, "--inter-bandwidth", opt->inter_bandwidth, 1, kMaxPlanRate,
+           "override the bandwidth between hosts (bytes/s each way per device)");
   sub->add_flag("--json", opt->json, "print JSON");
   sub->callback([sub, opt, &exit_code, &out, &err] { exit_code = run_plan(*sub, *opt, out, err); });
 }

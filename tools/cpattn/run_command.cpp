@@ -1,15 +1,19 @@
 #include "run_command.hpp"
 
 #include <cmath>
+#include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
 
 #include "cpattn/npy.hpp"
 #include "cpattn/placement.hpp"
@@ -62,13 +66,30 @@ void refuse_inproc_under_launcher() {
   }
 }
 
+// Whether two segment-id arrays [B, S] put the same tokens of each row together, whatever the labels:
+// [0, 0, 1] and [5, 5, 7] do; [0, 0, 1] and [0, 1, 1] do not. The labels map one to one within each row.
+bool same_documents(const std::vector<std::int32_t>& x, const std::vector<std::int32_t>& y,
+                    std::int64_t batch) {
+  if (x.size() != y.size() || batch <= 0) return false;
+  const std::size_t seq = x.size() / static_cast<std::size_t>(batch);
+  for (std::size_t row = 0; row < static_cast<std::size_t>(batch); ++row) {
+    std::unordered_map<std::int32_t, std::int32_t> x_to_y, y_to_x;
+    for (std::size_t i = row * seq; i < (row + 1) * seq; ++i) {
+      const auto xy = x_to_y.try_emplace(x[i], y[i]).first;
+      const auto yx = y_to_x.try_emplace(y[i], x[i]).first;
+      if (xy->second != y[i] || yx->second != x[i]) return false;
+    }
+  }
+  return true;
+}
+
 std::vector<std::int64_t> parse_segments(const std::string& text, std::int64_t seq) {
   const std::vector<std::int64_t> lengths = parse_document_lengths(text, "--segments");
   std::int64_t total = 0;
   for (auto n : lengths) total += n;
   if (total != seq) {
     bad_input("--segments", text,
-              "--segments '" + text + "' sums to " + std::to_string(total) +
+              "--segments '" + quoted(text) + "' sums to " + std::to_string(total) +
                   "; the document lengths must add up to --seq (" + std::to_string(seq) + ")");
   }
   return lengths;
@@ -90,7 +111,11 @@ LoadDir inspect_load_dir(const std::string& dir, ConfigValues& values) {
     const std::string path = (fs::path(dir) / name).string();
     NpyHeader h = read_npy_header(path);
     if (h.shape.size() != 4 || h.dtype != NpyDType::f32) {
-      bad_input(path, "", path + ": expected a float32 array [B, S, H, D]");
+      bad_input(
+          path, npy_type_text(h.dtype, h.shape),
+          path + ": holds " + npy_type_text(h.dtype, h.shape) +
+              "; valid: float32 ('<f4') with 4 dimensions [B, S, H, D] (float32 whatever --dtype: a bf16 "
+              "run rounds the values)");
     }
     return h;
   };
@@ -122,9 +147,10 @@ LoadDir inspect_load_dir(const std::string& dir, ConfigValues& values) {
   if (d.has_segments) {
     const NpyHeader s = read_npy_header(seg_path.string());
     if (s.dtype != NpyDType::i32 || s.shape != std::vector<std::int64_t>{q[0], q[1]}) {
-      bad_input(seg_path.string(), "",
-                seg_path.string() + ": expected int32 [B, S] = [" + std::to_string(q[0]) + ", " +
-                    std::to_string(q[1]) + "]");
+      bad_input(seg_path.string(), npy_type_text(s.dtype, s.shape),
+                seg_path.string() + ": holds " + npy_type_text(s.dtype, s.shape) +
+                    "; valid: int32 ('<i4') [B, S] = (" + std::to_string(q[0]) + ", " + std::to_string(q[1]) +
+                    ")");
     }
   }
   return d;
@@ -159,12 +185,51 @@ std::string fmt(double x) {
   return s.str();
 }
 
+#ifdef CPATTN_WITH_MPI
+// MPI_Init and a communicator's first collectives (MPI_Comm_dup, MPI_Comm_split_type) have no deadline of
+// their own: a rank stopped before them would hold its peers there for ever. While it lives, this ends the
+// process (exit 1, which makes mpirun end the job) once `limit` has passed. No rank can be named there: none
+// has made progress that the others could see.
+class SetupDeadline {
+ public:
+  explicit SetupDeadline(std::chrono::milliseconds limit)
+      : thread_([this, limit] {
+          std::unique_lock lock(mutex_);
+          if (done_changed_.wait_for(lock, limit, [this] { return done_; })) return;
+          std::fprintf(
+              stderr,
+              "error (communication): MPI setup (MPI_Init, the communicator's first collectives) made "
+              "no progress in %.3g s (--comm-timeout): a rank is stopped, dead or cannot be reached\n",
+              std::chrono::duration<double>(limit).count());
+          std::fflush(stderr);
+          std::_Exit(1);
+        }) {}
+  ~SetupDeadline() {
+    {
+      std::lock_guard lock(mutex_);
+      done_ = true;
+    }
+    done_changed_.notify_all();
+    thread_.join();
+  }
+  SetupDeadline(const SetupDeadline&) = delete;
+  SetupDeadline& operator=(const SetupDeadline&) = delete;
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_changed_;
+  bool done_ = false;
+  std::thread thread_;  // last: it starts once the members it reads exist
+};
+#endif
+
 // The whole run on the chosen backend. Under MPI every process runs one rank and then holds the whole result.
 WholeResult execute(const std::string& backend, const AttentionSpec& a, const ParallelSpec& p,
                     const harness::RunSettings& settings, const WholeProblem& problem, int& my_rank) {
   my_rank = 0;
   if (backend == "inproc") return harness::run_in_process(a, p, settings, problem);
 #ifdef CPATTN_WITH_MPI
+  auto setup = std::make_unique<SetupDeadline>(settings.comm_timeout);
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
@@ -172,14 +237,16 @@ WholeResult execute(const std::string& backend, const AttentionSpec& a, const Pa
     MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
   }
   MpiCommunicator comm(MPI_COMM_WORLD, settings.comm_timeout);
+  setup.reset();
   my_rank = comm.rank();
   if (comm.size() != p.cp) {
     bad_input("--cp", std::to_string(p.cp),
               "--cp (" + std::to_string(p.cp) + ") must equal the number of MPI processes (" +
                   std::to_string(comm.size()) + "): run under mpirun -np " + std::to_string(p.cp));
   }
-  WholeResult result = harness::make_whole_result(a, p, settings.forward_only);
+  WholeResult result;
   try {
+    result = harness::make_whole_result(a, p, settings.forward_only);  // memory can fail on one rank alone
     harness::run_rank(comm, a, p, settings, problem, result);
     harness::share_whole_result(comm, a, p, settings.forward_only, result);
     result.hosts = comm.hosts();
@@ -393,7 +460,7 @@ int run(const CLI::App& app, RunOptions& opt) {
 #endif
   if (opt.backend != "inproc" && !(opt.backend == "mpi" && std::string(backends) == "inproc or mpi")) {
     bad_input("--backend", opt.backend,
-              "--backend '" + opt.backend + "' is not available; valid: " + backends);
+              "--backend '" + cpattn::quoted(opt.backend) + "' is not available; valid: " + backends);
   }
   const AttentionSpec& a = specs.attention;
   const ParallelSpec& p = specs.parallel;
@@ -413,9 +480,10 @@ int run(const CLI::App& app, RunOptions& opt) {
   if (!opt.segments.empty()) {
     std::vector<std::int32_t> ids =
         segment_ids_from_lengths(a.batch, parse_segments(opt.segments, a.seq_len));
-    if (!problem.segment_ids.empty() && ids != problem.segment_ids) {
+    if (!problem.segment_ids.empty() && !same_documents(ids, problem.segment_ids, a.batch)) {
       bad_input("--segments", opt.segments,
-                "--segments '" + opt.segments + "' disagrees with " + opt.load_dir +
+                "--segments '" + cpattn::quoted(opt.segments) + "' disagrees with " +
+                    cpattn::quoted(opt.load_dir) +
                     "/segment_ids.npy (the documents differ); give one of them, or both alike");
     }
     problem.segment_ids = std::move(ids);

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The program under mpirun with one rank stopped from outside (SIGSTOP), as an operator's slip or a hung host
+# would: `cli_stopped_rank_test.sh MPIEXEC CPATTN STRATEGY WHEN`.
+#   WHEN mid-run: rank 1 is stopped a second after every rank has entered MPI (its threads appear; the
+#     inputs are made before MPI_Init, the run lasts far longer). The job must end non-zero within --comm-timeout (5 s) plus a few seconds of the stop,
+#     a message naming rank 1.
+#   WHEN setup: rank 1 is stopped as soon as it exists, before or inside MPI_Init. The job must end non-zero
+#     within --comm-timeout plus a few seconds of the stop (no rank can be named: none made progress).
+# Then no process of the job is left, the stopped one included.
+set -u
+mpiexec="$1" cpattn="$2" strategy="${3:-ulysses}" when="${4:-mid-run}"
+timeout_s=5 grace_s=8
+out=$(mktemp)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  rm -f "$out"
+}
+trap cleanup EXIT
+
+"$mpiexec" --oversubscribe -np 4 "$cpattn" run --backend mpi --cp 4 --strategy "$strategy" \
+  --seq 16384 --q-heads 8 --kv-heads 2 --head-dim 128 --threads 1 --comm-timeout "$timeout_s" >"$out" 2>&1 &
+mpirun_pid=$!
+
+# The job's rank processes are mpirun's children; rank R's environment says OMPI_COMM_WORLD_RANK=R.
+rank_pid() {
+  local pid
+  for pid in $(pgrep -P "$mpirun_pid"); do
+    tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$1" && { echo "$pid"; return; }
+  done
+}
+
+# A rank is past MPI_Init once Open MPI's threads run in it: one thread before, three or more after.
+in_mpi() {
+  local p n
+  for p in $(pgrep -P "$mpirun_pid"); do
+    n=$(ls "/proc/$p/task" 2>/dev/null | wc -l)
+    [ "$n" -ge 3 ] || return 1
+  done
+  [ "$(pgrep -P "$mpirun_pid" | wc -l)" -ge 4 ]
+}
+
+stopped=""
+for _ in $(seq 1 1200); do  # up to 60 s for the processes to appear (and, mid-run, to enter MPI)
+  stopped=$(rank_pid 1)
+  if [ -n "$stopped" ] && [ "$when" = setup ]; then break; fi
+  if [ -n "$stopped" ] && in_mpi; then break; fi
+  stopped=""
+  sleep 0.05
+done
+[ -n "$stopped" ] || { cat "$out"; echo "FAIL: rank 1 never started"; exit 1; }
+pids=($(pgrep -P "$mpirun_pid"))
+# Mid-run: a second after every rank entered MPI its setup (a few collectives) is long done, and the run
+# (about 8 s of compute per rank on 2 cores) has far to go.
+[ "$when" = mid-run ] && sleep 1
+kill -STOP "$stopped"
+start=$(date +%s%3N)  # milliseconds
+limit=$((timeout_s + grace_s))
+rc=""
+while [ -z "$rc" ]; do
+  if ! kill -0 "$mpirun_pid" 2>/dev/null; then
+    wait "$mpirun_pid"
+    rc=$?
+    break
+  fi
+  if (($(date +%s%3N) - start > (limit + 30) * 1000)); then
+    kill -KILL "$mpirun_pid" 2>/dev/null
+    wait "$mpirun_pid" 2>/dev/null
+    tail -n 20 "$out"
+    echo "FAIL: the job was still running $((limit + 30)) s after rank 1 stopped"
+    exit 1
+  fi
+  sleep 0.1
+done
+elapsed_ms=$(($(date +%s%3N) - start))
+elapsed="$((elapsed_ms / 1000)).$(printf %03d $((elapsed_ms % 1000)))"
+tail -n 12 "$out"
+echo "exit code $rc, ${elapsed} s after rank 1 (pid $stopped) was stopped"
+[ "$rc" -ne 0 ] || { echo "FAIL: the job exited 0"; exit 1; }
+((elapsed_ms <= limit * 1000)) || { echo "FAIL: took ${elapsed} s (limit ${limit} s)"; exit 1; }
+if [ "$when" = mid-run ]; then
+  grep -q "no progress from rank 1" "$out" || { echo "FAIL: no message names rank 1"; exit 1; }
+else
+  grep -Eq "no progress|made no progress" "$out" || { echo "FAIL: no message says what happened"; exit 1; }
+fi
+sleep 1
+for p in "${pids[@]}"; do
+  state=$(awk '{print $3}' "/proc/$p/stat" 2>/dev/null)
+  if [ -n "$state" ] && [ "$state" != Z ]; then
+    echo "FAIL: rank process $p is left (state $state)"
+    exit 1
+  fi
+done
+echo "PASS"
