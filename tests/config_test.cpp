@@ -180,9 +180,11 @@ std::vector<BadCase> bad_cases() {
         p.strategy = Strategy::all_gather;
         p.load_balance = true;
       },
-      {"cp"}, {"larger than any group", "1..2147483647"});
+      {"cp"}, {"cp (6744426282650261709) is more ranks than cpattn supports; valid: 1..65536"});
+  add("cp_just_beyond_the_bound", [](AttentionSpec&, ParallelSpec& p) { p.cp = 65537; }, {"cp"},
+      {"cp (65537) is more ranks than cpattn supports"});
   add("tp_beyond_any_group", [](AttentionSpec&, ParallelSpec& p) { p.tp = 1ll << 40; }, {"tp"},
-      {"larger than any group"});
+      {"more ranks than cpattn supports"});
   add("hybrid_without_ulysses_degree", [](AttentionSpec&, ParallelSpec& p) { p.strategy = Strategy::hybrid; },
       {"ulysses_degree"}, {"hybrid needs ulysses_degree", "--ulysses-degree"});
   add("hybrid_degree_not_a_divisor_and_above_q_heads",

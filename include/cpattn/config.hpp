@@ -32,6 +32,9 @@ inline constexpr std::int64_t kMaxHeadDim = 512;
 // The most q or kv heads a problem may have: far above any model (Qwen3.5-397B-A17B has 32), low enough that
 // a placement, a plan or a head loop over them is bounded.
 inline constexpr std::int64_t kMaxHeads = 65536;
+// The most ranks in a group (cp, tp): far above any deployment, low enough that a placement or a plan with
+// an entry per rank is bounded.
+inline constexpr std::int64_t kMaxRanks = 65536;
 
 struct AttentionSpec {
   std::int64_t batch = 1;

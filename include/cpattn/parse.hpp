@@ -29,6 +29,10 @@ double parse_real(const std::string& text, const std::string& field, double min,
 // \xNN escapes, at most 200 characters (the rest as "...").
 std::string quoted(const std::string& text);
 
+// The whole text with only the bytes that are not UTF-8 escaped (\xNN): what a message or a JSON document
+// may carry whatever path or value went into it.
+std::string utf8_safe(const std::string& text);
+
 // The nearest of `known` to `word` by edit distance, or "" where none is close (more than a third of the
 // word's length away).
 std::string nearest(const std::string& word, const std::vector<std::string>& known);

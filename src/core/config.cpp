@@ -73,7 +73,7 @@ std::string str(std::int64_t v) {
 
 // hybrid: U = ulysses_degree ranks per ulysses group, a divisor of cp, each holding at least one q head;
 // ulysses_degree means nothing to the other strategies.
-void hybrid_rules(Rules& rules, const AttentionSpec& a, const ParallelSpec& p, bool tp_divides) {
+void hybrid_rules(Rules& rules, const AttentionSpec& a, const ParallelSpec& p, bool tp_divides, bool cp_ok) {
   const std::int64_t u = p.ulysses_degree;
   if (p.strategy != Strategy::hybrid) {
     if (u != 0) {
@@ -83,6 +83,7 @@ void hybrid_rules(Rules& rules, const AttentionSpec& a, const ParallelSpec& p, b
     }
     return;
   }
+  if (!cp_ok) return;  // what follows reads cp, whose own rule said what is wrong with it
   if (u == 0) {
     rules.add({"ulysses_degree", "strategy"}, "0",
               "hybrid needs ulysses_degree (unset or 0), the ranks of each ulysses group: a divisor of cp (" +
@@ -117,14 +118,14 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
   const bool hkv_ok = rules.positive("num_kv_heads", a.num_kv_heads);
   const bool dim_ok = rules.positive("head_dim", a.head_dim);
   const bool sizes_ok = batch_ok && seq_ok && hq_ok && hkv_ok && dim_ok;
-  // Ranks are ints (Communicator::rank()); a larger group cannot exist, and 2*cp must not overflow (found by
-  // fuzz_validator).
+  // A stated bound on the ranks of a group (kMaxRanks): ranks are ints (Communicator::rank()), 2*cp must not
+  // overflow (found by fuzz_validator), and a placement or a plan holds an entry per rank.
   auto group_size_ok = [&](const char* field, std::int64_t value) {
     if (!rules.positive(field, value)) return false;
-    if (value <= std::numeric_limits<std::int32_t>::max()) return true;
-    rules.add(
-        {field}, str(value),
-        std::string(field) + " (" + str(value) + ") is larger than any group of ranks; valid: 1..2147483647");
+    if (value <= kMaxRanks) return true;
+    rules.add({field}, str(value),
+              std::string(field) + " (" + str(value) + ") is more ranks than cpattn supports; valid: 1.." +
+                  str(kMaxRanks));
     return false;
   };
   const bool cp_ok = group_size_ok("cp", p.cp);
@@ -205,12 +206,12 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
 
   // The head rules below read Hq / tp: judged once the heads and tp are valid.
   bool tp_divides = hq_ok && hkv_ok && tp_ok;
-  if (tp_divides && a.num_q_heads % p.tp != 0) {
+  if (hq_ok && tp_ok && a.num_q_heads % p.tp != 0) {
     tp_divides = false;
     rules.add({"tp", "num_q_heads"}, str(p.tp),
               "tp (" + str(p.tp) + ") must divide num_q_heads (" + str(a.num_q_heads) + ")");
   }
-  if (hq_ok && hkv_ok && tp_ok && a.num_kv_heads % p.tp != 0) {
+  if (hkv_ok && tp_ok && a.num_kv_heads % p.tp != 0) {
     tp_divides = false;
     rules.add({"tp", "num_kv_heads"}, str(p.tp),
               "tp (" + str(p.tp) + ") must divide num_kv_heads (" + str(a.num_kv_heads) + ")");
@@ -230,7 +231,7 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
               "(ulysses groups of ulysses_degree <= num_q_heads ranks inside a ring), ring or all_gather");
     }
   }
-  if (cp_ok) hybrid_rules(rules, a, p, tp_divides);
+  hybrid_rules(rules, a, p, tp_divides, cp_ok);
   return rules.take();
 }
 

@@ -78,7 +78,11 @@ double parse_real(const std::string& text, const std::string& field, double min,
   return x;
 }
 
-std::string quoted(const std::string& text) {
+namespace {
+
+// Escapes bytes that are not UTF-8 (and, where `controls`, control characters) as \xNN; at most `limit`
+// characters, the rest as "...".
+std::string escaped(const std::string& text, bool controls, std::size_t limit) {
   std::string out;
   std::size_t i = 0, shown = 0;
   auto escape = [&](unsigned char c) {
@@ -87,7 +91,7 @@ std::string quoted(const std::string& text) {
     out += buf;
   };
   while (i < text.size()) {
-    if (shown == 200) return out + "...";
+    if (shown == limit) return out + "...";
     const auto c = static_cast<unsigned char>(text[i]);
     std::size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
     bool ok = len > 0 && i + len <= text.size();
@@ -104,7 +108,7 @@ std::string quoted(const std::string& text) {
     if (!ok) {
       escape(c);
       ++i;
-    } else if (len == 1 && (c < 0x20 || c == 0x7F)) {
+    } else if (controls && len == 1 && (c < 0x20 || c == 0x7F)) {
       escape(c);
       ++i;
     } else {
@@ -114,6 +118,16 @@ std::string quoted(const std::string& text) {
     ++shown;
   }
   return out;
+}
+
+}  // namespace
+
+std::string quoted(const std::string& text) {
+  return escaped(text, true, 200);
+}
+
+std::string utf8_safe(const std::string& text) {
+  return escaped(text, false, std::string::npos);
 }
 
 std::string nearest(const std::string& word, const std::vector<std::string>& known) {

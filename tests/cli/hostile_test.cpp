@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -43,13 +44,26 @@ struct Outcome {
   bool timed_out = false;
 };
 
-// Runs CPATTN_EXE with `args` in `cwd`, the environment plus `env`; kills it at the bound.
+// Runs CPATTN_EXE with `args` in `cwd`, the environment plus `env` (which replaces inherited entries of the
+// same name; an MPI launcher's own variables are dropped); kills it at the bound.
 Outcome spawn(const std::vector<std::string>& args, const fs::path& cwd,
               const std::vector<std::string>& env) {
+  Outcome o;
   int out_pipe[2], err_pipe[2];
-  if (::pipe(out_pipe) != 0 || ::pipe(err_pipe) != 0) return {};
+  if (::pipe2(out_pipe, O_CLOEXEC) != 0) return o;
+  if (::pipe2(err_pipe, O_CLOEXEC) != 0) {
+    ::close(out_pipe[0]);
+    ::close(out_pipe[1]);
+    return o;
+  }
+  auto name_of = [](const std::string& entry) { return entry.substr(0, entry.find('=')); };
   std::vector<std::string> envs;
-  for (char** e = environ; *e != nullptr; ++e) envs.emplace_back(*e);
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e, name = name_of(entry);
+    bool replaced = name.rfind("OMPI_", 0) == 0 || name.rfind("PMI", 0) == 0 || name == "MPI_LOCALNRANKS";
+    for (const auto& mine : env) replaced = replaced || name_of(mine) == name;
+    if (!replaced) envs.push_back(entry);
+  }
   for (const auto& e : env) envs.push_back(e);
   std::vector<char*> argv{const_cast<char*>(CPATTN_EXE)}, envp;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
@@ -59,19 +73,21 @@ Outcome spawn(const std::vector<std::string>& args, const fs::path& cwd,
   const auto start = Clock::now();
   const pid_t pid = ::fork();
   if (pid == 0) {
-    const int null = ::open("/dev/null", O_RDONLY);
+    const int null = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     ::dup2(null, 0);
     ::dup2(out_pipe[1], 1);
     ::dup2(err_pipe[1], 2);
-    ::close(out_pipe[0]);
-    ::close(err_pipe[0]);
     if (::chdir(cwd.c_str()) != 0) ::_exit(126);
     ::execve(CPATTN_EXE, argv.data(), envp.data());
     ::_exit(127);
   }
   ::close(out_pipe[1]);
   ::close(err_pipe[1]);
-  Outcome o;
+  if (pid < 0) {
+    ::close(out_pipe[0]);
+    ::close(err_pipe[0]);
+    return o;
+  }
   std::array<pollfd, 2> fds{{{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}}};
   std::string* sinks[2] = {&o.out, &o.err};
   int open_pipes = 2;
@@ -79,14 +95,16 @@ Outcome spawn(const std::vector<std::string>& args, const fs::path& cwd,
     const double left = kBoundSeconds - std::chrono::duration<double>(Clock::now() - start).count();
     if (left <= 0) {
       o.timed_out = true;
-      ::kill(pid, SIGKILL);
       break;
     }
-    if (::poll(fds.data(), fds.size(), static_cast<int>(left * 1000) + 1) < 0) break;
+    const int ready = ::poll(fds.data(), fds.size(), static_cast<int>(left * 1000) + 1);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0) break;
     for (int i = 0; i < 2; ++i) {
       if (fds[i].fd < 0 || fds[i].revents == 0) continue;
       char buf[4096];
       const ssize_t n = ::read(fds[i].fd, buf, sizeof buf);
+      if (n < 0 && errno == EINTR) continue;
       if (n > 0) {
         sinks[i]->append(buf, static_cast<std::size_t>(n));
       } else {
@@ -96,10 +114,12 @@ Outcome spawn(const std::vector<std::string>& args, const fs::path& cwd,
       }
     }
   }
+  if (open_pipes > 0) ::kill(pid, SIGKILL);  // past the bound, or poll failed: never wait unbounded
   for (auto& f : fds)
     if (f.fd >= 0) ::close(f.fd);
   int status = 0;
-  ::waitpid(pid, &status, 0);
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
   o.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   o.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return o;
@@ -193,6 +213,7 @@ class Fixtures {
     write_raw_npy(inputs_with("rank3", "q.npy"), dict("<f4", "64, 4, 8"), kS * kHq * kD * 4);
     write_raw_npy(inputs_with("q_batch0", "q.npy"), dict("<f4", "0, 64, 4, 8"), 0);
     write_raw_npy(inputs_with("negative_dim", "q.npy"), dict("<f4", "1, -64, 4, 8"), 0);
+    write_raw_npy(inputs_with("do_shape", "do.npy"), dict("<f4", "1, 64, 2, 8"), kS * kHkv * kD * 4);
     write_raw_npy(inputs_with("k_dim16", "k.npy"), dict("<f4", "1, 64, 2, 16"), kS * kHkv * 16 * 4);
     write_raw_npy(inputs_with("overflow_shape", "q.npy"), dict("<f4", "1, 9223372036854775807, 4, 8"), 16);
     inputs_with("missing_do", "do.npy");
@@ -311,7 +332,7 @@ const std::vector<Case>& cases() {
       {"run --cp 2" + kSizes, 2, {"strategy", "ring\\xFF"}, {}, {"--strategy", "ring\xff"}},
       {"run --cp 2 --backend nccl" + kSizes, 2, {"--backend", "nccl", "inproc, mpi"}},
       {"run --cp 2 --dtype fp16" + kSizes, 2, {"fp16"}},
-      {"run --cp 2 --layout zigzag" + kSizes, 2, {"zigzag"}},
+      {"run --cp 2 --layout zigzag" + kSizes, 2, {"unknown flag '--layout'"}},
       {"run --cp 2 --strategy ulysses --load-balance" + kSizes, 2, {"load_balance"}},
       {"run --cp 4 --strategy hybrid --ulysses-degree 3" + kSizes, 2, {"ulysses_degree (3)", "cp (4)"}},
       {"run --cp 4 --strategy hybrid" + kSizes, 2, {"ulysses_degree"}},
@@ -326,6 +347,7 @@ const std::vector<Case>& cases() {
       {"run --cp 2 --q-heads 4 --kv-heads 2 --head-dim 8 --seq", 2, {"--seq"}},
       // run --load: files that lie, that never end, that are not files.
       {"run --cp 2 --load {R}/nowhere", 2, {"{R}/nowhere/q.npy"}},
+      {"run --cp 2 --load", 2, {"nowhere\\xFF/q.npy"}, {}, {"nowhere\xff"}},
       {"run --cp 2 --load {R}/a_file", 2, {"{R}/a_file"}},
       {"run --cp 2 --load {R}/lie_shape", 2, {"q.npy", "float32 (1, 64, 4, 64)", "65536"}},
       {"run --cp 2 --load {R}/short_data", 2, {"q.npy", "bytes"}},
@@ -336,11 +358,14 @@ const std::vector<Case>& cases() {
       {"run --cp 2 --load {R}/big_endian", 2, {"k.npy", ">f4"}},
       {"run --cp 2 --load {R}/fortran", 2, {"q.npy", "fortran"}},
       {"run --cp 2 --load {R}/rank3", 2, {"q.npy", "float32 (64, 4, 8)", "4 dimensions"}},
-      {"run --cp 2 --load {R}/q_batch0", 2, {"q.npy", "0"}},
+      {"run --cp 2 --load {R}/q_batch0", 2, {"q.npy", "float32 (0, 64, 4, 8)", "its B is 0"}},
       {"run --cp 2 --load {R}/negative_dim", 2, {"q.npy", "-64"}},
-      {"run --cp 2 --load {R}/k_dim16", 2, {"k.npy", "16"}},
+      {"run --cp 2 --load {R}/k_dim16",
+       2,
+       {"k.npy holds float32 (1, 64, 2, 16)", "v.npy float32 (1, 64, 2, 8)"}},
       {"run --cp 2 --load {R}/overflow_shape", 2, {"q.npy", "9223372036854775807"}},
       {"run --cp 2 --load {R}/missing_do", 2, {"do.npy"}},
+      {"run --cp 2 --load {R}/do_shape", 2, {"do.npy holds float32 (1, 64, 2, 8)", "q.npy's shape"}},
       {"run --cp 2 --load {R}/fifo", 2, {"q.npy", "regular"}},
       {"run --cp 2 --load {R}/dev_zero", 2, {"q.npy", "regular"}},
       {"run --cp 2 --load {R}/dir_q", 2, {"q.npy", "regular"}},
@@ -387,10 +412,21 @@ const std::vector<Case>& cases() {
        {"batch (0)", "head_dim (600)", "num_kv_heads (3)", "seq_len (1001)", "cp (4)"}},
       {"validate --cp 2 --seq 64 --q-heads 4 --kv-heads 2", 2, {"head_dim is not set"}},
       {"validate", 2, {"is not set"}},
-      {"validate --cp 2 --softmax-scale 0.5" + kSizes, 2, {"--softmax-scale"}},
-      {"validate --cp 2 --ici_context_parallelism 4" + kSizes, 2, {"--ici_context_parallelism"}},
+      {"validate --cp 2 --softmax-scale 0.5" + kSizes, 2, {"unknown flag '--softmax-scale'"}},
+      {"validate --cp 2 --q-head 4 --kv-heads 2 --head-dim 8 --seq 64",
+       2,
+       {"unknown flag '--q-head'", "did you mean '--q-heads'?"}},
+      {"bench kernel --thread 2", 2, {"unknown flag '--thread'", "did you mean '--threads'?"}},
       {"validate --cp 2 --tp 0" + kSizes, 2, {"tp (0)"}},
       {"validate --cp 2 --tp 3000000000" + kSizes, 2, {"tp (3000000000)"}},
+      {"validate --cp 65537 --seq 65537 --q-heads 4 --kv-heads 2 --head-dim 8",
+       2,
+       {"cp (65537)", "1..65536"}},
+      {"validate --strategy all_gather --cp 65536 --seq 65536 --q-heads 65536 --kv-heads 65536 --head-dim 1",
+       2,
+       {"validate lists every rank's heads", "cp (65536)", "passes every rule"}},
+      {"plan --cp 65537 --seq 65537 --q-heads 4 --kv-heads 2 --head-dim 8", 2, {"cp (65537)"}},
+      {"plan --preset qwen3.5-397b-a17b --cp 4096 --seq 4194304", 2, {"--cp (4096)", "at most 2048"}},
       {"validate --cp 2 --seq 64 --q-heads 3345830087427 --kv-heads 1 --head-dim 8",
        2,
        {"num_q_heads (3345830087427)", "65536"}},
@@ -449,6 +485,7 @@ const std::vector<Case>& cases() {
       {"bench kernel --head-dim 513 --seq 64", 2, {"head_dim (513)"}},
       {"bench kernel --seq 0", 2, {"seq_len (0)"}},
       {"bench kernel --dtype f16", 2, {"f16"}},
+      {"bench kernel", 2, {"--bf16-path", "x\\xFFy"}, {}, {"--bf16-path", "x\xffy"}},
       {"bench strategy --cps 0", 2, {"--cps", "0"}},
       {"bench strategy --cps 2000", 2, {"--cps", "2000", "1024"}},
       {"bench strategy --cps 2,x", 2, {"--cps", "x"}},
@@ -541,18 +578,22 @@ void run_cases(const std::vector<std::string>& commands) {
   EXPECT_GT(ran, 0);
 }
 
-// A failure after some earlier outputs were moved aside (here: the place for dk.npy's is taken by a directory
-// that is not empty) puts every one back: the directory holds what it held, and says nothing was replaced.
+// A failure after some earlier outputs were given their second names (here: dk.npy became a directory after
+// the check) puts everything back: the directory holds what it held, and says nothing was replaced. Names an
+// earlier run or another process left (.o.npy.old.PID) are not overwritten.
 TEST(OutputDir, AFailureBetweenFilesPutsTheEarlierOutputsBack) {
   const fs::path dir = fs::temp_directory_path() / ("cpattn_output_dir_" + std::to_string(::getpid()));
   fs::remove_all(dir);
-  fs::create_directories(dir / (".dk.npy.old." + std::to_string(::getpid())) / "taken");
-  for (const char* f : {"o.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"}) write_text(dir / f, f);
+  fs::create_directories(dir);
+  const char* names[] = {"o.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"};
+  for (const char* f : names) write_text(dir / f, f);
+  write_text(dir / (".o.npy.old." + std::to_string(::getpid())), "someone else's");
+  fs::remove(dir / "dk.npy");
+  fs::create_directories(dir / "dk.npy" / "taken");
   const auto before = snapshot(dir);
   const std::vector<float> values(8, 1.0f);
   std::vector<cpattn::cli::OutputFile> files;
-  for (const char* f : {"o.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"})
-    files.push_back({f, {8}, values.data()});
+  for (const char* f : names) files.push_back({f, {8}, values.data()});
   try {
     cpattn::cli::write_outputs(dir.string(), files);
     ADD_FAILURE() << "write_outputs succeeded";
@@ -561,15 +602,19 @@ TEST(OutputDir, AFailureBetweenFilesPutsTheEarlierOutputsBack) {
     EXPECT_NE(std::string(e.what()).find("dk.npy"), std::string::npos) << e.what();
   }
   EXPECT_EQ(snapshot(dir), before);
-  // And with the way clear, every output is replaced and nothing else is left.
-  fs::remove_all(dir / (".dk.npy.old." + std::to_string(::getpid())));
+  // With the way clear every output is replaced, and nothing else is left beside them.
+  fs::remove_all(dir / "dk.npy");
   cpattn::cli::write_outputs(dir.string(), files);
-  std::size_t entries = 0;
+  std::size_t outputs = 0;
   for (const auto& e : fs::directory_iterator(dir)) {
-    ++entries;
+    if (e.path().filename().string()[0] == '.') {
+      EXPECT_EQ(e.path().filename().string(), ".o.npy.old." + std::to_string(::getpid()));
+      continue;
+    }
+    ++outputs;
     EXPECT_EQ(cpattn::read_npy(e.path().string()).shape, (std::vector<std::int64_t>{8})) << e.path();
   }
-  EXPECT_EQ(entries, 5u);
+  EXPECT_EQ(outputs, 5u);
   fs::remove_all(dir);
 }
 
@@ -584,6 +629,27 @@ TEST(Hostile, SegmentsAgreeWithAFileThatMarksTheSameDocuments) {
   o = spawn({"run", "--cp", "2", "--load", dir.string(), "--segments", "24,40"}, fixtures.root() / "cwd", {});
   EXPECT_EQ(o.exit_code, 2) << o.err;
   EXPECT_NE(o.err.find("disagrees with"), std::string::npos) << o.err;
+}
+
+// --json gives each refused value as it was typed: "0099999" stays that text (not the number 99999), bytes
+// that are not UTF-8 become \xNN escapes (not a replacement character).
+TEST(Hostile, JsonValuesAreAsTyped) {
+  Fixtures fixtures;
+  auto value_of = [&](const std::vector<std::string>& args) {
+    const Outcome o = spawn(args, fixtures.root() / "cwd", {});
+    EXPECT_EQ(o.exit_code, 2) << o.err;
+    try {
+      return nlohmann::json::parse(o.out)["errors"][0]["value"];
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << e.what() << "\n" << o.out;
+      return nlohmann::json();
+    }
+  };
+  EXPECT_EQ(value_of({"run", "--cp", "2", "--threads", "0099999", "--json"}), "0099999");
+  EXPECT_EQ(value_of({"validate", "--cp", "1\xff", "--json"}), "1\\xFF");
+  EXPECT_EQ(value_of({"validate", "--seq", "64", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8",
+                      "--cp", "-3", "--json"}),
+            -3);
 }
 
 TEST(Hostile, TheTableHasAtLeast120Cases) {

@@ -41,7 +41,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   if (!errors.empty()) return 0;
   cpattn::validate(a, p);
-  if (p.cp > 4096) return 0;  // a placement holds one entry per rank: past this, memory rather than rules
+  // A placement holds each rank's kv heads (all of them under all_gather and ring): past this, memory rather
+  // than rules.
+  if (static_cast<double>(p.cp) * static_cast<double>(a.num_kv_heads / p.tp + 1) > 1 << 22) return 0;
   const auto ranks = cpattn::head_placement(a, p);
   if (static_cast<std::int64_t>(ranks.size()) != p.cp) std::abort();
   const std::int64_t hq = a.num_q_heads / p.tp, hkv = a.num_kv_heads / p.tp;

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The program under mpirun with one rank stopped from outside (SIGSTOP), as an operator's slip or a hung host
 # would: `cli_stopped_rank_test.sh MPIEXEC CPATTN STRATEGY WHEN`.
-#   WHEN mid-run: rank 1 is stopped a second after every rank has entered MPI (its threads appear; the
-#     inputs are made before MPI_Init, the run lasts far longer). The job must end non-zero within --comm-timeout (5 s) plus a few seconds of the stop,
+#   WHEN mid-run: rank 1 is stopped a second after every rank has finished its MPI setup (the inputs are
+#     made before MPI_Init; the run lasts far longer). The job must end non-zero within --comm-timeout (5 s) plus a few seconds of the stop,
 #     a message naming rank 1.
 #   WHEN setup: rank 1 is stopped as soon as it exists, before or inside MPI_Init. The job must end non-zero
 #     within --comm-timeout plus a few seconds of the stop (no rank can be named: none made progress).
@@ -13,31 +13,44 @@ timeout_s=5 grace_s=8
 out=$(mktemp)
 pids=()
 cleanup() {
+  kill -KILL "$mpirun_pid" 2>/dev/null
   for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
   rm -f "$out"
 }
+mpirun_pid=""
 trap cleanup EXIT
 
 "$mpiexec" --oversubscribe -np 4 "$cpattn" run --backend mpi --cp 4 --strategy "$strategy" \
   --seq 16384 --q-heads 8 --kv-heads 2 --head-dim 128 --threads 1 --comm-timeout "$timeout_s" >"$out" 2>&1 &
 mpirun_pid=$!
 
-# The job's rank processes are mpirun's children; rank R's environment says OMPI_COMM_WORLD_RANK=R.
+# The job's rank processes are mpirun's children (read from /proc: no procps needed); rank R's environment
+# says OMPI_COMM_WORLD_RANK=R.
+children() {
+  local stat
+  for stat in /proc/[0-9]*/stat; do
+    [ "$(awk '{print $4}' "$stat" 2>/dev/null)" = "$mpirun_pid" ] && basename "$(dirname "$stat")"
+  done
+}
 rank_pid() {
   local pid
-  for pid in $(pgrep -P "$mpirun_pid"); do
+  for pid in $(children); do
     tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$1" && { echo "$pid"; return; }
   done
 }
 
-# A rank is past MPI_Init once Open MPI's threads run in it: one thread before, three or more after.
+# A rank is past its MPI setup once Open MPI's threads run in it (one thread before MPI_Init, three or more
+# after) and the setup's watchdog thread (named cpattn-setup) has ended.
 in_mpi() {
-  local p n
-  for p in $(pgrep -P "$mpirun_pid"); do
+  local p n all
+  all=$(children)
+  [ "$(echo "$all" | wc -w)" -ge 4 ] || return 1
+  for p in $all; do
     n=$(ls "/proc/$p/task" 2>/dev/null | wc -l)
     [ "$n" -ge 3 ] || return 1
+    cat /proc/"$p"/task/*/comm 2>/dev/null | grep -qx cpattn-setup && return 1
   done
-  [ "$(pgrep -P "$mpirun_pid" | wc -l)" -ge 4 ]
+  return 0
 }
 
 stopped=""
@@ -49,9 +62,9 @@ for _ in $(seq 1 1200); do  # up to 60 s for the processes to appear (and, mid-r
   sleep 0.05
 done
 [ -n "$stopped" ] || { cat "$out"; echo "FAIL: rank 1 never started"; exit 1; }
-pids=($(pgrep -P "$mpirun_pid"))
-# Mid-run: a second after every rank entered MPI its setup (a few collectives) is long done, and the run
-# (about 8 s of compute per rank on 2 cores) has far to go.
+pids=($(children))
+# Mid-run: a second after every rank finished its MPI setup the run (about 8 s of compute per rank on 2
+# cores) has far to go.
 [ "$when" = mid-run ] && sleep 1
 kill -STOP "$stopped"
 start=$(date +%s%3N)  # milliseconds

@@ -65,12 +65,19 @@ void finish_mpi() {
 
 int fail(const Invocation& inv, ErrorKind kind, const std::vector<ErrorItem>& items,
          const std::string& hint = "") {
-  for (const ErrorItem& item : items)
+  // Every message and field made UTF-8 here, once: a path or value with bytes that are not UTF-8 shows them
+  // as \xNN on stderr and in the JSON document alike, whichever message carried it.
+  std::vector<ErrorItem> safe = items;
+  for (ErrorItem& item : safe) {
+    item.message = cpattn::utf8_safe(item.message);
+    for (std::string& f : item.fields) f = cpattn::utf8_safe(f);
+  }
+  for (const ErrorItem& item : safe)
     std::cerr << "error (" << cpattn::to_string(kind) << "): " << item.message << "\n";
-  if (!hint.empty()) std::cerr << hint << "\n";
+  if (!hint.empty()) std::cerr << cpattn::utf8_safe(hint) << "\n";
   if (inv.json && prints_documents()) {
     const bool document = inv.command == "validate" || inv.command == "plan";
-    std::cout << cpattn::cli::failure_json(document ? "valid" : "ok", items) << std::endl;
+    std::cout << cpattn::cli::failure_json(document ? "valid" : "ok", safe) << std::endl;
   }
   finish_mpi();
   return kind == ErrorKind::invalid_config || kind == ErrorKind::invalid_input ? 2 : 1;
@@ -136,6 +143,41 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
+  } catch (const CLI::ExtrasError& e) {
+    // An argument no flag took: name the first unknown flag with the nearest known one, not CLI11's list of
+    // leftovers (which it gives last first).
+    const CLI::App* command = inv.command.empty() ? nullptr : app.get_subcommand(inv.command);
+    for (int i = 2; command != nullptr && i < argc; ++i) {
+      std::string arg = argv[i];
+      if (arg.rfind("--", 0) != 0) continue;
+      arg = arg.substr(0, arg.find('='));
+      bool found = false;
+      std::vector<std::string> flags;
+      const CLI::App* owner = command;
+      for (const CLI::App* sub : command->get_subcommands([](const CLI::App*) { return true; })) {
+        if (argc > 2 && sub->get_name() == argv[2]) owner = sub;
+      }
+      for (const CLI::Option* o : owner->get_options()) {
+        for (const std::string& name : o->get_lnames()) {
+          flags.push_back("--" + name);
+          found = found || "--" + name == arg;
+        }
+      }
+      if (found) continue;
+      const std::string near = cpattn::nearest(arg, flags);
+      return fail(inv, ErrorKind::invalid_input,
+                  {{{arg},
+                    arg,
+                    "unknown flag '" + cpattn::quoted(arg) + "'" +
+                        (near.empty() ? "" : "; did you mean '" + near + "'?")}},
+                  "run 'cpattn " + inv.command +
+                      (owner != command ? " " + owner->get_name() : std::string()) +
+                      " --help' for the flags");
+    }
+    const std::string message = cpattn::quoted(e.what());
+    return fail(
+        inv, ErrorKind::invalid_input, {{{"arguments"}, "", message}},
+        "run 'cpattn " + (inv.command.empty() ? std::string() : inv.command + " ") + "--help' for the flags");
   } catch (const CLI::ParseError& e) {
     const std::string message = cpattn::quoted(e.what());
     return fail(

@@ -1,5 +1,6 @@
 #include "output_dir.hpp"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -101,64 +102,97 @@ void check_output_dir(const std::string& dir, bool forward_only) {
 
 void write_outputs(const std::string& dir, const std::vector<OutputFile>& files) {
   std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) refuse(dir, "cannot be made (" + ec.message() + ")");
-  const std::string tag = "." + std::to_string(::getpid());
   const fs::path base(dir);
-  std::vector<fs::path> temps, targets, backups;  // backups[i] empty: targets[i] did not exist
-  for (const auto& f : files) {
-    temps.push_back(base / ("." + f.name + ".tmp" + tag));
-    targets.push_back(base / f.name);
-    backups.emplace_back();
-  }
-  // Undoes whatever was done: the new files that reached their names removed, the earlier ones put back, the
-  // temporaries removed. Returns what could not be undone (nothing, in any case seen).
+  const bool made_dir = !fs::exists(fs::status(base, ec));
+  fs::create_directories(base, ec);
+  if (ec) refuse(dir, "cannot be made (" + ec.message() + ")");
+  const std::string pid = std::to_string(::getpid());
+  // A name in DIR that nothing holds: ".NAME.KIND.PID", with ".N" added until one is free. `take` claims it
+  // (an O_EXCL create, or a hard link) and fails with EEXIST where the name is taken: no other process's file
+  // or stale leftover is overwritten, no symbolic link followed.
+  auto claim = [&](const std::string& name, const char* kind, const auto& take) {
+    for (int n = 0;; ++n) {
+      const fs::path p =
+          base / ("." + name + "." + kind + "." + pid + (n > 0 ? "." + std::to_string(n) : ""));
+      if (take(p)) return p;
+      if (errno != EEXIST || n == 1000) {
+        refuse(p.string(), std::string("cannot be created (") + std::strerror(errno) + ")");
+      }
+    }
+  };
+  std::vector<fs::path> temps, targets, asides;  // asides[i] empty: targets[i] did not exist
   std::size_t placed = 0;
+  // Undoes whatever was done: the new files that reached their names replaced by the earlier ones again (or
+  // removed where there were none), the links aside and the temporaries removed, DIR removed if this made it.
+  // Returns what could not be put back.
   auto undo = [&] {
     std::string left;
     std::error_code e;
-    for (std::size_t i = 0; i < placed; ++i) fs::remove(targets[i], e);
-    for (std::size_t i = 0; i < files.size(); ++i) {
-      if (backups[i].empty()) continue;
-      fs::rename(backups[i], targets[i], e);
-      if (e) left += " " + quoted(backups[i].string()) + " (the earlier " + files[i].name + ")";
+    for (std::size_t i = 0; i < placed; ++i) {
+      if (asides[i].empty()) {
+        fs::remove(targets[i], e);
+      } else {
+        fs::rename(asides[i], targets[i], e);
+        if (e) left += " the earlier " + files[i].name + " is at " + quoted(asides[i].string()) + ";";
+      }
+    }
+    for (std::size_t i = placed; i < asides.size(); ++i) {
+      if (!asides[i].empty()) fs::remove(asides[i], e);
     }
     for (const auto& t : temps) fs::remove(t, e);
+    if (made_dir) fs::remove(base, e);  // only if empty
     return left;
   };
-  auto fail = [&](const std::string& target, const std::string& why) {
+  auto fail = [&](const fs::path& target, const std::string& why) {
     const std::string left = undo();
-    throw Error(ErrorKind::invalid_input, "--save", target,
-                "--save: " + why + "; nothing was replaced" +
-                    (left.empty() ? std::string() : "; could not be restored:" + left));
+    throw Error(ErrorKind::invalid_input, "--save", target.string(),
+                "--save: " + quoted(target.string()) + ": " + why +
+                    (left.empty() ? "; nothing was replaced" : "; not everything could be put back:" + left));
   };
+  for (const auto& f : files) targets.push_back(base / f.name);
+  std::size_t writing = 0;
   try {
-    for (std::size_t i = 0; i < files.size(); ++i)
+    for (std::size_t i = 0; i < files.size(); ++i) {
+      writing = i;
+      temps.push_back(claim(files[i].name, "tmp", [](const fs::path& p) {
+        const int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+        if (fd >= 0) ::close(fd);
+        return fd >= 0;
+      }));
       write_npy(temps[i].string(), files[i].shape, files[i].values);
-  } catch (...) {
-    undo();
-    throw;
+    }
+  } catch (const Error& e) {
+    fail(targets[writing], std::string("writing it failed (") + e.what() + ")");
   }
-  // Every file is written: move the earlier outputs aside, then the new ones into place. A failure in either
-  // step puts the directory back as it was.
+  // Every file is written. Each earlier output gets a second name (a hard link: the output's own name keeps
+  // it meanwhile), then each new file replaces it in one rename: at every moment NAME holds the earlier
+  // output or the new one. A failure puts the earlier ones back.
   for (std::size_t i = 0; i < files.size(); ++i) {
-    if (!fs::exists(fs::symlink_status(targets[i], ec))) continue;
-    const fs::path aside = base / ("." + files[i].name + ".old" + tag);
-    fs::rename(targets[i], aside, ec);
-    if (ec)
-      fail(targets[i].string(),
-           "cannot move " + quoted(targets[i].string()) + " aside (" + ec.message() + ")");
-    backups[i] = aside;
+    const auto st = fs::symlink_status(targets[i], ec);
+    if (ec && st.type() != fs::file_type::not_found)
+      fail(targets[i], "cannot be examined (" + ec.message() + ")");
+    if (!fs::exists(st)) {
+      asides.emplace_back();
+      continue;
+    }
+    if (!fs::is_regular_file(st) && !fs::is_symlink(st)) {
+      asides.emplace_back();
+      fail(targets[i], std::string("is ") + kind_of(st.type()) + " now; valid: a regular file or nothing");
+    }
+    try {
+      asides.push_back(claim(files[i].name, "old",
+                             [&](const fs::path& p) { return ::link(targets[i].c_str(), p.c_str()) == 0; }));
+    } catch (const Error& e) {
+      asides.emplace_back();
+      fail(targets[i], std::string("cannot keep the earlier file (") + e.what() + ")");
+    }
   }
   for (; placed < files.size(); ++placed) {
     fs::rename(temps[placed], targets[placed], ec);
-    if (ec) {
-      fail(targets[placed].string(),
-           "cannot rename into " + quoted(targets[placed].string()) + " (" + ec.message() + ")");
-    }
+    if (ec) fail(targets[placed], "cannot rename into it (" + ec.message() + ")");
   }
-  for (const auto& b : backups) {
-    if (!b.empty()) fs::remove(b, ec);
+  for (const auto& a : asides) {
+    if (!a.empty()) fs::remove(a, ec);
   }
 }
 

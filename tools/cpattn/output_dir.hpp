@@ -1,7 +1,7 @@
 // run --save DIR: the outputs written whole or not at all. Checked before anything is computed (a bad path is
 // bad input, exit 2, not a failure after minutes of work); written to temporary names in DIR and renamed
-// only once every file is written, the earlier outputs moved aside meanwhile and removed last, so that any
-// failure leaves DIR as it was (docs/errors.md, "What is on disk").
+// only once every file is written, each earlier output kept under a second name until its replacement is in
+// place, so that any failure leaves DIR as it was (docs/errors.md, "What is on disk").
 #pragma once
 
 #include <cstdint>

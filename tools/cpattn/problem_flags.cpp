@@ -53,14 +53,19 @@ ConfigValues ProblemFlags::resolve(const CLI::App& app) const {
 
 namespace {
 
+// An error's value as typed: a number only where its decimal text is exactly what was typed ("010" stays
+// "010", not 10), the bytes that are not UTF-8 (or are control characters) as \xNN escapes rather than
+// replaced.
 nlohmann::json value_json(const std::string& v) {
   if (!v.empty() && v.size() < 19 && v.find_first_not_of("-0123456789") == std::string::npos &&
-      v.find('-', 1) == std::string::npos && v != "-") {
+      v.find('-', 1) == std::string::npos && v != "-" && std::to_string(std::stoll(v)) == v) {
     return std::stoll(v);
   }
   if (v == "true") return true;
   if (v == "false") return false;
-  return v;
+  // quoted() shortens past 200 characters: a longer value (a path) goes whole, only its bytes that are not
+  // UTF-8 escaped.
+  return v.size() <= 200 ? quoted(v) : utf8_safe(v);
 }
 
 }  // namespace
@@ -103,10 +108,12 @@ std::string errors_to_json(const std::vector<ErrorItem>& errors) {
   nlohmann::json list = nlohmann::json::array();
   for (const auto& e : errors) {
     nlohmann::json item;
-    item["field"] = e.fields.empty() ? "" : e.fields.front();
-    if (e.fields.size() > 1) item["fields"] = e.fields;
+    std::vector<std::string> fields;
+    for (const auto& f : e.fields) fields.push_back(utf8_safe(f));
+    item["field"] = fields.empty() ? "" : fields.front();
+    if (fields.size() > 1) item["fields"] = fields;
     item["value"] = value_json(e.value);
-    item["message"] = e.message;
+    item["message"] = utf8_safe(e.message);
     list.push_back(item);
   }
   return json_text(list);
@@ -147,7 +154,7 @@ void require_memory_for(const AttentionSpec& a, int tensor_count, const std::str
 }
 
 void print_errors(const std::vector<ErrorItem>& errors, std::ostream& err) {
-  for (const auto& e : errors) err << "error (invalid_config): " << e.message << "\n";
+  for (const auto& e : errors) err << "error (invalid_config): " << utf8_safe(e.message) << "\n";
 }
 
 }  // namespace cpattn::cli

@@ -1,5 +1,7 @@
 #include "run_command.hpp"
 
+#include <pthread.h>
+
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
@@ -117,6 +119,14 @@ LoadDir inspect_load_dir(const std::string& dir, ConfigValues& values) {
               "; valid: float32 ('<f4') with 4 dimensions [B, S, H, D] (float32 whatever --dtype: a bf16 "
               "run rounds the values)");
     }
+    static const char* const kDims[] = {"B", "S", "H", "D"};
+    for (std::size_t i = 0; i < 4; ++i) {
+      if (h.shape[i] < 1) {
+        bad_input(path, npy_type_text(h.dtype, h.shape),
+                  path + ": holds " + npy_type_text(h.dtype, h.shape) + "; its " + kDims[i] + " is " +
+                      std::to_string(h.shape[i]) + ", valid: every dimension >= 1");
+      }
+    }
     return h;
   };
   d.q = header4("q.npy");
@@ -139,9 +149,17 @@ LoadDir inspect_load_dir(const std::string& dir, ConfigValues& values) {
   agree(values.head_dim, q[3], "--head-dim");
   agree(values.num_kv_heads, k[2], "--kv-heads");
   if (k != d.v.shape || k[0] != q[0] || k[1] != q[1] || k[3] != q[3]) {
-    bad_input(dir + "/k.npy", "", dir + ": k.npy and v.npy must be [B, S, Hkv, D] with q.npy's B, S and D");
+    bad_input(dir + "/k.npy", npy_type_text(d.k.dtype, k),
+              dir + ": k.npy holds " + npy_type_text(d.k.dtype, k) + " and v.npy " +
+                  npy_type_text(d.v.dtype, d.v.shape) +
+                  "; valid: both [B, S, Hkv, D] with q.npy's B, S and D (" + npy_type_text(d.q.dtype, q) +
+                  ")");
   }
-  if (d.d_out.shape != q) bad_input(dir + "/do.npy", "", dir + "/do.npy must have q.npy's shape");
+  if (d.d_out.shape != q) {
+    bad_input(dir + "/do.npy", npy_type_text(d.d_out.dtype, d.d_out.shape),
+              dir + "/do.npy holds " + npy_type_text(d.d_out.dtype, d.d_out.shape) +
+                  "; valid: q.npy's shape (" + npy_type_text(d.q.dtype, q) + ")");
+  }
   const fs::path seg_path = fs::path(dir) / "segment_ids.npy";
   d.has_segments = fs::exists(fs::symlink_status(seg_path));
   if (d.has_segments) {
@@ -194,6 +212,8 @@ class SetupDeadline {
  public:
   explicit SetupDeadline(std::chrono::milliseconds limit)
       : thread_([this, limit] {
+          pthread_setname_np(pthread_self(),
+                             "cpattn-setup");  // tests/mpi/cli_stopped_rank_test.sh waits on it
           std::unique_lock lock(mutex_);
           if (done_changed_.wait_for(lock, limit, [this] { return done_; })) return;
           std::fprintf(

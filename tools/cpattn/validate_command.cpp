@@ -3,12 +3,16 @@
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "cpattn/placement.hpp"
 #include "problem_flags.hpp"
 
 namespace cpattn::cli {
 namespace {
+
+// The most head entries validate lists over all ranks (the text and the JSON document alike).
+constexpr std::int64_t kMaxListedHeads = std::int64_t{1} << 22;
 
 struct ValidateOptions {
   ProblemFlags problem;
@@ -31,9 +35,23 @@ int run_validate(const CLI::App& app, const ValidateOptions& opt, std::ostream& 
   }
   const AttentionSpec& a = specs.attention;
   const ParallelSpec& p = specs.parallel;
-  const auto placement = head_placement(a, p);
   const bool hybrid = p.strategy == Strategy::hybrid;
   const bool ulysses = p.strategy == Strategy::ulysses || hybrid;  // heads placed over a ulysses group
+  // validate lists each rank's heads: bounded, so that the answer (and the placement behind it) stays small.
+  // Every rank lists every local head under all_gather and ring; a ulysses group lists them once between
+  // its ranks.
+  const std::int64_t local_heads = a.num_q_heads / p.tp + a.num_kv_heads / p.tp;
+  const std::int64_t group = hybrid ? p.ulysses_degree : p.cp;
+  const double listed = ulysses ? static_cast<double>(p.cp / group) * static_cast<double>(local_heads + group)
+                                : static_cast<double>(p.cp) * static_cast<double>(local_heads);
+  if (listed > static_cast<double>(kMaxListedHeads)) {
+    std::ostringstream text;
+    text << "validate lists every rank's heads: cp (" << p.cp << ") with " << local_heads
+         << " local heads comes to " << listed << " entries, more than it lists (at most " << kMaxListedHeads
+         << "); the configuration passes every rule";
+    throw Error(ErrorKind::invalid_input, "cp", std::to_string(p.cp), text.str());
+  }
+  const auto placement = head_placement(a, p);
   const UlyssesHeads u =
       ulysses ? ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, hybrid ? p.ulysses_degree : p.cp)
               : UlyssesHeads{};
