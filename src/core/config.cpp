@@ -71,6 +71,24 @@ std::string str(std::int64_t v) {
   return std::to_string(v);
 }
 
+// The layout against load balance and the strategy (they read no size).
+void layout_rules(Rules& rules, const ParallelSpec& p) {
+  const ShardLayout layout = p.effective_layout();
+  if (p.strategy == Strategy::ulysses && p.load_balance) {
+    rules.add(
+        {"load_balance", "strategy"}, "true",
+        "load_balance (true) is for all_gather, ring and hybrid; ulysses gives every rank the same work per "
+        "head, set load_balance to false");
+  } else if (layout == ShardLayout::dual_chunk_swap && !p.load_balance) {
+    rules.add({"layout", "load_balance"}, "dual_chunk_swap",
+              "layout dual_chunk_swap needs all_gather, ring or hybrid with load_balance true; valid layout "
+              "here: contiguous");
+  } else if (layout == ShardLayout::contiguous && p.load_balance) {
+    rules.add({"layout", "load_balance"}, "contiguous",
+              "load_balance (true) needs layout dual_chunk_swap (chunks r and 2*cp-1-r on rank r)");
+  }
+}
+
 // hybrid: U = ulysses_degree ranks per ulysses group, a divisor of cp, each holding at least one q head;
 // ulysses_degree means nothing to the other strategies.
 void hybrid_rules(Rules& rules, const AttentionSpec& a, const ParallelSpec& p, bool tp_divides, bool cp_ok) {
@@ -173,24 +191,8 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
                   ") for grouped-query attention");
   }
 
-  const ShardLayout layout = p.effective_layout();
+  layout_rules(rules, p);
   const bool ulysses = p.strategy == Strategy::ulysses;
-  if (ulysses && p.load_balance) {
-    rules.add(
-        {"load_balance", "strategy"}, "true",
-        "load_balance (true) is for all_gather, ring and hybrid; ulysses gives every rank the same work per "
-        "head, "
-        "set load_balance to false");
-  } else if (layout == ShardLayout::dual_chunk_swap && !p.load_balance) {
-    rules.add({"layout", "load_balance"}, "dual_chunk_swap",
-              "layout dual_chunk_swap needs all_gather, ring or hybrid with load_balance true; valid layout "
-              "here: "
-              "contiguous");
-  } else if (layout == ShardLayout::contiguous && p.load_balance) {
-    rules.add({"layout", "load_balance"}, "contiguous",
-              "load_balance (true) needs layout dual_chunk_swap (chunks r and 2*cp-1-r on rank r)");
-  }
-
   if (!seq_ok || !cp_ok) {
     // seq_len against cp: judged once both are valid
   } else if (p.load_balance && !ulysses) {
