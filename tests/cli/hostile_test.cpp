@@ -23,6 +23,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -496,29 +497,17 @@ const std::vector<Case>& cases() {
   return table;
 }
 
-std::vector<std::string> split(const std::string& text, const std::string& root) {
-  std::vector<std::string> out;
-  std::string word;
-  auto flush = [&] {
-    if (word.empty()) return;
-    for (std::size_t at; (at = word.find("{R}")) != std::string::npos;) word.replace(at, 3, root);
-    out.push_back(word);
-    word.clear();
-  };
-  for (char c : text) {
-    if (c == ' ') {
-      flush();
-    } else {
-      word += c;
-    }
-  }
-  flush();
-  return out;
-}
-
 std::string with_root(std::string text, const std::string& root) {
   for (std::size_t at; (at = text.find("{R}")) != std::string::npos;) text.replace(at, 3, root);
   return text;
+}
+
+// The table's arguments split at spaces, {R} replaced by the fixture tree.
+std::vector<std::string> split(const std::string& text, const std::string& root) {
+  std::vector<std::string> out;
+  std::istringstream words(text);
+  for (std::string word; words >> word;) out.push_back(with_root(word, root));
+  return out;
 }
 
 // One command's cases: a command's name as the table's first word ("" for the cases with none).

@@ -4,6 +4,7 @@
 // validate and plan) whatever failed.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <exception>
 #include <filesystem>
 #include <iostream>
@@ -147,23 +148,22 @@ int main(int argc, char** argv) {
     // An argument no flag took: name the first unknown flag with the nearest known one, not CLI11's list of
     // leftovers (which it gives last first).
     const CLI::App* command = inv.command.empty() ? nullptr : app.get_subcommand(inv.command);
-    for (int i = 2; command != nullptr && i < argc; ++i) {
-      std::string arg = argv[i];
-      if (arg.rfind("--", 0) != 0) continue;
-      arg = arg.substr(0, arg.find('='));
-      bool found = false;
-      std::vector<std::string> flags;
-      const CLI::App* owner = command;
+    // The flags' owner: the command, or its own command (bench kernel) where one is named.
+    const CLI::App* owner = command;
+    std::vector<std::string> flags;
+    if (command != nullptr) {
       for (const CLI::App* sub : command->get_subcommands([](const CLI::App*) { return true; })) {
         if (argc > 2 && sub->get_name() == argv[2]) owner = sub;
       }
       for (const CLI::Option* o : owner->get_options()) {
-        for (const std::string& name : o->get_lnames()) {
-          flags.push_back("--" + name);
-          found = found || "--" + name == arg;
-        }
+        for (const std::string& name : o->get_lnames()) flags.push_back("--" + name);
       }
-      if (found) continue;
+    }
+    for (int i = 2; command != nullptr && i < argc; ++i) {
+      std::string arg = argv[i];
+      if (arg.rfind("--", 0) != 0) continue;
+      arg = arg.substr(0, arg.find('='));
+      if (std::find(flags.begin(), flags.end(), arg) != flags.end()) continue;
       const std::string near = cpattn::nearest(arg, flags);
       return fail(inv, ErrorKind::invalid_input,
                   {{{arg},
