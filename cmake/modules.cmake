@@ -14,7 +14,8 @@ set(CPATTN_MAY_INCLUDE_plan core layout kernels)
 set(CPATTN_MAY_INCLUDE_harness core layout kernels comm io cp plan)
 
 # module -> its public headers (include/cpattn/)
-set(CPATTN_HEADERS_core bf16.hpp collectives.hpp config.hpp config_file.hpp error.hpp mask.hpp parse.hpp tensor.hpp)
+set(CPATTN_HEADERS_core bf16.hpp collectives.hpp config.hpp config_file.hpp error.hpp mask.hpp parse.hpp strategy.hpp
+                         tensor.hpp)
 set(CPATTN_HEADERS_layout placement.hpp schedule.hpp sequence_layout.hpp shard.hpp)
 set(CPATTN_HEADERS_kernels flash.hpp reference.hpp)
 set(CPATTN_HEADERS_comm comm.hpp inproc.hpp mpi_comm.hpp)

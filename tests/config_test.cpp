@@ -1,7 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <set>
 #include <string>
 
 #include <sys/stat.h>
@@ -29,6 +32,58 @@ ParallelSpec ulysses(std::int64_t cp) {
   p.cp = cp;
   p.strategy = Strategy::ulysses;
   return p;
+}
+
+// kStrategies lists every enumerator the table handles, once, each under a name the parser reads back; a
+// value cast from an integer outside it has no traits and fails validation naming the field.
+TEST(StrategyTable, ListsEveryEnumerator) {
+  std::set<std::string> names;
+  for (int i = 0; i < 64; ++i) {
+    const auto strategy = static_cast<Strategy>(i);
+    const StrategyTraits traits = strategy_traits(strategy);
+    const bool listed =
+        std::find(std::begin(kStrategies), std::end(kStrategies), strategy) != std::end(kStrategies);
+    EXPECT_EQ(traits.name != nullptr, listed) << "enumerator " << i;
+    if (traits.name == nullptr) continue;
+    EXPECT_EQ(traits.strategy, strategy);
+    EXPECT_TRUE(names.insert(traits.name).second) << traits.name;
+    EXPECT_EQ(parse_strategy(traits.name), strategy);
+    EXPECT_NE(std::string(strategy_names()).find(traits.name), std::string::npos);
+  }
+  EXPECT_EQ(names.size(), std::size(kStrategies));
+  ParallelSpec p;
+  p.strategy = static_cast<Strategy>(17);
+  const auto errors = validation_errors(seed_attention(), p);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].fields, std::vector<std::string>{"strategy"});
+  EXPECT_NE(errors[0].message.find("strategy 17 is not a strategy"), std::string::npos) << errors[0].message;
+}
+
+// The rank decomposition every strategy shares: heads over groups of head_group_size() ranks, K/V round rings
+// of ring_degree() ranks, rank c = ring_rank(c) * head_group_size() + ulysses_rank(c).
+TEST(StrategyTable, RankDecomposition) {
+  ParallelSpec p;
+  p.cp = 12;
+  const struct {
+    Strategy strategy;
+    std::int64_t ulysses_degree, group, ring;
+  } cases[] = {{Strategy::all_gather, 0, 1, 1},
+               {Strategy::ulysses, 0, 12, 1},
+               {Strategy::ring, 0, 1, 12},
+               {Strategy::hybrid, 4, 4, 3}};
+  for (const auto& c : cases) {
+    p.strategy = c.strategy;
+    p.ulysses_degree = c.ulysses_degree;
+    EXPECT_EQ(p.head_group_size(), c.group) << to_string(c.strategy);
+    EXPECT_EQ(p.ring_degree(), c.ring) << to_string(c.strategy);
+    for (std::int64_t r = 0; r < p.cp; ++r) {
+      EXPECT_EQ(p.ring_rank(r) * p.head_group_size() + p.ulysses_rank(r), r) << to_string(c.strategy);
+    }
+  }
+  p.strategy = Strategy::hybrid;
+  p.ulysses_degree = 4;
+  EXPECT_EQ(p.ulysses_rank(6), 2);
+  EXPECT_EQ(p.ring_rank(6), 1);
 }
 
 TEST(Validation, SeedConfigurationsAreValid) {

@@ -110,7 +110,7 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
   };
   // Every strategy, with and without load balance where it is valid, both dtypes, remat, packed.
   int cases = 0;
-  for (Strategy strategy : kAllStrategies) {
+  for (Strategy strategy : kStrategies) {
     for (bool load_balance : {false, true}) {
       for (DType dtype : {DType::f32, DType::bf16}) {
         for (bool remat : {false, true}) {
@@ -119,6 +119,7 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
             c.strategy = strategy;
             c.load_balance = load_balance;
             c.remat = remat;
+            if (strategy_traits(strategy).sub_groups) c.ulysses_degree = 2;
             c.hq = 8;
             c.hkv = 2;
             c.dim = 16;
@@ -127,7 +128,7 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
             c.dtype = dtype;
             if (packed) c.segments = {100, 28};
             if (!validation_errors(c.attention(), c.parallel()).empty()) continue;
-            if (remat && strategy == Strategy::ring) continue;  // refused: ring's backward re-receives K/V
+            if (remat && !strategy_traits(strategy).remat) continue;  // refused: ring, hybrid
             SCOPED_TRACE(c.name());
             const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
             const auto predicted = attention_collectives(c.attention(), c.parallel(), remat, packed);
@@ -138,8 +139,9 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
       }
     }
   }
-  EXPECT_EQ(cases, 32)
-      << "all_gather and ulysses in 8 variants each, ring 4 (no remat), each load-balanced too but ulysses";
+  EXPECT_EQ(cases, 40)
+      << "all_gather and ulysses in 8 variants each, ring and hybrid (U = 2) 4 each (no remat), "
+         "each load-balanced too but ulysses";
 }
 
 // Ulysses at any head counts: the bytes of the variable all-to-alls (largest operand, largest sent, over

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include "cpattn/flash.hpp"
 #include "cpattn/tensor.hpp"
 
 namespace cpattn {
@@ -12,14 +13,17 @@ TEST(Tensor, RowMajorLayoutAndStrides) {
   EXPECT_EQ(reinterpret_cast<std::uintptr_t>(t.raw()) % 64, 0u);
   t.set(1, 2, 3, 4, 7.5f);
   EXPECT_EQ(t.data<float>()[119], 7.5f);
-  auto v = t.view<float>();
+  const ConstTensorRef v = cref(t);
   EXPECT_EQ(v.stride[0], 60);
   EXPECT_EQ(v.stride[1], 20);
   EXPECT_EQ(v.stride[2], 5);
-  EXPECT_EQ(v.at(1, 2, 3, 4), 7.5f);
-  auto heads = v.heads(2, 2);
+  EXPECT_EQ(static_cast<const float*>(v.ptr)[v.offset(1, 2, 3) + 4], 7.5f);
+  const ConstTensorRef heads = v.heads(2, 2);
   EXPECT_EQ(heads.shape.h, 2);
-  EXPECT_EQ(heads.at(1, 2, 1, 4), 7.5f);
+  EXPECT_EQ(static_cast<const float*>(heads.ptr)[heads.offset(1, 2, 1) + 4], 7.5f);
+  // A head range outside the tensor is an error, not a view past its end.
+  EXPECT_THROW(v.heads(3, 2), Error);
+  EXPECT_THROW(v.heads(-1, 1), Error);
 }
 
 TEST(Tensor, ZeroInitializedAndDeepCopy) {

@@ -8,16 +8,11 @@
 #include <vector>
 
 #include "cpattn/error.hpp"
+#include "cpattn/strategy.hpp"
 #include "cpattn/tensor.hpp"
 
 namespace cpattn {
 
-// hybrid: ulysses inside groups of ulysses_degree ranks, ring across the groups (docs/design.md, "Ring
-// attention and the hybrid strategy").
-enum class Strategy { all_gather, ulysses, ring, hybrid };
-// The strategies on one group of ranks: the planner plans each (and hybrid once per factorisation of cp), and
-// the tests that cover every strategy loop over them.
-inline constexpr Strategy kAllStrategies[] = {Strategy::all_gather, Strategy::ulysses, Strategy::ring};
 // How the caller's sequence shards are laid out: contiguous (rank r holds [r*S/cp, (r+1)*S/cp)) or
 // dual_chunk_swap (2*cp chunks; rank r holds chunks r and 2*cp-1-r).
 enum class ShardLayout { contiguous, dual_chunk_swap };
@@ -60,14 +55,15 @@ struct ParallelSpec {
   // R = cp / U ranks. 0 (unset) for the other strategies.
   std::int64_t ulysses_degree = 0;
 
-  std::int64_t ring_degree() const { return ulysses_degree > 0 ? cp / ulysses_degree : cp; }
-  // hybrid: rank c's place in its ulysses group (c mod U) and in its ring (c / U).
-  std::int64_t ulysses_rank(std::int64_t rank) const {
-    return ulysses_degree > 0 ? rank % ulysses_degree : 0;
-  }
-  std::int64_t ring_rank(std::int64_t rank) const {
-    return ulysses_degree > 0 ? rank / ulysses_degree : rank;
-  }
+  StrategyTraits traits() const { return strategy_traits(strategy); }
+  // The rank decomposition, one source for every strategy: the heads are split over groups of
+  // head_group_size() ranks (ulysses: cp; hybrid: U; 1 where no strategy splits them), rank c being
+  // ulysses_rank(c) = c mod that in its group; K/V go round rings of ring_degree() ranks (ring: cp; hybrid:
+  // R = cp / U; 1 where nothing goes round), rank c being ring_rank(c) = c / head_group_size() in its ring.
+  std::int64_t head_group_size() const;
+  std::int64_t ring_degree() const;
+  std::int64_t ulysses_rank(std::int64_t rank) const { return rank % head_group_size(); }
+  std::int64_t ring_rank(std::int64_t rank) const { return rank / head_group_size(); }
   // The layout of the ring's rows (ring, hybrid): the caller's layout, but one ring rank holds the whole row
   // in natural order; ring_parts: the contiguous runs of a ring rank's rows (2: the zigzag's chunks).
   ShardLayout ring_layout() const { return ring_degree() > 1 ? effective_layout() : ShardLayout::contiguous; }
@@ -82,8 +78,8 @@ struct ParallelSpec {
 inline constexpr const char* kUlyssesGroup = "ulysses";
 inline constexpr const char* kRingGroup = "ring";
 
-// remat with a strategy that has nothing to recompute (ring, hybrid): the error, naming the strategy; else
-// none.
+// remat with a strategy that has nothing to recompute (StrategyTraits::remat false): the error, naming the
+// strategy; else none.
 std::optional<ErrorItem> remat_refusal(Strategy strategy, bool remat);
 
 // Every rule the pair breaks, all at once (empty when valid).

@@ -3,8 +3,12 @@
 //               reduce-scattered back (optional dual-chunk-swap load balance: the caller's shards are already
 //               in that layout).
 //   ulysses:    all-to-all from sequence shards to head shards; local attention over the whole sequence;
-//               all-to-all back. KV heads repeated in grouped order when Hkv < cp, their gradients summed
-//               back.
+//               all-to-all back. Any head counts; KV heads repeated in grouped order when a KV head's q heads
+//               span several ranks, their gradients summed back.
+//   ring:       K/V passed round the ranks, each hop overlapped with a step's compute, the steps' results
+//               merged by their LSE (optional zigzag load balance: the dual-chunk-swap layout).
+//   hybrid:     ulysses inside groups of ulysses_degree ranks, a ring across the groups.
+// Each strategy's traits are in strategy.hpp.
 // The math of each is in docs/design.md.
 // Each rank passes its own shard in the layout ParallelSpec names and gets results in that same token order.
 #pragma once

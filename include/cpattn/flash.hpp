@@ -21,8 +21,8 @@
 
 namespace cpattn {
 
-// A strided, dtype-tagged view (the last axis must be contiguous). Lets a strategy hand the kernel a head
-// slice of a larger tensor without copying.
+// A strided, dtype-tagged view of a Tensor (the last axis must be contiguous): the one view type. Lets a
+// strategy hand the kernel a head slice of a larger tensor without copying.
 template <class Ptr>
 struct BasicTensorRef {
   Ptr ptr = nullptr;
@@ -33,7 +33,10 @@ struct BasicTensorRef {
   std::int64_t offset(std::int64_t b, std::int64_t s, std::int64_t h) const {
     return b * stride[0] + s * stride[1] + h * stride[2];
   }
+  // Heads [h0, h0 + count) of the same tensor, no copy; a range outside it is an internal error, not a
+  // read past its end.
   BasicTensorRef heads(std::int64_t h0, std::int64_t count) const {
+    CPATTN_ASSERT(h0 >= 0 && count >= 0 && h0 + count <= shape.h);
     BasicTensorRef r = *this;
     r.ptr = static_cast<Ptr>(
         static_cast<std::conditional_t<std::is_const_v<std::remove_pointer_t<Ptr>>, const char*, char*>>(

@@ -31,34 +31,6 @@ struct Shape4 {
 };
 std::string to_string(const Shape4& shape);
 
-// A strided view: element (b, s, h, d) lives at ptr[b*stride[0] + s*stride[1] + h*stride[2] + d*stride[3]].
-template <class T>
-struct TensorView {
-  T* ptr = nullptr;
-  Shape4 shape;
-  std::array<std::int64_t, 4> stride{};
-
-  T& at(std::int64_t b, std::int64_t s, std::int64_t h, std::int64_t d) const {
-    return ptr[b * stride[0] + s * stride[1] + h * stride[2] + d * stride[3]];
-  }
-  T* row(std::int64_t b, std::int64_t s, std::int64_t h) const {
-    return ptr + b * stride[0] + s * stride[1] + h * stride[2];
-  }
-  // Heads [h0, h0 + count) of the same tensor, no copy.
-  TensorView heads(std::int64_t h0, std::int64_t count) const {
-    TensorView v = *this;
-    v.ptr = ptr + h0 * stride[2];
-    v.shape.h = count;
-    return v;
-  }
-  operator TensorView<const T>() const { return {ptr, shape, stride}; }
-};
-
-template <class T>
-TensorView<T> contiguous_view(T* ptr, Shape4 shape) {
-  return {ptr, shape, {shape.s * shape.h * shape.d, shape.h * shape.d, shape.d, 1}};
-}
-
 // Owning, 64-byte aligned, row-major, zero-initialized. Copies are deep.
 class Tensor {
  public:
@@ -91,15 +63,6 @@ class Tensor {
     check_dtype<T>();
     return reinterpret_cast<const T*>(storage_.get());
   }
-  template <class T>
-  TensorView<T> view() {
-    return contiguous_view(data<T>(), shape_);
-  }
-  template <class T>
-  TensorView<const T> view() const {
-    return contiguous_view(data<T>(), shape_);
-  }
-
   float get(std::int64_t b, std::int64_t s, std::int64_t h, std::int64_t d) const;
   void set(std::int64_t b, std::int64_t s, std::int64_t h, std::int64_t d, float value);
   float flat(std::int64_t i) const;

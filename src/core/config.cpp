@@ -1,7 +1,9 @@
 #include "cpattn/config.hpp"
 #include "cpattn/parse.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <sstream>
 #include <utility>
@@ -9,17 +11,36 @@
 namespace cpattn {
 
 const char* to_string(Strategy strategy) {
-  switch (strategy) {
-    case Strategy::ulysses:
-      return "ulysses";
-    case Strategy::ring:
-      return "ring";
-    case Strategy::hybrid:
-      return "hybrid";
-    case Strategy::all_gather:
-      break;
+  const char* name = strategy_traits(strategy).name;
+  return name != nullptr ? name : "unknown strategy";
+}
+
+const char* strategy_names() {
+  static const std::string names = [] {
+    std::string out;
+    for (std::size_t i = 0; i < std::size(kStrategies); ++i) {
+      if (i > 0) out += i + 1 == std::size(kStrategies) ? " or " : ", ";
+      out += strategy_traits(kStrategies[i]).name;
+    }
+    return out;
+  }();
+  return names.c_str();
+}
+
+std::int64_t ParallelSpec::head_group_size() const {
+  switch (traits().heads) {
+    case HeadSplit::none:
+      return 1;
+    case HeadSplit::whole_group:
+      return std::max<std::int64_t>(1, cp);
+    case HeadSplit::ulysses_groups:
+      return std::max<std::int64_t>(1, ulysses_degree);
   }
-  return "all_gather";
+  return 1;
+}
+
+std::int64_t ParallelSpec::ring_degree() const {
+  return traits().ring ? std::max<std::int64_t>(1, cp / head_group_size()) : 1;
 }
 
 const char* to_string(ShardLayout layout) {
@@ -27,13 +48,11 @@ const char* to_string(ShardLayout layout) {
 }
 
 Strategy parse_strategy(const std::string& text, const std::string& field) {
-  if (text == "all_gather") return Strategy::all_gather;
-  if (text == "ulysses") return Strategy::ulysses;
-  if (text == "ring") return Strategy::ring;
-  if (text == "hybrid") return Strategy::hybrid;
-  throw Error(
-      ErrorKind::invalid_config, field, text,
-      field + " '" + quoted(text) + "' is not a strategy; valid: all_gather, ulysses, ring or hybrid");
+  for (const Strategy strategy : kStrategies) {
+    if (text == strategy_traits(strategy).name) return strategy;
+  }
+  throw Error(ErrorKind::invalid_config, field, text,
+              field + " '" + quoted(text) + "' is not a strategy; valid: " + strategy_names());
 }
 
 ShardLayout parse_layout(const std::string& text, const std::string& field) {
@@ -71,14 +90,21 @@ std::string str(std::int64_t v) {
   return std::to_string(v);
 }
 
-// The layout against load balance and the strategy (they read no size).
+// The strategy itself, the layout against load balance and the strategy (they read no size).
 void layout_rules(Rules& rules, const ParallelSpec& p) {
-  const ShardLayout layout = p.effective_layout();
-  if (p.strategy == Strategy::ulysses && p.load_balance) {
+  if (p.traits().name == nullptr) {
+    const std::string value = str(static_cast<int>(p.strategy));
     rules.add(
-        {"load_balance", "strategy"}, "true",
-        "load_balance (true) is for all_gather, ring and hybrid; ulysses gives every rank the same work per "
-        "head, set load_balance to false");
+        {"strategy"}, value,
+        "strategy " + value + " is not a strategy (an integer cast to Strategy); valid: " + strategy_names());
+    return;
+  }
+  const ShardLayout layout = p.effective_layout();
+  if (!p.traits().load_balance && p.load_balance) {
+    rules.add({"load_balance", "strategy"}, "true",
+              std::string("load_balance (true) is for all_gather, ring and hybrid; ") +
+                  to_string(p.strategy) +
+                  " gives every rank the same work per head, set load_balance to false");
   } else if (layout == ShardLayout::dual_chunk_swap && !p.load_balance) {
     rules.add({"layout", "load_balance"}, "dual_chunk_swap",
               "layout dual_chunk_swap needs all_gather, ring or hybrid with load_balance true; valid layout "
@@ -93,7 +119,7 @@ void layout_rules(Rules& rules, const ParallelSpec& p) {
 // ulysses_degree means nothing to the other strategies.
 void hybrid_rules(Rules& rules, const AttentionSpec& a, const ParallelSpec& p, bool tp_divides, bool cp_ok) {
   const std::int64_t u = p.ulysses_degree;
-  if (p.strategy != Strategy::hybrid) {
+  if (!p.traits().sub_groups) {
     if (u != 0) {
       rules.add({"ulysses_degree", "strategy"}, str(u),
                 "ulysses_degree (" + str(u) + ") is for the hybrid strategy; strategy is " +
@@ -192,10 +218,9 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
   }
 
   layout_rules(rules, p);
-  const bool ulysses = p.strategy == Strategy::ulysses;
   if (!seq_ok || !cp_ok) {
     // seq_len against cp: judged once both are valid
-  } else if (p.load_balance && !ulysses) {
+  } else if (p.load_balance && p.traits().load_balance) {
     if (a.seq_len % (2 * p.cp) != 0) {
       rules.add({"seq_len", "cp"}, str(a.seq_len),
                 "seq_len (" + str(a.seq_len) + ") must be divisible by 2*cp (" + str(2 * p.cp) + ") for " +
@@ -219,7 +244,7 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
               "tp (" + str(p.tp) + ") must divide num_kv_heads (" + str(a.num_kv_heads) + ")");
   }
 
-  if (ulysses && tp_divides && cp_ok) {
+  if (p.traits().heads == HeadSplit::whole_group && tp_divides && cp_ok) {
     // With tensor parallelism the ulysses rules apply to the heads one tp rank holds.
     const std::int64_t hq = a.num_q_heads / p.tp;
     const std::string local = p.tp > 1 ? " per tp rank (heads / tp, tp=" + str(p.tp) + ")" : "";
@@ -238,13 +263,12 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
 }
 
 std::optional<ErrorItem> remat_refusal(Strategy strategy, bool remat) {
-  if (!remat || (strategy != Strategy::ring && strategy != Strategy::hybrid)) return std::nullopt;
-  return ErrorItem{
-      {"remat"},
-      "true",
-      std::string("remat means nothing for ") + to_string(strategy) +
-          " (its backward re-receives K/V round the ring and keeps only its rows' Q, K, V, O and "
-          "LSE); set remat to false"};
+  const StrategyTraits traits = strategy_traits(strategy);
+  if (!remat || traits.remat) return std::nullopt;
+  return ErrorItem{{"remat"},
+                   "true",
+                   std::string("remat means nothing for ") + to_string(strategy) + " (" + traits.remat_note +
+                       "); set remat to false"};
 }
 
 void validate(const AttentionSpec& attention, const ParallelSpec& parallel) {

@@ -5,6 +5,18 @@
 #include "cpattn/sequence_layout.hpp"
 
 namespace cpattn {
+namespace {
+
+struct AllGatherSaved final : ContextParallelAttention::Impl::SavedState {
+  AllGatherSaved() : SavedState(Strategy::all_gather) {}
+  Tensor q, o;                                    // local shard, local O
+  Tensor k, v;                                    // remat: the local K/V shards, gathered again in backward
+  Tensor k_full, v_full;                          // without remat: the gathered K/V, natural order
+  std::vector<float> lse;                         // [B, Hq, S/cp]
+  std::vector<std::int32_t> seg_local, seg_full;  // [B, S/cp], [B, S] natural (empty: no segments)
+};
+
+}  // namespace
 
 AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor& q, const Tensor& k,
                                                                    const Tensor& v, bool forward_only) {
@@ -24,7 +36,7 @@ AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor&
   flash_forward(cref(q), cref(k_full), cref(v_full), mask(q_pos, kv_pos, seg_local, seg_full),
                 attention.scale(), kernel_config(), ref(out.o), out.lse.data(), &tiles);
   if (!forward_only) {
-    Saved s;
+    AllGatherSaved s;
     s.q = q;
     s.o = out.o;
     s.lse = out.lse;
@@ -37,13 +49,13 @@ AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor&
       s.k_full = std::move(k_full);
       s.v_full = std::move(v_full);
     }
-    saved = std::move(s);
+    saved = std::make_unique<AllGatherSaved>(std::move(s));
   }
   return out;
 }
 
 AttentionGradients ContextParallelAttention::Impl::all_gather_backward(const Tensor& d_out) {
-  Saved& s = *saved;
+  AllGatherSaved& s = saved_as<AllGatherSaved>();
   const std::int64_t B = attention.batch;
   if (options.remat) {
     CollectiveCounters::PhaseScope phase(group.counters(), "remat");

@@ -26,7 +26,7 @@ ContextParallelAttention::Impl::Impl(const AttentionSpec& a, const ParallelSpec&
   hq = attention.num_q_heads / parallel.tp;
   hkv = attention.num_kv_heads / parallel.tp;
   positions = rank_positions(parallel.effective_layout(), attention.seq_len, cp);
-  if (parallel.strategy == Strategy::hybrid) {
+  if (parallel.traits().sub_groups) {
     ulysses_degree = parallel.ulysses_degree;
     ring_degree = cp / ulysses_degree;
     const auto u_rank = static_cast<int>(parallel.ulysses_rank(rank));
@@ -161,6 +161,36 @@ void ContextParallelAttention::Impl::check_grad_input(const Tensor& d_out) {
   }
 }
 
+// One case per strategy and no default: a new enumerator does not build until it is dispatched here.
+AttentionOutput ContextParallelAttention::Impl::run_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                            bool forward_only) {
+  switch (parallel.strategy) {
+    case Strategy::all_gather:
+      return all_gather_forward(q, k, v, forward_only);
+    case Strategy::ulysses:
+      return ulysses_forward(q, k, v, forward_only);
+    case Strategy::ring:
+      return ring_forward(q, k, v, forward_only);
+    case Strategy::hybrid:
+      return hybrid_forward(q, k, v, forward_only);
+  }
+  CPATTN_ASSERT(false);
+}
+
+AttentionGradients ContextParallelAttention::Impl::run_backward(const Tensor& d_out) {
+  switch (parallel.strategy) {
+    case Strategy::all_gather:
+      return all_gather_backward(d_out);
+    case Strategy::ulysses:
+      return ulysses_backward(d_out);
+    case Strategy::ring:
+      return ring_backward(d_out);
+    case Strategy::hybrid:
+      return hybrid_backward(d_out);
+  }
+  CPATTN_ASSERT(false);
+}
+
 AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                                         std::span<const std::int32_t> seg,
                                                         bool forward_only) {
@@ -171,10 +201,7 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
   StrategySchedule schedule = strategy_schedule(attention, parallel, {options.remat, !seg.empty(), rank});
   CollectiveCounters::PhaseScope phase(group.counters(), "forward");
   expect(schedule.forward, unscheduled());
-  AttentionOutput out = parallel.strategy == Strategy::ulysses  ? ulysses_forward(q, k, v, forward_only)
-                        : parallel.strategy == Strategy::ring   ? ring_forward(q, k, v, forward_only)
-                        : parallel.strategy == Strategy::hybrid ? hybrid_forward(q, k, v, forward_only)
-                                                                : all_gather_forward(q, k, v, forward_only);
+  AttentionOutput out = run_forward(q, k, v, forward_only);
   finish();
   backward_calls = std::move(schedule.backward);
   return out;
@@ -183,12 +210,8 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
 AttentionGradients ContextParallelAttention::Impl::backward(const Tensor& d_out) {
   check_grad_input(d_out);
   CollectiveCounters::PhaseScope phase(group.counters(), "backward");
-  expect(backward_calls, negative_control == NegativeControl::extra_q_heads_on_highest_ranks ||
-                             negative_control == NegativeControl::ring_accumulator_one_hop_short);
-  AttentionGradients grads = parallel.strategy == Strategy::ulysses  ? ulysses_backward(d_out)
-                             : parallel.strategy == Strategy::ring   ? ring_backward(d_out)
-                             : parallel.strategy == Strategy::hybrid ? hybrid_backward(d_out)
-                                                                     : all_gather_backward(d_out);
+  expect(backward_calls, unscheduled());
+  AttentionGradients grads = run_backward(d_out);
   finish();
   return grads;
 }
@@ -212,7 +235,7 @@ AttentionGradients ContextParallelAttention::backward(const Tensor& d_out) {
 
 class ContextParallelAttention::Saved {
  public:
-  std::optional<Impl::Saved> saved;
+  std::unique_ptr<Impl::SavedState> saved;
   std::vector<ScheduledCollective> backward_calls;
 };
 
@@ -230,6 +253,11 @@ std::shared_ptr<ContextParallelAttention::Saved> ContextParallelAttention::take_
 
 AttentionGradients ContextParallelAttention::backward(const Tensor& d_out, Saved& saved) {
   // The state goes into the object for the call and back into `saved` whatever happens.
+  if (saved.saved && saved.saved->strategy != impl_->parallel.strategy) {
+    throw Error(ErrorKind::invalid_input, "saved", to_string(saved.saved->strategy),
+                std::string("backward was given the state of a ") + to_string(saved.saved->strategy) +
+                    " forward; this object runs " + to_string(impl_->parallel.strategy));
+  }
   std::swap(impl_->saved, saved.saved);
   std::swap(impl_->backward_calls, saved.backward_calls);
   struct Restore {

@@ -1,4 +1,6 @@
-// The state behind ContextParallelAttention, shared by the two strategies' files.
+// The state behind ContextParallelAttention: what every strategy reads (the specs, the communicators, the
+// positions, the counters), each strategy's forward and backward (one file each: <name>_strategy.cpp), and
+// what a forward keeps for its backward, a type of each strategy's own.
 #pragma once
 
 #include <memory>
@@ -27,6 +29,9 @@ class ContextParallelAttention::Impl {
   void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const std::int32_t> seg);
   void check_grad_input(const Tensor& d_out);
 
+  // The strategy's own forward and backward (a switch over Strategy without default).
+  AttentionOutput run_forward(const Tensor& q, const Tensor& k, const Tensor& v, bool forward_only);
+  AttentionGradients run_backward(const Tensor& d_out);
   AttentionOutput all_gather_forward(const Tensor& q, const Tensor& k, const Tensor& v, bool forward_only);
   AttentionGradients all_gather_backward(const Tensor& d_out);
   AttentionOutput ulysses_forward(const Tensor& q, const Tensor& k, const Tensor& v, bool forward_only);
@@ -70,19 +75,32 @@ class ContextParallelAttention::Impl {
   std::unique_ptr<cp::ScheduledCommunicator> ulysses_comm, ring_comm;
   RankPositions ring_positions;  // each ring rank's rows (its ulysses group's tokens, in the zigzag's order)
 
-  // What forward keeps for backward.
-  struct Saved {
-    Tensor q, k, v;         // all_gather, ring: local shards; ulysses: local shards (remat) or head-sharded;
-                            // hybrid: head-sharded rows of the ring rank
-    Tensor k_full, v_full;  // all_gather without remat: gathered K/V, natural order
-    Tensor o;               // all_gather, ring: local O; ulysses: head-sharded O
-    std::vector<float>
-        lse;  // all_gather, ring: [B, Hq, S/cp]; ulysses: [B, n_r, S]; hybrid: [B, n_u, U*S/cp]
-    std::vector<std::int32_t> seg_local, seg_full;  // [B, S/cp], [B, S] natural (empty: no segments)
+  // What a forward keeps for its backward: each strategy derives its own (AllGatherSaved, UlyssesSaved,
+  // RingSaved for ring and hybrid); saved_as checks the kind before handing it out.
+  struct SavedState {
+    explicit SavedState(Strategy s) : strategy(s) {}
+    virtual ~SavedState() = default;
+    Strategy strategy;  // the strategy that made it
   };
-  std::optional<Saved> saved;
+  std::unique_ptr<SavedState> saved;
+  template <class T>
+  T& saved_as() {
+    CPATTN_ASSERT(saved && saved->strategy == parallel.strategy);
+    return static_cast<T&>(*saved);
+  }
   std::vector<std::int32_t> seg_local;        // this call's segment ids
   std::vector<std::vector<float>> step_lses;  // ring's negative control ring_step_lse: each step's LSE
 };
 
+namespace cp {
+
+// What ring and hybrid keep for backward: the ring rank's rows (hybrid: of its ulysses heads, in slot order).
+struct RingSaved final : ContextParallelAttention::Impl::SavedState {
+  explicit RingSaved(Strategy s) : SavedState(s) {}
+  Tensor q, k, v, o;                              // [B, rows, heads, D]
+  std::vector<float> lse;                         // [B, heads, rows]
+  std::vector<std::int32_t> seg_local, seg_full;  // the rows' ids, the whole row's natural (empty: none)
+};
+
+}  // namespace cp
 }  // namespace cpattn

@@ -144,7 +144,7 @@ AttentionOutput ContextParallelAttention::Impl::hybrid_forward(const Tensor& q, 
     out.lse = cp::all_to_all_lse_heads_to_sequence(*ulysses_comm, heads.lse, B, L, u.q);
   }
   if (forward_only) return out;
-  Saved s;
+  cp::RingSaved s(Strategy::hybrid);
   if (U > 1) {
     s.q = std::move(qh);
     s.k = std::move(kh);
@@ -158,12 +158,12 @@ AttentionOutput ContextParallelAttention::Impl::hybrid_forward(const Tensor& q, 
   s.lse = std::move(heads.lse);
   s.seg_local = std::move(seg_rows);
   s.seg_full = std::move(seg_full);
-  saved = std::move(s);
+  saved = std::make_unique<cp::RingSaved>(std::move(s));
   return out;
 }
 
 AttentionGradients ContextParallelAttention::Impl::hybrid_backward(const Tensor& d_out) {
-  const Saved& s = *saved;
+  const cp::RingSaved& s = saved_as<cp::RingSaved>();
   const std::int64_t U = ulysses_degree;
   const HybridPlan h = hybrid_plan(*this);
   const UlyssesHeads& u = h.heads;

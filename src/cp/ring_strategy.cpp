@@ -58,12 +58,6 @@ Pair kv_pair(const Tensor& k, const Tensor& v) {
   return kv;
 }
 
-// The pieces a shard is cut into for the kernel: both chunks of the dual_chunk_swap layout, or the whole
-// shard.
-std::int64_t parts_of(ShardLayout layout) {
-  return layout == ShardLayout::dual_chunk_swap ? 2 : 1;
-}
-
 // The running softmax state of every row (b, h, i) of O [B, Sq, H, D] and LSE [B, H, Sq], in fp32.
 struct Running {
   std::vector<float> m, l;  // [B, H, Sq]
@@ -407,11 +401,10 @@ AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, co
                                                              const Tensor& v, bool forward_only) {
   std::vector<std::int32_t> seg_full;
   if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, attention.batch, positions);
-  const cp::RingPass pass =
-      ring_pass(comm, positions, parts_of(parallel.effective_layout()), {{0, hq, 0, hkv}});
+  const cp::RingPass pass = ring_pass(comm, positions, parallel.ring_parts(), {{0, hq, 0, hkv}});
   AttentionOutput out = cp::ring_pass_forward(pass, q, k, v, seg_local, seg_full);
   if (!forward_only) {
-    Saved s;
+    cp::RingSaved s(Strategy::ring);
     s.q = q;
     s.k = k;
     s.v = v;
@@ -419,15 +412,14 @@ AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, co
     s.lse = out.lse;
     s.seg_local = seg_local;
     s.seg_full = std::move(seg_full);
-    saved = std::move(s);
+    saved = std::make_unique<cp::RingSaved>(std::move(s));
   }
   return out;
 }
 
 AttentionGradients ContextParallelAttention::Impl::ring_backward(const Tensor& d_out) {
-  const Saved& s = *saved;
-  const cp::RingPass pass =
-      ring_pass(comm, positions, parts_of(parallel.effective_layout()), {{0, hq, 0, hkv}});
+  const cp::RingSaved& s = saved_as<cp::RingSaved>();
+  const cp::RingPass pass = ring_pass(comm, positions, parallel.ring_parts(), {{0, hq, 0, hkv}});
   cp::RingGradients g =
       cp::ring_pass_backward(pass, s.q, s.k, s.v, s.o, s.lse, d_out, s.seg_local, s.seg_full);
   return {g.dq.to(attention.dtype), g.dk.to(attention.dtype), g.dv.to(attention.dtype)};

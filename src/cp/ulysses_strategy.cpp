@@ -141,6 +141,18 @@ HeadSharded to_heads(Communicator& comm, const Tensor& q, const Tensor& k, const
 
 }  // namespace
 
+namespace {
+
+struct UlyssesSaved final : ContextParallelAttention::Impl::SavedState {
+  UlyssesSaved() : SavedState(Strategy::ulysses) {}
+  Tensor q, k, v;                      // head-sharded [B, S, n_r, D]; remat: the local shards
+  Tensor o;                            // head-sharded O
+  std::vector<float> lse;              // [B, n_r, S]
+  std::vector<std::int32_t> seg_full;  // [B, S] natural (empty: no segments)
+};
+
+}  // namespace
+
 AttentionOutput ContextParallelAttention::Impl::ulysses_forward(const Tensor& q, const Tensor& k,
                                                                 const Tensor& v, bool forward_only) {
   const std::int64_t B = attention.batch, S = attention.seq_len;
@@ -174,7 +186,7 @@ AttentionOutput ContextParallelAttention::Impl::ulysses_forward(const Tensor& q,
   out.o = cp::all_to_all_heads_to_sequence(comm, o_heads, u.q);
   out.lse = cp::all_to_all_lse_heads_to_sequence(comm, lse_heads, B, S, u.q);
   if (!forward_only) {
-    Saved s;
+    UlyssesSaved s;
     if (options.remat) {
       s.q = q;
       s.k = k;
@@ -187,13 +199,13 @@ AttentionOutput ContextParallelAttention::Impl::ulysses_forward(const Tensor& q,
     s.o = std::move(o_heads);
     s.lse = std::move(lse_heads);
     s.seg_full = std::move(seg_full);
-    saved = std::move(s);
+    saved = std::make_unique<UlyssesSaved>(std::move(s));
   }
   return out;
 }
 
 AttentionGradients ContextParallelAttention::Impl::ulysses_backward(const Tensor& d_out) {
-  Saved& s = *saved;
+  UlyssesSaved& s = saved_as<UlyssesSaved>();
   const std::int64_t B = attention.batch, S = attention.seq_len;
   const UlyssesHeads u = cp::run_placement(hq, hkv, cp, negative_control);
   Tensor do_heads = cp::all_to_all_sequence_to_heads(comm, d_out, u.q);

@@ -8,7 +8,7 @@ namespace cpattn::harness {
 
 Tolerances tolerances(Strategy strategy, DType dtype) {
   const bool bf16 = dtype == DType::bf16;
-  if (strategy == Strategy::ring || strategy == Strategy::hybrid)  // steps merged in ring order
+  if (strategy_traits(strategy).ring)  // steps merged in ring order
     return {false, bf16 ? 1e-2 : 5e-6, bf16 ? 1e-2 : 1e-5, bf16 ? 1e-2 : 1e-5, bf16 ? 2e-2 : 2e-5};
   return {true, 0, 0, bf16 ? 1e-2 : 1e-6, bf16 ? 2e-2 : 1e-5};
 }

@@ -75,16 +75,15 @@ std::vector<RankHeads> head_placement(const AttentionSpec& attention, const Para
   const std::int64_t hkv = attention.num_kv_heads / parallel.tp;
   const std::int64_t cp = parallel.cp;
   std::vector<RankHeads> ranks;
-  // hybrid: the placement over each ulysses group of U ranks, rank r holding ulysses rank r % U's heads.
-  const bool by_heads = parallel.strategy == Strategy::ulysses || parallel.strategy == Strategy::hybrid;
-  const std::int64_t group = parallel.strategy == Strategy::hybrid ? parallel.ulysses_degree : cp;
-  const UlyssesHeads u = by_heads ? ulysses_heads(hq, hkv, group) : UlyssesHeads{};
+  // Heads split over groups (ulysses: one of cp ranks; hybrid: of U): rank r holds its ulysses rank's heads.
+  const bool by_heads = parallel.traits().heads != HeadSplit::none;
+  const UlyssesHeads u = by_heads ? ulysses_heads(hq, hkv, parallel.head_group_size()) : UlyssesHeads{};
   std::int64_t slot = 0;
   for (std::int64_t r = 0; r < cp; ++r) {
     RankHeads rh;
     rh.rank = r;
     if (by_heads) {
-      const std::int64_t g = r % group;
+      const std::int64_t g = parallel.ulysses_rank(r);
       if (g == 0) slot = 0;
       rh.q_heads = u.q[g];
       rh.kv_slots = {slot, slot + u.kv[g].size()};

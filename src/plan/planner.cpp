@@ -91,7 +91,7 @@ std::int64_t count_tiles(const std::vector<std::int32_t>& q_positions,
 std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, const ParallelSpec& p, bool remat,
                                                     bool packed) {
   // The calls differ between ranks only in hybrid's ring (by ulysses rank); each field's largest.
-  const std::int64_t ranks = p.strategy == Strategy::hybrid ? p.ulysses_degree : 1;
+  const std::int64_t ranks = p.traits().sub_groups ? p.head_group_size() : 1;
   std::vector<CollectiveRecord> out;
   for (std::int64_t r = 0; r < ranks; ++r) {
     const auto records = scheduled_records(strategy_schedule(a, p, {remat, packed, r}), p.cp);
@@ -132,14 +132,15 @@ struct PlanContext {
   UlyssesHeads heads;  // ulysses: over cp; hybrid: over U
   Links links;
 
-  bool ring_like() const { return p.strategy == Strategy::ring || p.strategy == Strategy::hybrid; }
+  bool ring_like() const { return p.traits().ring; }
+  // The rank's place among the U ulysses ranks a ring's schedule differs by (0 but for hybrid).
+  std::int64_t u_of(std::int64_t rank) const { return rank % U; }
+  bool heads_split() const { return p.traits().heads != HeadSplit::none; }
   std::int64_t local_q_heads(std::int64_t rank) const {
-    if (p.strategy == Strategy::ulysses) return heads.q[rank].size();
-    if (p.strategy == Strategy::hybrid) return heads.q[p.ulysses_rank(rank)].size();
-    return hq;
+    return heads_split() ? heads.q[p.ulysses_rank(rank)].size() : hq;
   }
   std::int64_t local_kv_heads(std::int64_t rank) const {
-    return p.strategy == Strategy::hybrid ? heads.kv[p.ulysses_rank(rank)].size() : hkv;
+    return heads_split() ? heads.kv[p.ulysses_rank(rank)].size() : hkv;
   }
 };
 
@@ -192,7 +193,6 @@ void plan_tiles(const PlanContext& c, StrategyPlan& s) {
     }
     return t;
   };
-  const Strategy strategy = c.p.strategy;
   const ShardLayout layout = c.p.effective_layout();
   // Computed once and shared by the ranks that see the same rows: the whole sequence's kv blocks; ulysses's
   // per-head count (every rank sees the whole sequence); ring: each ring rank's rows and its steps' counts
@@ -229,7 +229,7 @@ void plan_tiles(const PlanContext& c, StrategyPlan& s) {
   }
   for (std::int64_t r = 0; r < c.cp; ++r) {
     std::int64_t per_head = 0;
-    if (strategy == Strategy::ulysses) {
+    if (c.heads_split() && !c.ring_like()) {  // the whole row in one kernel call per head
       if (!ulysses_per_head) {
         ulysses_per_head =
             kernels::count_nonempty_tiles(natural_blocks, natural_blocks, c.a.causal, !segments.empty());
@@ -272,7 +272,7 @@ void plan_tiles(const PlanContext& c, StrategyPlan& s) {
 void plan_memory(const PlanContext& c, StrategyPlan& s) {
   const std::int64_t B = c.B, S = c.S, D = c.D, E = c.E, sl = c.sl, hq = c.hq, hkv = c.hkv;
   const std::int64_t seg_bytes = c.packed ? B * sl * 4 + B * S * 4 : 0;
-  if (c.p.strategy == Strategy::ulysses) {
+  if (c.heads_split() && !c.ring_like()) {
     // Per rank (n_q q heads, n_kv kv heads; uneven when cp does not divide Hq): the largest.
     for (std::int64_t r = 0; r < c.cp; ++r) {
       const std::int64_t n_q = c.heads.q[r].size(), n_kv = c.heads.kv[r].size();
@@ -312,7 +312,7 @@ struct CommModel {
 };
 
 CommModel plan_communication(const PlanContext& c) {
-  const std::int64_t U = c.p.strategy == Strategy::hybrid ? c.U : 1;
+  const std::int64_t U = c.U;
   std::vector<StrategySchedule> by_u;
   for (std::int64_t u = 0; u < U; ++u)
     by_u.push_back(strategy_schedule(c.a, c.p, {c.req.remat, c.packed, u}));
@@ -324,7 +324,7 @@ CommModel plan_communication(const PlanContext& c) {
   m.inter_bytes.assign(static_cast<std::size_t>(c.cp), 0);
   std::vector<double> kv_send(static_cast<std::size_t>(c.cp), 0.0), dkv_send(kv_send);
   for (std::int64_t rank = 0; rank < c.cp; ++rank) {
-    const StrategySchedule& sch = by_u[static_cast<std::size_t>(c.p.ulysses_rank(rank))];
+    const StrategySchedule& sch = by_u[static_cast<std::size_t>(c.u_of(rank))];
     std::size_t k = 0;
     for (const auto* list : {&sch.forward, &sch.backward}) {
       for (const ScheduledCollective& call : *list) {
@@ -376,7 +376,7 @@ CommModel plan_communication(const PlanContext& c) {
   // A ring moves at its slowest link.
   for (std::int64_t rank = 0; rank < c.cp; ++rank) {
     for (std::int64_t i = 0; i < c.R; ++i) {
-      const std::int64_t member = i * c.U + c.p.ulysses_rank(rank);
+      const std::int64_t member = i * c.U + c.u_of(rank);
       m.kv_hop[rank] = std::max(m.kv_hop[rank], kv_send[member]);
       m.dkv_hop[rank] = std::max(m.dkv_hop[rank], dkv_send[member]);
     }
@@ -453,11 +453,9 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   s.name = name;
   s.strategy = strategy;
   s.load_balance = load_balance;
-  if (strategy != Strategy::all_gather) {
-    s.ulysses_degree = strategy == Strategy::hybrid    ? ulysses_degree
-                       : strategy == Strategy::ulysses ? c.p.cp
-                                                       : 1;
-    s.ring_degree = c.p.cp / s.ulysses_degree;
+  if (c.heads_split() || c.ring_like()) {
+    s.ulysses_degree = c.p.head_group_size();
+    s.ring_degree = c.p.ring_degree();
   }
   s.why_not = validation_errors(c.a, c.p);
   if (auto refusal = remat_refusal(strategy, req.remat)) s.why_not.push_back(std::move(*refusal));
@@ -474,10 +472,9 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   c.hkv = c.a.num_kv_heads / c.p.tp;
   c.E = static_cast<std::int64_t>(dtype_size(c.a.dtype));
   c.packed = !req.segments.empty();
-  c.U = strategy == Strategy::hybrid ? ulysses_degree : 1;
-  c.R = c.ring_like() ? c.p.ring_degree() : 1;
-  if (strategy == Strategy::ulysses) c.heads = ulysses_heads(c.hq, c.hkv, c.cp);
-  if (strategy == Strategy::hybrid) c.heads = ulysses_heads(c.hq, c.hkv, c.U);
+  c.U = c.ring_like() ? c.p.head_group_size() : 1;
+  c.R = c.p.ring_degree();
+  if (c.heads_split()) c.heads = ulysses_heads(c.hq, c.hkv, c.p.head_group_size());
   c.links = {req.hardware.ranks_per_host, req.hardware.bandwidth, req.hardware.inter_bandwidth};
   s.collectives = attention_collectives(c.a, c.p, req.remat, c.packed);
   CommModel m = plan_communication(c);
@@ -534,19 +531,19 @@ Plan make_plan(const PlanRequest& req) {
         "ranks_per_host must be >= 0 (0: one host), and with hosts the inter-host bandwidth positive");
   }
   Plan plan;
-  for (Strategy strategy : kAllStrategies) {
-    for (bool load_balance : {false, true}) {
-      if (load_balance && strategy == Strategy::ulysses) continue;  // its work is already equal per head
-      const std::string name = std::string(to_string(strategy)) + (load_balance ? "_load_balanced" : "");
-      plan.strategies.push_back(plan_strategy(req, name, strategy, load_balance));
-    }
-  }
-  // hybrid for every factorisation U x R of cp with both above 1 (U = 1 is ring, U = cp is ulysses).
-  for (std::int64_t u = 2; u < req.parallel.cp; ++u) {
-    if (req.parallel.cp % u != 0) continue;
-    for (bool load_balance : {false, true}) {
-      plan.strategies.push_back(plan_strategy(req, hybrid_name(u, req.parallel.cp / u, load_balance),
-                                              Strategy::hybrid, load_balance, u));
+  // Each strategy on the whole group; those of sub-groups (hybrid) for every factorisation U x R of cp with
+  // both above 1 (U = 1 is ring, U = cp is ulysses). Load balance where the strategy takes it.
+  for (const Strategy strategy : kStrategies) {
+    const StrategyTraits traits = strategy_traits(strategy);
+    const std::int64_t cp = req.parallel.cp;
+    for (std::int64_t u = traits.sub_groups ? 2 : 0; u < (traits.sub_groups ? cp : 1); ++u) {
+      if (u > 0 && cp % u != 0) continue;
+      for (const bool load_balance : {false, true}) {
+        if (load_balance && !traits.load_balance) continue;
+        const std::string name = u > 0 ? hybrid_name(u, cp / u, load_balance)
+                                       : std::string(traits.name) + (load_balance ? "_load_balanced" : "");
+        plan.strategies.push_back(plan_strategy(req, name, strategy, load_balance, u));
+      }
     }
   }
 

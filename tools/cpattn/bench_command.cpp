@@ -289,14 +289,17 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
   };
   std::vector<Config> configs = {{"single_device", Strategy::all_gather, false, 1}};
   for (int cp : opt.cps) {
-    configs.push_back({"ulysses", Strategy::ulysses, false, cp});
-    configs.push_back({"all_gather", Strategy::all_gather, false, cp});
-    configs.push_back({"all_gather_load_balanced", Strategy::all_gather, true, cp});
-    configs.push_back({"ring", Strategy::ring, false, cp});
-    configs.push_back({"ring_load_balanced", Strategy::ring, true, cp});
-    for (int u = 2; u < cp; ++u) {  // hybrid at every factorisation U x R, 1 < U < cp, load-balanced
-      if (cp % u == 0) {
-        configs.push_back({hybrid_name(u, cp / u, true), Strategy::hybrid, true, cp, u});
+    for (const Strategy strategy : kStrategies) {
+      const StrategyTraits traits = strategy_traits(strategy);
+      if (traits.sub_groups) {  // at every factorisation U x R, 1 < U < cp, load-balanced
+        for (int u = 2; u < cp; ++u) {
+          if (cp % u == 0) configs.push_back({hybrid_name(u, cp / u, true), strategy, true, cp, u});
+        }
+        continue;
+      }
+      configs.push_back({traits.name, strategy, false, cp});
+      if (traits.load_balance) {
+        configs.push_back({std::string(traits.name) + "_load_balanced", strategy, true, cp});
       }
     }
   }
@@ -334,11 +337,11 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
         {"seconds", {{"forward", fwd}, {"backward", bwd}, {"total", fwd + bwd}, {"comm_wait", wait}}},
         {"ratio_to_single_device", (fwd + bwd) / single},
         {"tiles_skew", static_cast<double>(tmax) / static_cast<double>(std::max<std::int64_t>(tmin, 1))}};
-    if (c.strategy == Strategy::ring || c.strategy == Strategy::hybrid) {
+    if (strategy_traits(c.strategy).ring) {
       // What the rank waited on its shifts, against what it computed (its time less the waiting).
       result["comm_wait_fraction_of_compute"] = wait / std::max(fwd + bwd - wait, 1e-12);
     }
-    if (c.strategy == Strategy::ulysses) {
+    if (strategy_traits(c.strategy).heads == HeadSplit::whole_group) {
       // The slowest rank's share of the work against the mean: n_max / (Hq/cp) (1 when cp divides Hq).
       const UlyssesHeads heads = ulysses_heads(a.num_q_heads, a.num_kv_heads, c.cp);
       result["most_heads_over_mean"] = static_cast<double>(heads.max_q_heads()) * static_cast<double>(c.cp) /

@@ -192,7 +192,7 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
     j["name"] = s.name;
     j["strategy"] = to_string(s.strategy);
     j["load_balance"] = s.load_balance;
-    if (s.strategy == Strategy::hybrid) {
+    if (strategy_traits(s.strategy).sub_groups) {
       j["ulysses_degree"] = s.ulysses_degree;
       j["ring_degree"] = s.ring_degree;
     }
@@ -221,19 +221,17 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
   }
   doc["recommendation"] = plan.recommendation;
   {
-    // What to run: all_gather has no degrees; ulysses is U = cp, R = 1; ring U = 1, R = cp.
+    // What to run: a strategy that neither splits heads nor passes a ring (all_gather) has no degrees;
+    // ulysses is U = cp, R = 1; ring U = 1, R = cp.
     const StrategyPlan& best = plan.strategies[plan.recommended];
-    const std::int64_t cp = req.parallel.cp;
-    const bool all_gather = best.strategy == Strategy::all_gather;
-    const std::int64_t u = best.strategy == Strategy::hybrid    ? best.ulysses_degree
-                           : best.strategy == Strategy::ulysses ? cp
-                                                                : 1;
+    const StrategyTraits traits = strategy_traits(best.strategy);
+    const bool degrees = traits.heads != HeadSplit::none || traits.ring;
     doc["recommended"] = {
         {"name", best.name},
         {"strategy", to_string(best.strategy)},
         {"load_balance", best.load_balance},
-        {"ulysses_degree", all_gather ? nlohmann::ordered_json() : nlohmann::ordered_json(u)},
-        {"ring_degree", all_gather ? nlohmann::ordered_json() : nlohmann::ordered_json(cp / u)}};
+        {"ulysses_degree", degrees ? nlohmann::ordered_json(best.ulysses_degree) : nlohmann::ordered_json()},
+        {"ring_degree", degrees ? nlohmann::ordered_json(best.ring_degree) : nlohmann::ordered_json()}};
   }
   if (opt.json) {
     out << json_text(doc, 2) << "\n";
@@ -255,7 +253,7 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
       out << "  impossible: " << s.why_not.front().message << "\n";
       continue;
     }
-    const bool grouped = s.strategy == Strategy::hybrid;
+    const bool grouped = strategy_traits(s.strategy).sub_groups;
     out << "  per attention layer:\n  " << std::left << std::setw(20) << "kind" << std::setw(10) << "phase"
         << (grouped ? "group    " : "") << std::setw(7) << "count" << std::setw(16) << "bytes"
         << "sent per rank\n";

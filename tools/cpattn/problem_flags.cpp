@@ -14,7 +14,7 @@ namespace cpattn::cli {
 void ProblemFlags::add_to(CLI::App& app) {
   app.add_option("--config", config_files, "YAML config file(s) with the seed framework's keys; later wins")
       ->check(CLI::ExistingFile);
-  add_text(app, "--strategy", values.strategy, "all_gather, ulysses, ring or hybrid");
+  add_text(app, "--strategy", values.strategy, strategy_names());
   // Sizes are read as decimal int64 here; their rules (cp >= 1, heads dividing, ...) are validation's, which
   // reports every broken rule at once.
   constexpr std::int64_t any_lo = std::numeric_limits<std::int64_t>::min();

@@ -302,7 +302,7 @@ nlohmann::ordered_json run_report(const RunOptions& opt, const AttentionSpec& a,
   nlohmann::ordered_json out;
   out["ok"] = true;
   out["problem"] = {{"strategy", to_string(p.strategy)}, {"cp", p.cp}};
-  if (p.strategy == Strategy::hybrid) {
+  if (p.traits().sub_groups) {
     out["problem"]["ulysses_degree"] = p.ulysses_degree;
     out["problem"]["ring_degree"] = p.ring_degree();
   }
@@ -416,17 +416,16 @@ void print_text(const RunOptions& opt, const AttentionSpec& a, const ParallelSpe
                 const nlohmann::ordered_json& out) {
   std::cout << "cpattn run: " << to_string(p.strategy) << (p.load_balance ? " (load balance)" : "")
             << (opt.remat ? " remat" : "") << ", cp=" << p.cp
-            << (p.strategy == Strategy::hybrid ? " (ulysses " + std::to_string(p.ulysses_degree) +
-                                                     " x ring " + std::to_string(p.ring_degree()) + ")"
-                                               : std::string())
+            << (p.traits().sub_groups ? " (ulysses " + std::to_string(p.ulysses_degree) + " x ring " +
+                                            std::to_string(p.ring_degree()) + ")"
+                                      : std::string())
             << (opt.backend == "mpi" ? " over MPI (" : " on the in-process group (")
             << out["problem"]["threads_per_rank"].get<int>() << " thread(s) per rank); B=" << a.batch
             << " S=" << a.seq_len << " Hq=" << a.num_q_heads << " Hkv=" << a.num_kv_heads
             << " D=" << a.head_dim << (a.causal ? " causal" : " non-causal") << " " << to_string(a.dtype)
             << (opt.segments.empty() ? "" : " segments " + opt.segments) << "\n";
-  if (p.strategy == Strategy::ulysses || p.strategy == Strategy::hybrid) {
-    const UlyssesHeads u = ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp,
-                                         p.strategy == Strategy::hybrid ? p.ulysses_degree : p.cp);
+  if (p.traits().heads != HeadSplit::none) {
+    const UlyssesHeads u = ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, p.head_group_size());
     std::cout << "placement: replication " << u.replication() << ";";
     for (const auto& r : head_placement(a, p)) {
       std::cout << " rank " << r.rank << " -> q " << r.q_heads.begin << ".." << r.q_heads.end - 1 << " kv "
@@ -438,7 +437,7 @@ void print_text(const RunOptions& opt, const AttentionSpec& a, const ParallelSpe
   std::cout << "seconds: forward " << fmt(out["seconds"]["forward"].get<double>());
   if (!opt.forward_only) std::cout << ", backward " << fmt(out["seconds"]["backward"].get<double>());
   std::cout << "\ncollectives (per rank):\n";
-  const bool grouped = p.strategy == Strategy::hybrid;
+  const bool grouped = p.traits().sub_groups;
   const int hosts = out["hosts"]["count"].get<int>();
   if (hosts > 1) {
     std::cout << "hosts: " << hosts << " (rank -> host:";

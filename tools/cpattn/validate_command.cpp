@@ -35,13 +35,13 @@ int run_validate(const CLI::App& app, const ValidateOptions& opt, std::ostream& 
   }
   const AttentionSpec& a = specs.attention;
   const ParallelSpec& p = specs.parallel;
-  const bool hybrid = p.strategy == Strategy::hybrid;
-  const bool ulysses = p.strategy == Strategy::ulysses || hybrid;  // heads placed over a ulysses group
+  const bool hybrid = p.traits().sub_groups;
+  const bool ulysses = p.traits().heads != HeadSplit::none;  // heads placed over a ulysses group
   // validate lists each rank's heads: bounded, so that the answer (and the placement behind it) stays small.
   // Every rank lists every local head under all_gather and ring; a ulysses group lists them once between
   // its ranks.
   const std::int64_t local_heads = a.num_q_heads / p.tp + a.num_kv_heads / p.tp;
-  const std::int64_t group = hybrid ? p.ulysses_degree : p.cp;
+  const std::int64_t group = p.head_group_size();
   const double listed = ulysses ? static_cast<double>(p.cp / group) * static_cast<double>(local_heads + group)
                                 : static_cast<double>(p.cp) * static_cast<double>(local_heads);
   if (listed > static_cast<double>(kMaxListedHeads)) {
@@ -53,8 +53,7 @@ int run_validate(const CLI::App& app, const ValidateOptions& opt, std::ostream& 
   }
   const auto placement = head_placement(a, p);
   const UlyssesHeads u =
-      ulysses ? ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, hybrid ? p.ulysses_degree : p.cp)
-              : UlyssesHeads{};
+      ulysses ? ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, group) : UlyssesHeads{};
   const std::int64_t rep = ulysses ? u.replication() : 1;
 
   if (opt.json) {
