@@ -193,7 +193,7 @@ std::vector<BadCase> bad_cases() {
       },
       {"cp"}, {"ulysses needs cp (8) <= num_q_heads (6)", "hybrid strategy"});
   add("ulysses_load_balance", [](AttentionSpec&, ParallelSpec& p) { p.load_balance = true; },
-      {"load_balance"}, {"for all_gather, ring and hybrid"});
+      {"load_balance"}, {"for all_gather, ring or hybrid"});
   add("tp_does_not_divide", [](AttentionSpec&, ParallelSpec& p) { p.tp = 3; }, {"tp", "tp"},
       {"tp (3) must divide num_q_heads (32)", "tp (3) must divide num_kv_heads (2)"});
   add("tp_local_heads_break_ulysses",

@@ -1,5 +1,6 @@
-// ulysses and all_gather (± load balance, ± remat) against the single-device kernel and the float64
-// reference, the collective accounting, tile balance, negative controls, and errors on every rank.
+// Every strategy (ulysses, all_gather, ring, hybrid; ± load balance, ± remat where taken) against the
+// single-device kernel and the float64 reference, the collective accounting, tile balance, negative controls,
+// and errors on every rank.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -248,7 +249,7 @@ TEST(ContextParallel, RingTilesAreEqualWithLoadBalanceOnOneCausalDocument) {
 double max_rel(const std::vector<float>& got, const std::vector<float>& want);
 
 // hybrid (U x R) against the single-device kernel within the ring's bounds: (cp, U) in {(4,2), (8,4), (12,3)}
-// and (Hq, Hkv) in {(32,2), (6,2), (26,2)}, each pair once (a Latin square), on the rows of the two-level
+// and (Hq, Hkv) in {(32,2), (6,3), (26,2)}, each pair once (a Latin square), on the rows of the two-level
 // orthogonal array above and their complements: causal, packed, load balance, bf16, batch 2, head dim 80; and
 // cp > Hq (Hq = 8 at cp 16, U = 8). Four of the nine pairs split the heads unevenly over a ulysses group
 // (6 over 4: 2,2,1,1; 26 over 4: 7,7,6,6; 26 over 3: 9,9,8; 32 over 3: 11,11,10), so the ranks of a group
@@ -258,7 +259,7 @@ TEST(ContextParallel, HybridMatchesTheSingleDeviceKernelOverACoveringSet) {
                                {0, 1, 1, 1, 1, 0}, {1, 0, 1, 0, 1, 0}, {1, 0, 1, 1, 0, 1},
                                {1, 1, 0, 0, 1, 1}, {1, 1, 0, 1, 0, 0}};
   const std::pair<std::int64_t, std::int64_t> degrees[] = {{4, 2}, {8, 4}, {12, 3}};
-  const std::pair<std::int64_t, std::int64_t> heads[] = {{32, 2}, {6, 2}, {26, 2}};
+  const std::pair<std::int64_t, std::int64_t> heads[] = {{32, 2}, {6, 3}, {26, 2}};
   for (int i = 0; i < 10; ++i) {
     const int* row = kRows[i % 8];
     auto on = [&](int column) { return (row[column] != 0) != (i >= 8); };
@@ -282,6 +283,59 @@ TEST(ContextParallel, HybridMatchesTheSingleDeviceKernelOverACoveringSet) {
     c.dim = on(5) ? 80 : 32;
     ASSERT_TRUE(validation_errors(c.attention(), c.parallel()).empty()) << c.name();
     testing::expect_ring_matches_single_device(c);
+  }
+}
+
+// A ring of one rank holds the whole row in natural order, load balance or not: one kernel call, the same
+// bits as the single-device kernel (the zigzag's two chunks are one run at cp = 1).
+TEST(ContextParallel, RingOfOneRankIsTheSingleDeviceKernelBitForBit) {
+  for (const bool lb : {false, true}) {
+    CpCase c;
+    c.strategy = Strategy::ring;
+    c.cp = 1;
+    c.load_balance = lb;
+    c.hq = 4;
+    c.hkv = 2;
+    c.dim = 32;
+    c.seq = 200;
+    c.segments = {120, 80};
+    const auto in = testing::make_whole_inputs(c, 5);
+    const auto got = testing::run_context_parallel(c, in);
+    const auto single = testing::run_single_device(c, in);
+    EXPECT_EQ(testing::count_bit_differences(got.o, single.o), 0) << c.name();
+    EXPECT_EQ(testing::count_bit_differences(got.lse, single.lse), 0) << c.name();
+  }
+}
+
+// A forward's kept state belongs to the object that ran it: another object's backward refuses it on every
+// rank (nothing computed), and its own object runs on it.
+TEST(ContextParallel, BackwardRefusesAnotherObjectsSavedState) {
+  CpCase c;
+  c.cp = 2;
+  c.seq = 64;
+  c.hq = 4;
+  c.hkv = 2;
+  c.dim = 16;
+  const auto in = testing::make_whole_inputs(c, 9);
+  std::vector<std::string> messages(2);
+  InProcessGroup group(2);
+  group.run([&](Communicator& comm) {
+    ContextParallelAttention a(c.attention(), c.parallel(), comm), b(c.attention(), c.parallel(), comm);
+    const auto shard = [&](const Tensor& t) {
+      return take_tokens(t, local_positions(c.parallel().effective_layout(), c.seq, c.cp, comm.rank()));
+    };
+    a.forward(shard(in.q), shard(in.k), shard(in.v));
+    const auto kept = a.take_saved();
+    try {
+      b.backward(shard(in.d_out), *kept);
+    } catch (const Error& e) {
+      messages[comm.rank()] = e.what();
+    }
+    const AttentionGradients g = a.backward(shard(in.d_out), *kept);
+    EXPECT_EQ(g.dq.shape(), shard(in.q).shape());
+  });
+  for (const std::string& m : messages) {
+    EXPECT_NE(m.find("state another ContextParallelAttention's forward kept"), std::string::npos) << m;
   }
 }
 

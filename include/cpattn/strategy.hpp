@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace cpattn {
 
@@ -102,11 +103,14 @@ constexpr StrategyTraits strategy_traits(Strategy strategy) {
           .load_balance = false,
           .remat = false,
           .sub_groups = false,
-          .remat_note = nullptr};
+          .remat_note = ""};
 }
 #pragma GCC diagnostic pop
 
-// The names of every strategy, for messages: "all_gather, ulysses, ring or hybrid".
+// The names of every strategy, for messages: "all_gather, ulysses, ring or hybrid"; with a flag of the
+// traits, of those that have it: strategy_names(&StrategyTraits::load_balance) is "all_gather, ring or
+// hybrid".
 const char* strategy_names();
+std::string strategy_names(bool StrategyTraits::*flag);
 
 }  // namespace cpattn

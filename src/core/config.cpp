@@ -15,15 +15,22 @@ const char* to_string(Strategy strategy) {
   return name != nullptr ? name : "unknown strategy";
 }
 
+std::string strategy_names(bool StrategyTraits::*flag) {
+  std::vector<const char*> names;
+  for (const Strategy s : kStrategies) {
+    const StrategyTraits traits = strategy_traits(s);
+    if (flag == nullptr || traits.*flag) names.push_back(traits.name);
+  }
+  std::string out;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    if (i > 0) out += i + 1 == names.size() ? " or " : ", ";
+    out += names[i];
+  }
+  return out;
+}
+
 const char* strategy_names() {
-  static const std::string names = [] {
-    std::string out;
-    for (std::size_t i = 0; i < std::size(kStrategies); ++i) {
-      if (i > 0) out += i + 1 == std::size(kStrategies) ? " or " : ", ";
-      out += strategy_traits(kStrategies[i]).name;
-    }
-    return out;
-  }();
+  static const std::string names = strategy_names(nullptr);
   return names.c_str();
 }
 
@@ -102,13 +109,14 @@ void layout_rules(Rules& rules, const ParallelSpec& p) {
   const ShardLayout layout = p.effective_layout();
   if (!p.traits().load_balance && p.load_balance) {
     rules.add({"load_balance", "strategy"}, "true",
-              std::string("load_balance (true) is for all_gather, ring and hybrid; ") +
+              "load_balance (true) is for " + strategy_names(&StrategyTraits::load_balance) + "; " +
                   to_string(p.strategy) +
                   " gives every rank the same work per head, set load_balance to false");
   } else if (layout == ShardLayout::dual_chunk_swap && !p.load_balance) {
     rules.add({"layout", "load_balance"}, "dual_chunk_swap",
-              "layout dual_chunk_swap needs all_gather, ring or hybrid with load_balance true; valid layout "
-              "here: contiguous");
+              "layout dual_chunk_swap needs " + strategy_names(&StrategyTraits::load_balance) +
+                  " with load_balance true; valid layout "
+                  "here: contiguous");
   } else if (layout == ShardLayout::contiguous && p.load_balance) {
     rules.add({"layout", "load_balance"}, "contiguous",
               "load_balance (true) needs layout dual_chunk_swap (chunks r and 2*cp-1-r on rank r)");
@@ -264,7 +272,7 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
 
 std::optional<ErrorItem> remat_refusal(Strategy strategy, bool remat) {
   const StrategyTraits traits = strategy_traits(strategy);
-  if (!remat || traits.remat) return std::nullopt;
+  if (!remat || traits.remat || traits.name == nullptr) return std::nullopt;  // an unknown one: validation's
   return ErrorItem{{"remat"},
                    "true",
                    std::string("remat means nothing for ") + to_string(strategy) + " (" + traits.remat_note +

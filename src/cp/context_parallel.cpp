@@ -143,8 +143,11 @@ void ContextParallelAttention::Impl::check_inputs(const Tensor& q, const Tensor&
 
 void ContextParallelAttention::Impl::check_grad_input(const Tensor& d_out) {
   std::string problem;
-  if (!saved)
+  if (!saved) {
     problem = "backward needs a forward that kept its state (forward_only was set, or no forward ran)";
+  } else if (saved->owner != this) {
+    problem = "backward was given the state another ContextParallelAttention's forward kept";
+  }
   const Shape4 want{attention.batch, local_seq, hq, attention.head_dim};
   if (problem.empty() && !(d_out.shape() == want && d_out.dtype() == attention.dtype)) {
     problem = "d_out has shape " + to_string(d_out.shape()) + " " + to_string(d_out.dtype()) + "; expected " +
@@ -202,6 +205,7 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
   CollectiveCounters::PhaseScope phase(group.counters(), "forward");
   expect(schedule.forward, unscheduled());
   AttentionOutput out = run_forward(q, k, v, forward_only);
+  if (saved) saved->owner = this;
   finish();
   backward_calls = std::move(schedule.backward);
   return out;
@@ -252,12 +256,8 @@ std::shared_ptr<ContextParallelAttention::Saved> ContextParallelAttention::take_
 }
 
 AttentionGradients ContextParallelAttention::backward(const Tensor& d_out, Saved& saved) {
-  // The state goes into the object for the call and back into `saved` whatever happens.
-  if (saved.saved && saved.saved->strategy != impl_->parallel.strategy) {
-    throw Error(ErrorKind::invalid_input, "saved", to_string(saved.saved->strategy),
-                std::string("backward was given the state of a ") + to_string(saved.saved->strategy) +
-                    " forward; this object runs " + to_string(impl_->parallel.strategy));
-  }
+  // The state goes into the object for the call and back into `saved` whatever happens (another object's
+  // state is refused on every rank by check_grad_input).
   std::swap(impl_->saved, saved.saved);
   std::swap(impl_->backward_calls, saved.backward_calls);
   struct Restore {

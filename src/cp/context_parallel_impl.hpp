@@ -80,12 +80,13 @@ class ContextParallelAttention::Impl {
   struct SavedState {
     explicit SavedState(Strategy s) : strategy(s) {}
     virtual ~SavedState() = default;
-    Strategy strategy;  // the strategy that made it
+    Strategy strategy;            // the strategy that made it
+    const Impl* owner = nullptr;  // the object whose forward made it
   };
   std::unique_ptr<SavedState> saved;
   template <class T>
   T& saved_as() {
-    CPATTN_ASSERT(saved && saved->strategy == parallel.strategy);
+    CPATTN_ASSERT(saved && saved->owner == this && saved->strategy == parallel.strategy);
     return static_cast<T&>(*saved);
   }
   std::vector<std::int32_t> seg_local;        // this call's segment ids

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <iterator>
 
 #include "cpattn/config.hpp"
 #include "cpattn/error.hpp"
@@ -32,13 +33,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   cpattn::ParallelSpec p;
   p.cp = any_size();
   p.tp = any_size();
-  p.strategy = static_cast<cpattn::Strategy>(in.ConsumeIntegralInRange<int>(0, 3));
+  // One past the last strategy too: a value cast from an integer must be refused.
+  const int strategy = in.ConsumeIntegralInRange<int>(0, static_cast<int>(std::size(cpattn::kStrategies)));
+  p.strategy = static_cast<cpattn::Strategy>(strategy);
   if (p.strategy == cpattn::Strategy::hybrid || in.ConsumeBool()) p.ulysses_degree = any_size();
   p.load_balance = in.ConsumeBool();
   const auto errors = cpattn::validation_errors(a, p);
   for (const auto& e : errors) {
     if (e.fields.empty() || e.message.empty()) std::abort();
   }
+  if (strategy == static_cast<int>(std::size(cpattn::kStrategies)) && errors.empty()) std::abort();
   if (!errors.empty()) return 0;
   cpattn::validate(a, p);
   // A placement holds each rank's kv heads (all of them under all_gather and ring): past this, memory rather

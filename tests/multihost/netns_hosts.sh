@@ -22,6 +22,10 @@ set -uo pipefail
 
 cpattn=$(realpath "$1")
 case_name=$2
+# What is not the behaviour under test (mpirun's start, MPI_Init over TCP, a run's compute) is waited for until
+# it is done, however busy the machine, up to this fixture's own limit, below CTest's (240 s): a bound there
+# would fail the test for the machine's load, not for cpattn.
+fixture_end=$((SECONDS + 220))
 here=$(cd "$(dirname "$0")" && pwd)
 
 skip() {
@@ -152,9 +156,10 @@ across() {
   mpirun_pid=$!
 }
 
-# wait_job SECONDS: waits for mpirun; its exit status in $rc ("timeout" when it outlived SECONDS).
+# wait_job [SECONDS]: waits for mpirun; its exit status in $rc ("timeout" when it outlived SECONDS, or without
+# SECONDS the fixture's limit).
 wait_job() {
-  local limit=$1 t=0
+  local limit=${1:-$((fixture_end - SECONDS))} t=0
   while kill -0 "$mpirun_pid" 2>/dev/null && ((t < limit * 10)); do
     sleep 0.1
     t=$((t + 1))
@@ -178,10 +183,13 @@ rank_pids() {
 }
 
 # wait_computing NP: until NP rank processes have been running (state R) in 10 samples in a row, 0.1 s apart:
-# past MPI_Init (which waits in usleep) and into the run. Their pids in $ranks.
+# past MPI_Init (which waits in usleep) and into the run. Their pids in $ranks. Readiness, not a time: it waits
+# while mpirun runs, up to the fixture's limit.
 wait_computing() {
-  local np=$1 t=0 streak=0
-  while ((t < 600)); do
+  local np=$1 streak=0
+  while ((SECONDS < fixture_end)); do
+    kill -0 "$mpirun_pid" 2>/dev/null ||
+      fail "the job ended before its $np ranks were seen computing: $(tail -5 "$work/out")"
     ranks=$(rank_pids)
     local running=0 pid
     for pid in $ranks; do
@@ -194,9 +202,8 @@ wait_computing() {
       streak=0
     fi
     sleep 0.1
-    t=$((t + 1))
   done
-  fail "the $np ranks did not start computing within 60 s: $(tail -5 "$work/out")"
+  fail "the $np ranks were not seen computing within the fixture's limit: $(tail -5 "$work/out")"
 }
 
 # alive PIDS...: those still running.
@@ -240,16 +247,16 @@ case "$case_name" in
   strategies)
     make_hosts 2
     across 2 4 --strategy hybrid --ulysses-degree 2 --cp 4 --seq 1024 --load-balance --segments 600,424 "${shape[@]}"
-    wait_job 40
+    wait_job
     check_run "hybrid 2x2 (U=2)" "[0, 0, 1, 1]"
     across 4 8 --strategy hybrid --ulysses-degree 4 --cp 8 --seq 1024 --load-balance "${shape[@]}"
-    wait_job 40
+    wait_job
     check_run "hybrid 2x4 (U=4)" "[0, 0, 0, 0, 1, 1, 1, 1]"
     across 2 4 --strategy ulysses --cp 4 --seq 1024 --segments 600,424 "${shape[@]}"
-    wait_job 40
+    wait_job
     check_run "ulysses 2x2" "[0, 0, 1, 1]"
     across 2 4 --strategy ring --cp 4 --seq 1024 --load-balance "${shape[@]}"
-    wait_job 40
+    wait_job
     check_run "ring 2x2" "[0, 0, 1, 1]"
     ;;
   rank-killed)

@@ -396,8 +396,7 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   comm->callback([comm_opt, &exit_code] { exit_code = bench_comm(*comm_opt); });
 
   auto st_opt = std::make_shared<StrategyOptions>();
-  CLI::App* st =
-      bench->add_subcommand("strategy", "ulysses, all_gather and ring against the single-device kernel");
+  CLI::App* st = bench->add_subcommand("strategy", "every strategy against the single-device kernel");
   st_opt->problem.add_to(*st);
   add_integer_list(*st, "--cps", st_opt->cps, 1, kMaxInProcessRanks, "cp values to compare");
   st->add_flag("--json", st_opt->json, "print JSON");

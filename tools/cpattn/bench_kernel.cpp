@@ -133,6 +133,70 @@ double peak_rss_bytes() {
   return static_cast<double>(usage.ru_maxrss) * 1024.0;  // Linux reports KiB
 }
 
+// bench kernel's text, from its document.
+void print_kernel_report(const nlohmann::ordered_json& out, const AttentionSpec& a,
+                         const KernelOptions& opt) {
+  const auto num = [&](const char* key) { return out[key].get<double>(); };
+  const double fma_peak = num("fma_peak_gflops"), tile_peak = num("tile_peak_gflops");
+  const double peak_before = out["fma_peak_before_after_gflops"][0].get<double>();
+  const double peak_after = out["fma_peak_before_after_gflops"][1].get<double>();
+  const double tile_before = out["tile_peak_before_after_gflops"][0].get<double>();
+  const double tile_after = out["tile_peak_before_after_gflops"][1].get<double>();
+  const double bf16_peak = num("bf16_peak_gflops"), forward_s = num("forward_seconds");
+  const double backward_s = num("backward_seconds"), forward_gflops = num("forward_gflops");
+  const double backward_gflops = num("backward_gflops"), rss = num("peak_rss_bytes");
+  const double tensor_bytes = num("tensor_bytes"), fma_drift = num("fma_peak_drift");
+  const double tile_drift = num("tile_peak_drift");
+  const bool steady = out["steady"].get<bool>();
+  struct Fp32 {
+    double forward_s, backward_s;
+  };
+  std::optional<Fp32> fp32;
+  if (out.contains("fp32_forward_seconds"))
+    fp32 = Fp32{num("fp32_forward_seconds"), num("fp32_backward_seconds")};
+  std::cout << std::setprecision(4) << "bench kernel: B=" << a.batch << " S=" << a.seq_len
+            << " Hq=" << a.num_q_heads << " Hkv=" << a.num_kv_heads << " D=" << a.head_dim
+            << (a.causal ? " causal " : " non-causal ") << to_string(a.dtype) << ", " << opt.threads
+            << " thread(s)\n"
+            << "fp32 FMA peak   " << fma_peak << " GFLOP/s (before " << peak_before << ", after "
+            << peak_after << ")\ntile ceiling    " << tile_peak
+            << " GFLOP/s (the forward's 8 x 3 register tile on L1 data; before " << tile_before << ", after "
+            << tile_after << ")\nbf16 dot peak   " << bf16_peak << " GFLOP/s"
+            << (bf16_peak == 0 ? " (no AVX512_BF16)" : "") << "\nforward path    "
+            << out["forward_path"].get<std::string>() << " (vector target "
+            << out["vector_target"].get<std::string>() << ")\nforward         " << forward_s << " s  "
+            << forward_gflops << " GFLOP/s  " << forward_gflops / fma_peak << " of the FMA peak, "
+            << forward_gflops / tile_peak << " of the tile ceiling\n"
+            << "backward        " << backward_s << " s  " << backward_gflops << " GFLOP/s  "
+            << backward_gflops / fma_peak << " of the FMA peak, " << backward_gflops / tile_peak
+            << " of the tile ceiling\n"
+            << (fp32
+                    ? "fp32 baseline   forward " + std::to_string(fp32->forward_s) + " s, backward " +
+                          std::to_string(fp32->backward_s) + " s (the same values in fp32, this run): bf16 " +
+                          std::to_string(fp32->forward_s / forward_s) + "x / " +
+                          std::to_string(fp32->backward_s / backward_s) + "x faster; " +
+                          std::to_string(forward_gflops / std::max(bf16_peak, 1e-9)) + " / " +
+                          std::to_string(backward_gflops / std::max(bf16_peak, 1e-9)) + " of the bf16 peak\n"
+                    : std::string())
+            << "peak RSS        " << rss / 1048576.0 << " MiB = " << rss / tensor_bytes
+            << "x the inputs, outputs and gradients (" << tensor_bytes / 1048576.0 << " MiB)\n";
+  if (!steady) {
+    std::cout << "unsteady        the FMA peak moved " << std::setprecision(2) << 100 * fma_drift
+              << " % and the tile ceiling " << 100 * tile_drift
+              << " % between their readings before and after the kernels (steady: within "
+              << 100 * kSteadyDrift
+              << " %): the machine changed pace, so the fractions above are unreliable; run again\n"
+              << std::setprecision(4);
+  }
+  if (out["reference_seconds"].is_null()) {
+    std::cout << "reference       skipped (S > " << opt.reference_max_seq << ")\n";
+  } else {
+    std::cout << "reference       " << out["reference_seconds"].get<double>()
+              << " s forward (float64, naive): the flash forward is "
+              << out["forward_speedup_over_reference"].get<double>() << "x faster\n";
+  }
+}
+
 int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
   ConfigValues values = opt.problem.resolve(app);
   if (!values.seq_len) values.seq_len = 4096;
@@ -241,47 +305,7 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
     std::cout << json_text(out, 2) << "\n";
     return 0;
   }
-  std::cout << std::setprecision(4) << "bench kernel: B=" << a.batch << " S=" << a.seq_len
-            << " Hq=" << a.num_q_heads << " Hkv=" << a.num_kv_heads << " D=" << a.head_dim
-            << (a.causal ? " causal " : " non-causal ") << to_string(a.dtype) << ", " << opt.threads
-            << " thread(s)\n"
-            << "fp32 FMA peak   " << fma_peak << " GFLOP/s (before " << peak_before << ", after "
-            << peak_after << ")\ntile ceiling    " << tile_peak
-            << " GFLOP/s (the forward's 8 x 3 register tile on L1 data; before " << tile_before << ", after "
-            << tile_after << ")\nbf16 dot peak   " << bf16_peak << " GFLOP/s"
-            << (bf16_peak == 0 ? " (no AVX512_BF16)" : "") << "\nforward path    "
-            << out["forward_path"].get<std::string>() << " (vector target "
-            << out["vector_target"].get<std::string>() << ")\nforward         " << forward_s << " s  "
-            << forward_gflops << " GFLOP/s  " << forward_gflops / fma_peak << " of the FMA peak, "
-            << forward_gflops / tile_peak << " of the tile ceiling\n"
-            << "backward        " << backward_s << " s  " << backward_gflops << " GFLOP/s  "
-            << backward_gflops / fma_peak << " of the FMA peak, " << backward_gflops / tile_peak
-            << " of the tile ceiling\n"
-            << (fp32
-                    ? "fp32 baseline   forward " + std::to_string(fp32->forward_s) + " s, backward " +
-                          std::to_string(fp32->backward_s) + " s (the same values in fp32, this run): bf16 " +
-                          std::to_string(fp32->forward_s / forward_s) + "x / " +
-                          std::to_string(fp32->backward_s / backward_s) + "x faster; " +
-                          std::to_string(forward_gflops / std::max(bf16_peak, 1e-9)) + " / " +
-                          std::to_string(backward_gflops / std::max(bf16_peak, 1e-9)) + " of the bf16 peak\n"
-                    : std::string())
-            << "peak RSS        " << rss / 1048576.0 << " MiB = " << rss / tensor_bytes
-            << "x the inputs, outputs and gradients (" << tensor_bytes / 1048576.0 << " MiB)\n";
-  if (!steady) {
-    std::cout << "unsteady        the FMA peak moved " << std::setprecision(2) << 100 * fma_drift
-              << " % and the tile ceiling " << 100 * tile_drift
-              << " % between their readings before and after the kernels (steady: within "
-              << 100 * kSteadyDrift
-              << " %): the machine changed pace, so the fractions above are unreliable; run again\n"
-              << std::setprecision(4);
-  }
-  if (out["reference_seconds"].is_null()) {
-    std::cout << "reference       skipped (S > " << opt.reference_max_seq << ")\n";
-  } else {
-    std::cout << "reference       " << out["reference_seconds"].get<double>()
-              << " s forward (float64, naive): the flash forward is "
-              << out["forward_speedup_over_reference"].get<double>() << "x faster\n";
-  }
+  print_kernel_report(out, a, opt);
   return 0;
 }
 

@@ -55,7 +55,11 @@ std::string preset_names() {
   return names;
 }
 
-int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std::ostream& err) {
+// The values plan reads: a preset's, then the problem flags', then plan's own model flags. Every strategy
+// and factorisation is planned: a config file's strategy and ulysses degree are not used (and
+// --ulysses-degree given as a flag is refused: its value in `ulysses_degree`).
+ConfigValues plan_values(const CLI::App& app, const PlanOptions& opt,
+                         std::optional<std::int64_t>& ulysses_degree) {
   ConfigValues values;
   if (!opt.preset.empty()) {
     const ModelPreset* p = find_preset(opt.preset);
@@ -74,18 +78,15 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
   if (opt.emb_dim) values.emb_dim = opt.emb_dim;
   if (opt.layers) values.num_layers = opt.layers;
   if (opt.attention_every) values.attention_every = opt.attention_every;
-  // Every strategy and factorisation is planned: a config file's strategy and ulysses degree are not used,
-  // and
-  // --ulysses-degree given as a flag is refused.
   values.strategy.reset();
-  const std::optional<std::int64_t> ulysses_degree = opt.problem.values.ulysses_degree;
+  ulysses_degree = opt.problem.values.ulysses_degree;
   values.ulysses_degree.reset();
+  return values;
+}
 
-  PlanRequest req;
-  Specs specs;
-  std::vector<ErrorItem> errors;
-  specs = to_specs(values, errors);
-  const HardwareProfile* hw = find_hardware(opt.hardware);
+// plan's own rules and bounds on top of validation's: every one broken, all at once.
+void plan_bounds(const ConfigValues& values, const PlanOptions& opt, const HardwareProfile* hw,
+                 std::optional<std::int64_t> ulysses_degree, std::vector<ErrorItem>& errors) {
   if (hw == nullptr) {
     std::string names;
     for (const auto& h : hardware_profiles()) names += (names.empty() ? "" : ", ") + h.name;
@@ -127,17 +128,12 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
                       "--cp (" + std::to_string(*values.cp) + ") is more ranks than plan models (at most " +
                           std::to_string(kMaxPlanRanks) + "): its ring tables grow as cp squared"});
   }
-  if (errors.empty()) {
-    ParallelSpec general = specs.parallel;
-    general.load_balance = false;
-    general.layout.reset();
-    errors = validation_errors(specs.attention, general);
-  }
-  if (!errors.empty()) {
-    if (opt.json) out << failure_json("valid", errors) << "\n";
-    print_errors(errors, err);
-    return 2;
-  }
+}
+
+// The request the planner answers, from values that passed every rule.
+PlanRequest plan_request(const ConfigValues& values, const Specs& specs, const PlanOptions& opt,
+                         const HardwareProfile& hw) {
+  PlanRequest req;
   req.attention = specs.attention;
   req.parallel = specs.parallel;
   req.model = {opt.preset.empty() ? "custom" : opt.preset, values.emb_dim.value_or(0),
@@ -145,7 +141,7 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
   req.block = opt.block;
   if (!opt.segments.empty()) req.segments = parse_document_lengths(opt.segments, "--segments");
   req.remat = opt.remat;
-  req.hardware = *hw;
+  req.hardware = hw;
   if (opt.flops) req.hardware.flops = *opt.flops;
   if (opt.bandwidth) req.hardware.bandwidth = *opt.bandwidth;
   if (opt.ranks_per_host) req.hardware.ranks_per_host = *opt.ranks_per_host;
@@ -153,8 +149,25 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
   if (opt.flops || opt.bandwidth || opt.ranks_per_host || opt.inter_bandwidth) {
     req.hardware.source += " (overridden by --flops / --bandwidth / --ranks-per-host / --inter-bandwidth)";
   }
-  const Plan plan = make_plan(req);
+  return req;
+}
 
+nlohmann::ordered_json records_json(const std::vector<CollectiveRecord>& list) {
+  nlohmann::ordered_json a = nlohmann::ordered_json::array();
+  for (const auto& c : list) {
+    nlohmann::ordered_json entry = {{"kind", to_string(c.kind)},
+                                    {"phase", c.phase},
+                                    {"count", c.count},
+                                    {"bytes", c.bytes},
+                                    {"bytes_sent_per_rank", c.bytes_sent_per_rank}};
+    if (!c.group.empty()) entry["group"] = c.group;
+    a.push_back(entry);
+  }
+  return a;
+}
+
+// plan --json: the problem, the hardware, every strategy's entry, the recommendation.
+nlohmann::ordered_json plan_document(const PlanRequest& req, const Plan& plan) {
   nlohmann::ordered_json doc;
   doc["valid"] = true;
   doc["problem"] = {{"model", req.model.name}};
@@ -174,19 +187,6 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
                      {"inter_host_bandwidth_bytes_per_second", req.hardware.inter_bandwidth},
                      {"source", req.hardware.source}};
   doc["strategies"] = nlohmann::ordered_json::array();
-  auto records_json = [](const std::vector<CollectiveRecord>& list) {
-    nlohmann::ordered_json a = nlohmann::ordered_json::array();
-    for (const auto& c : list) {
-      nlohmann::ordered_json entry = {{"kind", to_string(c.kind)},
-                                      {"phase", c.phase},
-                                      {"count", c.count},
-                                      {"bytes", c.bytes},
-                                      {"bytes_sent_per_rank", c.bytes_sent_per_rank}};
-      if (!c.group.empty()) entry["group"] = c.group;
-      a.push_back(entry);
-    }
-    return a;
-  };
   for (const auto& s : plan.strategies) {
     nlohmann::ordered_json j;
     j["name"] = s.name;
@@ -233,10 +233,11 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
         {"ulysses_degree", degrees ? nlohmann::ordered_json(best.ulysses_degree) : nlohmann::ordered_json()},
         {"ring_degree", degrees ? nlohmann::ordered_json(best.ring_degree) : nlohmann::ordered_json()}};
   }
-  if (opt.json) {
-    out << json_text(doc, 2) << "\n";
-    return 0;
-  }
+  return doc;
+}
+
+// plan's text: a header line, each strategy's table and estimates, the recommendation.
+void print_plan(const PlanRequest& req, const Plan& plan, const std::string& segments, std::ostream& out) {
   out << "cpattn plan: " << req.model.name << ", S=" << req.attention.seq_len << " B=" << req.attention.batch
       << " Hq=" << req.attention.num_q_heads << " Hkv=" << req.attention.num_kv_heads
       << " D=" << req.attention.head_dim << " " << to_string(req.attention.dtype)
@@ -244,7 +245,7 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
       << (req.hardware.ranks_per_host > 0 && req.parallel.cp > req.hardware.ranks_per_host
               ? std::to_string(req.hardware.ranks_per_host) + " ranks per host, "
               : std::string())
-      << (req.segments.empty() ? "one document" : "segments " + opt.segments) << (req.remat ? ", remat" : "")
+      << (req.segments.empty() ? "one document" : "segments " + segments) << (req.remat ? ", remat" : "")
       << "; " << req.model.attention_layers() << " attention layers of " << req.model.num_layers << "; "
       << req.hardware.name << "\n";
   for (const auto& s : plan.strategies) {
@@ -281,6 +282,33 @@ int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std
     }
   }
   out << "\nrecommendation: " << plan.recommendation << "\n";
+}
+
+int run_plan(const CLI::App& app, const PlanOptions& opt, std::ostream& out, std::ostream& err) {
+  std::optional<std::int64_t> ulysses_degree;
+  const ConfigValues values = plan_values(app, opt, ulysses_degree);
+  std::vector<ErrorItem> errors;
+  const Specs specs = to_specs(values, errors);
+  const HardwareProfile* hw = find_hardware(opt.hardware);
+  plan_bounds(values, opt, hw, ulysses_degree, errors);
+  if (errors.empty()) {
+    ParallelSpec general = specs.parallel;
+    general.load_balance = false;
+    general.layout.reset();
+    errors = validation_errors(specs.attention, general);
+  }
+  if (!errors.empty()) {
+    if (opt.json) out << failure_json("valid", errors) << "\n";
+    print_errors(errors, err);
+    return 2;
+  }
+  const PlanRequest req = plan_request(values, specs, opt, *hw);
+  const Plan plan = make_plan(req);
+  if (opt.json) {
+    out << json_text(plan_document(req, plan), 2) << "\n";
+    return 0;
+  }
+  print_plan(req, plan, opt.segments, out);
   return 0;
 }
 

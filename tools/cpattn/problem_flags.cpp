@@ -30,7 +30,7 @@ void ProblemFlags::add_to(CLI::App& app) {
   add_integer(app, "--batch", values.batch, any_lo, any_hi, "batch size");
   add_text(app, "--dtype", values.dtype, "fp32 or bf16");
   app.add_flag("--load-balance", load_balance,
-               "all_gather, ring or hybrid with dual-chunk-swap load balance");
+               strategy_names(&StrategyTraits::load_balance) + " with dual-chunk-swap load balance");
   CLI::Option* yes = app.add_flag("--causal", causal, "causal mask (the default)");
   CLI::Option* no = app.add_flag("--no-causal", no_causal, "no causal mask");
   yes->excludes(no);

@@ -96,7 +96,8 @@ int run_validate(const CLI::App& app, const ValidateOptions& opt, std::ostream& 
     out << "work skew: " << u.work_skew() << " (most q heads on a rank over the fewest"
         << (u.work_skew() > 1.0 ? "; the ranks with more q heads set the time" : "") << ")\n";
   } else {
-    out << "replication: 1 (all_gather: every rank holds every head for its sequence shard)\n";
+    out << "replication: 1 (" << to_string(p.strategy)
+        << ": every rank holds every head for its sequence shard)\n";
   }
   for (const auto& r : placement) {
     out << "rank " << r.rank << " -> q heads " << range_text(r.q_heads) << ", kv head"
