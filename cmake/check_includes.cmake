@@ -1,5 +1,6 @@
 cmake_minimum_required(VERSION 3.25)
-# Checks that every #include "..." in src/ and include/cpattn/ goes the way cmake/modules.cmake allows.
+# Checks that every #include "..." in src/, include/cpattn/, tools/, python/ and bench/ goes the way
+# cmake/modules.cmake allows.
 #   cmake -DROOT=<tree with src/ and include/> [-DMODULES=<modules.cmake>] -P cmake/check_includes.cmake
 # Prints each wrong-way include as "FILE: MODULE may not include TARGET (module M)" and fails; an include/cpattn
 # header that no module lists, or a directory under src/ that is no module, fails too.
@@ -24,6 +25,8 @@ function(module_of relative out)
     set(${out} "${module_of_public_${CMAKE_MATCH_1}}" PARENT_SCOPE)
   elseif(relative MATCHES "^src/([^/]+)/")
     set(${out} "${CMAKE_MATCH_1}" PARENT_SCOPE)
+  elseif(relative MATCHES "^(tools|python|bench)/")
+    set(${out} "${CMAKE_MATCH_1}" PARENT_SCOPE)
   else()
     set(${out} "" PARENT_SCOPE)
   endif()
@@ -45,8 +48,11 @@ foreach(file IN LISTS sources)
   endif()
 endforeach()
 
+file(GLOB_RECURSE outer RELATIVE "${ROOT}" "${ROOT}/tools/*.cpp" "${ROOT}/tools/*.hpp" "${ROOT}/python/*.cpp"
+     "${ROOT}/python/*.hpp" "${ROOT}/bench/*.cpp" "${ROOT}/bench/*.hpp")
+
 set(checked 0)
-foreach(file IN LISTS sources public)
+foreach(file IN LISTS sources public outer)
   module_of("${file}" module)
   if(module STREQUAL "")
     continue()
@@ -64,8 +70,9 @@ foreach(file IN LISTS sources public)
         set(target_module "unknown")
       endif()
     else()
-      # As the compiler looks: beside the file, then the library's private include directory src/.
-      foreach(candidate "${dir}/${target}" "${ROOT}/src/${target}")
+      # As the compiler looks: beside the file, then the library's private include directory src/, then the
+      # program's folder (the include directory of its command library).
+      foreach(candidate "${dir}/${target}" "${ROOT}/src/${target}" "${ROOT}/tools/cpattn/${target}")
         if(EXISTS "${candidate}" AND target_module STREQUAL "")
           file(RELATIVE_PATH relative "${ROOT}" "${candidate}")
           get_filename_component(relative "${relative}" ABSOLUTE BASE_DIR "/")
@@ -88,4 +95,4 @@ if(NOT problems STREQUAL "")
   message("${problems}include check: FAILED")
   message(FATAL_ERROR "wrong-way includes (the table is in cmake/modules.cmake)")
 endif()
-message("include check: ${checked} includes in src/ and include/cpattn/ go the way cmake/modules.cmake allows")
+message("include check: ${checked} includes in src/, include/cpattn/, tools/, python/ and bench/ go the way cmake/modules.cmake allows")

@@ -18,10 +18,10 @@
 
 #include "cpattn/config.hpp"
 #include "cpattn/context_parallel.hpp"
+#include "cpattn/documents.hpp"
 #include "cpattn/error.hpp"
 #include "cpattn/flash.hpp"
 #include "cpattn/sequence_layout.hpp"
-#include "document_commands.hpp"
 #ifdef CPATTN_WITH_MPI
 #include "cpattn/mpi_comm.hpp"
 #endif
@@ -318,15 +318,20 @@ py::array local_positions_of(std::int64_t seq_len, std::int64_t cp, std::int64_t
 
 py::tuple run_document(const std::string& command,
                        const std::vector<std::pair<std::string, py::object>>& kwargs) {
-  std::vector<std::pair<std::string, cli::FlagValue>> flags;
+  // Typed as Python has them (bool before int: a bool is an int); anything else as its str().
+  std::vector<std::pair<std::string, KeywordValue>> keywords;
   for (const auto& [name, value] : kwargs) {
     if (py::isinstance<py::bool_>(value)) {
-      flags.emplace_back(name, value.cast<bool>());
+      keywords.emplace_back(name, value.cast<bool>());
+    } else if (py::isinstance<py::int_>(value)) {
+      keywords.emplace_back(name, py::str(value).cast<std::string>());  // any size: the parser bounds it
+    } else if (py::isinstance<py::float_>(value)) {
+      keywords.emplace_back(name, value.cast<double>());
     } else {
-      flags.emplace_back(name, py::str(value).cast<std::string>());
+      keywords.emplace_back(name, py::str(value).cast<std::string>());
     }
   }
-  cli::DocumentAnswer answer = cli::run_document_command(command, flags);
+  const DocumentAnswer answer = keyword_answer(command, keywords);
   return py::make_tuple(answer.exit_code, answer.document);
 }
 

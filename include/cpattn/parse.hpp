@@ -25,6 +25,10 @@ std::int64_t parse_integer(const std::string& text, const std::string& field,
 double parse_real(const std::string& text, const std::string& field, double min, double max,
                   const std::string& valid = "a number");
 
+// "6144,2048" -> {6144, 2048}: packed document lengths, each a positive integer, their sum at most 2^63 - 1;
+// else Error(invalid_input) naming `field`.
+std::vector<std::int64_t> parse_document_lengths(const std::string& text, const std::string& field);
+
 // "a, b" -> the text made safe to quote in a message: control characters and bytes that are not UTF-8 as
 // \xNN escapes, at most 200 characters (the rest as "...").
 std::string quoted(const std::string& text);

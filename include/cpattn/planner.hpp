@@ -30,6 +30,7 @@ struct ModelPreset {
 };
 const std::vector<ModelPreset>& model_presets();
 const ModelPreset* find_preset(const std::string& name);
+std::string model_preset_names();  // "llama3-8b, ...", for messages and --help
 
 // Ranks sit on hosts of ranks_per_host consecutive ranks (rank r on host r / ranks_per_host): a rank sends to
 // a rank of its own host at `bandwidth` and to another host's at `inter_bandwidth`, both links at once.
@@ -43,6 +44,7 @@ struct HardwareProfile {
 };
 const std::vector<HardwareProfile>& hardware_profiles();
 const HardwareProfile* find_hardware(const std::string& name);
+std::string hardware_profile_names();  // "h100, h200, tpu-v7x"
 
 struct PlanRequest {
   AttentionSpec attention;

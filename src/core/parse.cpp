@@ -178,4 +178,32 @@ std::uint64_t open_input_file(const std::string& path, std::ifstream& in) {
   return static_cast<std::uint64_t>(st.st_size);
 }
 
+std::vector<std::int64_t> parse_document_lengths(const std::string& text, const std::string& flag) {
+  if (text.empty())
+    throw Error(ErrorKind::invalid_input, flag, text, flag + " is empty; give lengths like 6144,2048");
+  std::vector<std::int64_t> lengths;
+  std::int64_t total = 0;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = text.find(',', start);
+    const std::string part =
+        text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    try {
+      lengths.push_back(parse_integer(part, flag, 1, std::numeric_limits<std::int64_t>::max(),
+                                      "a positive document length"));
+    } catch (const Error&) {
+      throw Error(ErrorKind::invalid_input, flag, text,
+                  flag + " '" + quoted(text) + "': '" + quoted(part) +
+                      "' is not a positive document length (decimal digits, at most 2^63 - 1)");
+    }
+    if (__builtin_add_overflow(total, lengths.back(), &total)) {
+      throw Error(ErrorKind::invalid_input, flag, text,
+                  flag + " '" + quoted(text) + "': the lengths add up to more than 2^63 - 1 tokens");
+    }
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return lengths;
+}
+
 }  // namespace cpattn

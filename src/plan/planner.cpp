@@ -495,6 +495,18 @@ std::string fmt(double x) {
 
 }  // namespace
 
+std::string model_preset_names() {
+  std::string names;
+  for (const auto& x : model_presets()) names += (names.empty() ? "" : ", ") + x.model.name;
+  return names;
+}
+
+std::string hardware_profile_names() {
+  std::string names;
+  for (const auto& h : hardware_profiles()) names += (names.empty() ? "" : ", ") + h.name;
+  return names;
+}
+
 std::string hybrid_name(std::int64_t ulysses_degree, std::int64_t ring_degree, bool load_balance) {
   return "hybrid_u" + std::to_string(ulysses_degree) + "_r" + std::to_string(ring_degree) +
          (load_balance ? "_load_balanced" : "");

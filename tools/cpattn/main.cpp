@@ -78,7 +78,7 @@ int fail(const Invocation& inv, ErrorKind kind, const std::vector<ErrorItem>& it
   if (!hint.empty()) std::cerr << cpattn::utf8_safe(hint) << "\n";
   if (inv.json && prints_documents()) {
     const bool document = inv.command == "validate" || inv.command == "plan";
-    std::cout << cpattn::cli::failure_json(document ? "valid" : "ok", safe) << std::endl;
+    std::cout << cpattn::failure_json(document ? "valid" : "ok", safe) << std::endl;
   }
   finish_mpi();
   return kind == ErrorKind::invalid_config || kind == ErrorKind::invalid_input ? 2 : 1;

@@ -51,86 +51,6 @@ ConfigValues ProblemFlags::resolve(const CLI::App& app) const {
   return merged;
 }
 
-namespace {
-
-// An error's value as typed: a number only where its decimal text is exactly what was typed ("010" stays
-// "010", not 10), the bytes that are not UTF-8 (or are control characters) as \xNN escapes rather than
-// replaced.
-nlohmann::json value_json(const std::string& v) {
-  if (!v.empty() && v.size() < 19 && v.find_first_not_of("-0123456789") == std::string::npos &&
-      v.find('-', 1) == std::string::npos && v != "-" && std::to_string(std::stoll(v)) == v) {
-    return std::stoll(v);
-  }
-  if (v == "true") return true;
-  if (v == "false") return false;
-  // quoted() shortens past 200 characters: a longer value (a path) goes whole, only its bytes that are not
-  // UTF-8 escaped.
-  return v.size() <= 200 ? quoted(v) : utf8_safe(v);
-}
-
-}  // namespace
-
-std::vector<std::int64_t> parse_document_lengths(const std::string& text, const std::string& flag) {
-  if (text.empty())
-    throw Error(ErrorKind::invalid_input, flag, text, flag + " is empty; give lengths like 6144,2048");
-  std::vector<std::int64_t> lengths;
-  std::int64_t total = 0;
-  std::size_t start = 0;
-  while (true) {
-    const std::size_t comma = text.find(',', start);
-    const std::string part =
-        text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    try {
-      lengths.push_back(parse_integer(part, flag, 1, std::numeric_limits<std::int64_t>::max(),
-                                      "a positive document length"));
-    } catch (const Error&) {
-      throw Error(ErrorKind::invalid_input, flag, text,
-                  flag + " '" + quoted(text) + "': '" + quoted(part) +
-                      "' is not a positive document length (decimal digits, at most 2^63 - 1)");
-    }
-    if (__builtin_add_overflow(total, lengths.back(), &total)) {
-      throw Error(ErrorKind::invalid_input, flag, text,
-                  flag + " '" + quoted(text) + "': the lengths add up to more than 2^63 - 1 tokens");
-    }
-    if (comma == std::string::npos) break;
-    start = comma + 1;
-  }
-  return lengths;
-}
-
-nlohmann::ordered_json attention_to_json(const AttentionSpec& a) {
-  return {{"batch", a.batch},           {"seq", a.seq_len},       {"q_heads", a.num_q_heads},
-          {"kv_heads", a.num_kv_heads}, {"head_dim", a.head_dim}, {"causal", a.causal},
-          {"dtype", to_string(a.dtype)}};
-}
-
-std::string errors_to_json(const std::vector<ErrorItem>& errors) {
-  nlohmann::json list = nlohmann::json::array();
-  for (const auto& e : errors) {
-    nlohmann::json item;
-    std::vector<std::string> fields;
-    for (const auto& f : e.fields) fields.push_back(utf8_safe(f));
-    item["field"] = fields.empty() ? "" : fields.front();
-    if (fields.size() > 1) item["fields"] = fields;
-    item["value"] = value_json(e.value);
-    item["message"] = utf8_safe(e.message);
-    list.push_back(item);
-  }
-  return json_text(list);
-}
-
-std::string failure_json(const std::string& key, const std::vector<ErrorItem>& errors) {
-  return "{\"" + key + "\": false, \"errors\": " + errors_to_json(errors) + "}";
-}
-
-std::string json_text(const nlohmann::ordered_json& doc, int indent) {
-  return doc.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
-}
-
-std::string json_text(const nlohmann::json& doc, int indent) {
-  return doc.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
-}
-
 void require_memory_for(const AttentionSpec& a, int tensor_count, const std::string& what) {
   const double elements = static_cast<double>(a.batch) * static_cast<double>(a.seq_len) *
                           static_cast<double>(std::max(a.num_q_heads, a.num_kv_heads)) *
@@ -155,6 +75,16 @@ void require_memory_for(const AttentionSpec& a, int tensor_count, const std::str
 
 void print_errors(const std::vector<ErrorItem>& errors, std::ostream& err) {
   for (const auto& e : errors) err << "error (invalid_config): " << utf8_safe(e.message) << "\n";
+}
+
+int print_answer(const DocumentAnswer& answer, bool json, std::ostream& out, std::ostream& err) {
+  if (json) out << answer.document << "\n";
+  if (answer.exit_code != 0) {
+    print_errors(answer.errors, err);
+  } else if (!json) {
+    out << answer.text;
+  }
+  return answer.exit_code;
 }
 
 }  // namespace cpattn::cli

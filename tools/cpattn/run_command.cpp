@@ -329,16 +329,7 @@ nlohmann::ordered_json run_report(const RunOptions& opt, const AttentionSpec& a,
   out["hosts"] = {{"count", hosts ? *std::max_element(result.hosts.begin(), result.hosts.end()) + 1 : 1},
                   {"of_rank", hosts ? result.hosts : std::vector<int>(static_cast<std::size_t>(p.cp), 0)}};
   out["collectives"] = nlohmann::ordered_json::array();
-  for (const auto& c : result.ranks.front().collectives) {
-    nlohmann::ordered_json entry = {{"kind", to_string(c.kind)},
-                                    {"phase", c.phase},
-                                    {"count", c.count},
-                                    {"bytes", c.bytes},
-                                    {"bytes_sent_per_rank", c.bytes_sent_per_rank}};
-    if (hosts) entry["bytes_sent_across_hosts"] = c.bytes_sent_across_hosts;
-    if (!c.group.empty()) entry["group"] = c.group;  // the hybrid's sub-communicator
-    out["collectives"].push_back(entry);
-  }
+  for (const auto& c : result.ranks.front().collectives) out["collectives"].push_back(record_json(c, hosts));
   out["tiles_per_rank"] = tiles;
   const auto [tmin, tmax] = std::minmax_element(tiles.begin(), tiles.end());
   out["tiles_skew"] = *tmin > 0 ? static_cast<double>(*tmax) / static_cast<double>(*tmin) : 0.0;

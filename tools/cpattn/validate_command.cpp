@@ -2,111 +2,17 @@
 
 #include <iostream>
 #include <memory>
-#include <nlohmann/json.hpp>
-#include <sstream>
 
-#include "cpattn/placement.hpp"
+#include "cpattn/documents.hpp"
 #include "problem_flags.hpp"
 
 namespace cpattn::cli {
 namespace {
 
-// The most head entries validate lists over all ranks (the text and the JSON document alike).
-constexpr std::int64_t kMaxListedHeads = std::int64_t{1} << 22;
-
 struct ValidateOptions {
   ProblemFlags problem;
   bool json = false;
 };
-
-std::string range_text(const HeadRange& r) {
-  return r.size() == 1 ? std::to_string(r.begin) : std::to_string(r.begin) + ".." + std::to_string(r.end - 1);
-}
-
-int run_validate(const CLI::App& app, const ValidateOptions& opt, std::ostream& out, std::ostream& err) {
-  Specs specs;
-  const std::vector<ErrorItem> errors = all_config_errors(opt.problem.resolve(app), specs);
-  if (!errors.empty()) {
-    if (opt.json) {
-      out << failure_json("valid", errors) << "\n";
-    }
-    print_errors(errors, err);
-    return 2;
-  }
-  const AttentionSpec& a = specs.attention;
-  const ParallelSpec& p = specs.parallel;
-  const bool hybrid = p.traits().sub_groups;
-  const bool ulysses = p.traits().heads != HeadSplit::none;  // heads placed over a ulysses group
-  // validate lists each rank's heads: bounded, so that the answer (and the placement behind it) stays small.
-  // Every rank lists every local head under all_gather and ring; a ulysses group lists them once between
-  // its ranks.
-  const std::int64_t local_heads = a.num_q_heads / p.tp + a.num_kv_heads / p.tp;
-  const std::int64_t group = p.head_group_size();
-  const double listed = ulysses ? static_cast<double>(p.cp / group) * static_cast<double>(local_heads + group)
-                                : static_cast<double>(p.cp) * static_cast<double>(local_heads);
-  if (listed > static_cast<double>(kMaxListedHeads)) {
-    std::ostringstream text;
-    text << "validate lists every rank's heads: cp (" << p.cp << ") with " << local_heads
-         << " local heads comes to " << listed << " entries, more than it lists (at most " << kMaxListedHeads
-         << "); the configuration passes every rule";
-    throw Error(ErrorKind::invalid_input, "cp", std::to_string(p.cp), text.str());
-  }
-  const auto placement = head_placement(a, p);
-  const UlyssesHeads u =
-      ulysses ? ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, group) : UlyssesHeads{};
-  const std::int64_t rep = ulysses ? u.replication() : 1;
-
-  if (opt.json) {
-    nlohmann::json doc;
-    doc["valid"] = true;
-    doc["strategy"] = to_string(p.strategy);
-    doc["cp"] = p.cp;
-    doc["tp"] = p.tp;
-    if (hybrid) {
-      doc["ulysses_degree"] = p.ulysses_degree;
-      doc["ring_degree"] = p.ring_degree();
-    }
-    doc["load_balance"] = p.load_balance;
-    doc["layout"] = to_string(p.effective_layout());
-    doc["replication"] = rep;
-    doc["work_skew"] = ulysses ? u.work_skew() : 1.0;
-    if (ulysses) doc["kv_head_order"] = u.kv_head_order();
-    doc["ranks"] = nlohmann::json::array();
-    for (const auto& r : placement) {
-      std::vector<std::int64_t> q;
-      for (std::int64_t h = r.q_heads.begin; h < r.q_heads.end; ++h) q.push_back(h);
-      doc["ranks"].push_back({{"rank", r.rank}, {"q_heads", q}, {"kv_heads", r.kv_heads}});
-    }
-    out << json_text(doc) << "\n";
-    return 0;
-  }
-  out << "valid: " << to_string(p.strategy) << ", cp=" << p.cp
-      << (hybrid ? " (ulysses groups of " + std::to_string(p.ulysses_degree) + " x a ring of " +
-                       std::to_string(p.ring_degree()) + ")"
-                 : std::string())
-      << ", tp=" << p.tp << ", q heads " << a.num_q_heads << ", kv heads " << a.num_kv_heads << ", head dim "
-      << a.head_dim << ", seq " << a.seq_len << ", batch " << a.batch << ", " << to_string(a.dtype)
-      << (p.load_balance ? ", load balance (dual chunk swap)" : "") << "\n";
-  if (p.tp > 1) out << "heads below are local to one tp rank (heads / tp)\n";
-  if (ulysses) {
-    out << "replication: " << rep << " (kv head order before the all-to-all: [";
-    const auto order = u.kv_head_order();
-    for (std::size_t i = 0; i < order.size(); ++i) out << (i ? ", " : "") << "kv" << order[i];
-    out << "])\n";
-    out << "work skew: " << u.work_skew() << " (most q heads on a rank over the fewest"
-        << (u.work_skew() > 1.0 ? "; the ranks with more q heads set the time" : "") << ")\n";
-  } else {
-    out << "replication: 1 (" << to_string(p.strategy)
-        << ": every rank holds every head for its sequence shard)\n";
-  }
-  for (const auto& r : placement) {
-    out << "rank " << r.rank << " -> q heads " << range_text(r.q_heads) << ", kv head"
-        << (r.kv_heads.size() > 1 ? "s " : " ");
-    for (std::size_t i = 0; i < r.kv_heads.size(); ++i) out << (i ? "," : "") << r.kv_heads[i];
-    out << "\n";
-  }
-  return 0;
-}
 
 }  // namespace
 
@@ -115,7 +21,9 @@ void add_validate_command(CLI::App& app, int& exit_code, std::ostream& out, std:
   CLI::App* sub = app.add_subcommand("validate", "check a configuration and print the head placement");
   opt->problem.add_to(*sub);
   sub->add_flag("--json", opt->json, "print JSON");
-  sub->callback([sub, opt, &exit_code, &out, &err] { exit_code = run_validate(*sub, *opt, out, err); });
+  sub->callback([sub, opt, &exit_code, &out, &err] {
+    exit_code = print_answer(validate_answer(opt->problem.resolve(*sub)), opt->json, out, err);
+  });
 }
 
 }  // namespace cpattn::cli

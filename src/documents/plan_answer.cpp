@@ -1,0 +1,267 @@
+// plan's answer: its bounds on top of validation's, the request, its document and its text (docs/cli.md,
+// "plan"; docs/planner.md).
+#include <iomanip>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "cpattn/documents.hpp"
+#include "cpattn/parse.hpp"
+#include "cpattn/planner.hpp"
+#include "documents/json_document.hpp"
+
+namespace cpattn {
+namespace {
+
+std::string mib(std::int64_t bytes) {
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(bytes % (1 << 20) == 0 ? 0 : 2)
+    << static_cast<double>(bytes) / (1 << 20) << " MiB";
+  return o.str();
+}
+
+std::string fmt_double(double x) {
+  std::ostringstream o;
+  o << std::setprecision(3) << x;
+  return o.str();
+}
+
+// The values plan reads: a preset's, then the problem's, then plan's own model sizes. Every strategy and
+// factorisation is planned: a config file's strategy and ulysses degree are not used.
+ConfigValues plan_values(const PlanInputs& opt) {
+  ConfigValues values;
+  if (!opt.preset.empty()) {
+    const ModelPreset* p = find_preset(opt.preset);
+    if (p == nullptr) {
+      throw Error(ErrorKind::invalid_input, "--preset", opt.preset,
+                  "--preset '" + quoted(opt.preset) + "' is not a preset; valid: " + model_preset_names());
+    }
+    values.num_q_heads = p->num_q_heads;
+    values.num_kv_heads = p->num_kv_heads;
+    values.head_dim = p->head_dim;
+    values.emb_dim = p->model.emb_dim;
+    values.num_layers = p->model.num_layers;
+    values.attention_every = p->model.attention_every;
+  }
+  values.merge_from(opt.values);
+  if (opt.emb_dim) values.emb_dim = opt.emb_dim;
+  if (opt.layers) values.num_layers = opt.layers;
+  if (opt.attention_every) values.attention_every = opt.attention_every;
+  values.strategy.reset();
+  values.ulysses_degree.reset();
+  return values;
+}
+
+// plan's own rules and bounds on top of validation's: every one broken, all at once.
+void plan_bounds(const ConfigValues& values, const PlanInputs& opt, const HardwareProfile* hw,
+                 std::vector<ErrorItem>& errors) {
+  if (hw == nullptr) {
+    errors.push_back(
+        {{"--hardware"},
+         opt.hardware,
+         "--hardware '" + quoted(opt.hardware) + "' is unknown; valid: " + hardware_profile_names()});
+  }
+  auto positive = [&](const std::optional<std::int64_t>& v, const char* field) {
+    if (v && *v < 1)
+      errors.push_back({{field}, std::to_string(*v), std::string(field) + " must be positive"});
+  };
+  positive(values.num_layers, "--layers");
+  positive(values.attention_every, "--attention-every");
+  positive(values.emb_dim, "--emb-dim");
+  if (opt.ulysses_degree) {
+    errors.push_back({{"ulysses_degree"},
+                      std::to_string(*opt.ulysses_degree),
+                      "plan plans hybrid at every factorisation of cp; drop --ulysses-degree"});
+  }
+  // The plan counts tiles on the block grid and keeps the sequence's positions: both bounded, so that any
+  // accepted input plans in a few seconds (and a larger one is refused at once, not after minutes).
+  if (values.seq_len && *values.seq_len > kMaxPlanSeq) {
+    errors.push_back({{"seq_len"},
+                      std::to_string(*values.seq_len),
+                      "--seq (" + std::to_string(*values.seq_len) + ") is longer than plan models (at most " +
+                          std::to_string(kMaxPlanSeq) + " tokens)"});
+  } else if (values.seq_len && (*values.seq_len + opt.block - 1) / opt.block > kMaxPlanBlocks) {
+    errors.push_back({{"--block"},
+                      std::to_string(opt.block),
+                      "--block " + std::to_string(opt.block) + " makes " +
+                          std::to_string((*values.seq_len + opt.block - 1) / opt.block) +
+                          " blocks per row at --seq " + std::to_string(*values.seq_len) +
+                          "; plan takes at most " + std::to_string(kMaxPlanBlocks) + "; valid: --block >= " +
+                          std::to_string((*values.seq_len + kMaxPlanBlocks - 1) / kMaxPlanBlocks)});
+  }
+  if (values.cp && *values.cp > kMaxPlanRanks) {
+    errors.push_back({{"cp"},
+                      std::to_string(*values.cp),
+                      "--cp (" + std::to_string(*values.cp) + ") is more ranks than plan models (at most " +
+                          std::to_string(kMaxPlanRanks) + "): its ring tables grow as cp squared"});
+  }
+}
+
+// The request the planner answers, from values that passed every rule.
+PlanRequest plan_request(const ConfigValues& values, const Specs& specs, const PlanInputs& opt,
+                         const HardwareProfile& hw) {
+  PlanRequest req;
+  req.attention = specs.attention;
+  req.parallel = specs.parallel;
+  req.model = {opt.preset.empty() ? "custom" : opt.preset, values.emb_dim.value_or(0),
+               values.num_layers.value_or(1), values.attention_every.value_or(1)};
+  req.block = opt.block;
+  if (!opt.segments.empty()) req.segments = parse_document_lengths(opt.segments, "--segments");
+  req.remat = opt.remat;
+  req.hardware = hw;
+  if (opt.flops) req.hardware.flops = *opt.flops;
+  if (opt.bandwidth) req.hardware.bandwidth = *opt.bandwidth;
+  if (opt.ranks_per_host) req.hardware.ranks_per_host = *opt.ranks_per_host;
+  if (opt.inter_bandwidth) req.hardware.inter_bandwidth = *opt.inter_bandwidth;
+  if (opt.flops || opt.bandwidth || opt.ranks_per_host || opt.inter_bandwidth) {
+    req.hardware.source += " (overridden by --flops / --bandwidth / --ranks-per-host / --inter-bandwidth)";
+  }
+  return req;
+}
+
+// plan --json: the problem, the hardware, every strategy's entry, the recommendation.
+nlohmann::ordered_json plan_document(const PlanRequest& req, const Plan& plan) {
+  nlohmann::ordered_json doc;
+  doc["valid"] = true;
+  doc["problem"] = {{"model", req.model.name}};
+  doc["problem"].update(attention_to_json(req.attention));
+  doc["problem"].update(nlohmann::ordered_json{{"cp", req.parallel.cp},
+                                               {"tp", req.parallel.tp},
+                                               {"block", req.block},
+                                               {"segments", req.segments},
+                                               {"remat", req.remat},
+                                               {"emb_dim", req.model.emb_dim},
+                                               {"layers", req.model.num_layers},
+                                               {"attention_layers", req.model.attention_layers()}});
+  doc["hardware"] = {{"name", req.hardware.name},
+                     {"flops", req.hardware.flops},
+                     {"bandwidth_bytes_per_second", req.hardware.bandwidth},
+                     {"ranks_per_host", req.hardware.ranks_per_host},
+                     {"inter_host_bandwidth_bytes_per_second", req.hardware.inter_bandwidth},
+                     {"source", req.hardware.source}};
+  doc["strategies"] = nlohmann::ordered_json::array();
+  for (const auto& s : plan.strategies) {
+    nlohmann::ordered_json j;
+    j["name"] = s.name;
+    j["strategy"] = to_string(s.strategy);
+    j["load_balance"] = s.load_balance;
+    if (strategy_traits(s.strategy).sub_groups) {
+      j["ulysses_degree"] = s.ulysses_degree;
+      j["ring_degree"] = s.ring_degree;
+    }
+    j["possible"] = s.possible;
+    if (!s.possible) {
+      j["why_not"] = nlohmann::ordered_json::parse(errors_to_json(s.why_not));
+      doc["strategies"].push_back(j);
+      continue;
+    }
+    j["collectives"] = records_json(s.collectives);
+    j["reorder_collectives"] = records_json(s.reorder);
+    j["tiles_per_rank_per_q_head"] = s.tiles_per_rank_per_q_head;
+    j["tiles_per_rank"] = s.tiles_per_rank;
+    j["tiles_skew"] = s.tiles_skew;
+    j["memory_bytes_per_rank"] = s.memory_bytes_per_rank;
+    j["kv_buffer_bytes_per_rank"] = s.kv_buffer_bytes_per_rank;
+    j["estimated_seconds"] = {{"compute_per_rank", s.compute_seconds_per_rank},
+                              {"straggler_rank", s.straggler_rank},
+                              {"communication", s.communication_seconds},
+                              {"exposed", s.exposed_seconds},
+                              {"layer", s.layer_seconds},
+                              {"model", s.model_seconds}};
+    j["model_bytes_sent_per_rank"] = s.model_bytes_sent_per_rank;
+    j["inter_host_bytes_sent_per_rank"] = s.inter_host_bytes_sent_per_rank;
+    doc["strategies"].push_back(j);
+  }
+  doc["recommendation"] = plan.recommendation;
+  {
+    // What to run: a strategy that neither splits heads nor passes a ring (all_gather) has no degrees;
+    // ulysses is U = cp, R = 1; ring U = 1, R = cp.
+    const StrategyPlan& best = plan.strategies[plan.recommended];
+    const StrategyTraits traits = strategy_traits(best.strategy);
+    const bool degrees = traits.heads != HeadSplit::none || traits.ring;
+    doc["recommended"] = {
+        {"name", best.name},
+        {"strategy", to_string(best.strategy)},
+        {"load_balance", best.load_balance},
+        {"ulysses_degree", degrees ? nlohmann::ordered_json(best.ulysses_degree) : nlohmann::ordered_json()},
+        {"ring_degree", degrees ? nlohmann::ordered_json(best.ring_degree) : nlohmann::ordered_json()}};
+  }
+  return doc;
+}
+
+// plan's text: a header line, each strategy's table and estimates, the recommendation.
+void print_plan(const PlanRequest& req, const Plan& plan, const std::string& segments, std::ostream& out) {
+  out << "cpattn plan: " << req.model.name << ", S=" << req.attention.seq_len << " B=" << req.attention.batch
+      << " Hq=" << req.attention.num_q_heads << " Hkv=" << req.attention.num_kv_heads
+      << " D=" << req.attention.head_dim << " " << to_string(req.attention.dtype)
+      << ", cp=" << req.parallel.cp << " tp=" << req.parallel.tp << ", block " << req.block << ", "
+      << (req.hardware.ranks_per_host > 0 && req.parallel.cp > req.hardware.ranks_per_host
+              ? std::to_string(req.hardware.ranks_per_host) + " ranks per host, "
+              : std::string())
+      << (req.segments.empty() ? "one document" : "segments " + segments) << (req.remat ? ", remat" : "")
+      << "; " << req.model.attention_layers() << " attention layers of " << req.model.num_layers << "; "
+      << req.hardware.name << "\n";
+  for (const auto& s : plan.strategies) {
+    out << "\n== " << s.name << "\n";
+    if (!s.possible) {
+      out << "  impossible: " << s.why_not.front().message << "\n";
+      continue;
+    }
+    const bool grouped = strategy_traits(s.strategy).sub_groups;
+    out << "  per attention layer:\n  " << std::left << std::setw(20) << "kind" << std::setw(10) << "phase"
+        << (grouped ? "group    " : "") << std::setw(7) << "count" << std::setw(16) << "bytes"
+        << "sent per rank\n";
+    for (const auto* list : {&s.collectives, &s.reorder}) {
+      for (const auto& c : *list) {
+        out << "  " << std::left << std::setw(20) << to_string(c.kind) << std::setw(10) << c.phase
+            << std::setw(grouped ? 9 : 0) << (grouped ? c.group : std::string()) << std::setw(7) << c.count
+            << std::setw(16) << mib(c.bytes) << mib(c.bytes_sent_per_rank) << "\n";
+      }
+    }
+    out << "  tiles per rank per q head:";
+    for (auto t : s.tiles_per_rank_per_q_head) out << " " << t;
+    out << "  (all local heads:";
+    for (auto t : s.tiles_per_rank) out << " " << t;
+    out << "; max/min " << fmt_double(s.tiles_skew) << ")\n";
+    out << "  memory per rank saved for backward " << mib(s.memory_bytes_per_rank) << ", K/V buffers "
+        << mib(s.kv_buffer_bytes_per_rank) << "\n";
+    out << "  estimate per layer: compute " << fmt_double(s.compute_seconds_per_rank[s.straggler_rank] * 1e3)
+        << " ms on the straggler (rank " << s.straggler_rank << "), communication "
+        << fmt_double(s.communication_seconds * 1e3) << " ms, exposed " << fmt_double(s.exposed_seconds * 1e3)
+        << " ms, layer " << fmt_double(s.layer_seconds * 1e3) << " ms; model "
+        << fmt_double(s.model_seconds * 1e3) << " ms\n";
+    if (req.hardware.ranks_per_host > 0 && req.parallel.cp > req.hardware.ranks_per_host) {
+      out << "  across hosts per rank per layer: " << mib(s.inter_host_bytes_sent_per_rank) << "\n";
+    }
+  }
+  out << "\nrecommendation: " << plan.recommendation << "\n";
+}
+
+}  // namespace
+
+DocumentAnswer plan_answer(const PlanInputs& inputs) {
+  DocumentAnswer answer;
+  const ConfigValues values = plan_values(inputs);
+  Specs specs = to_specs(values, answer.errors);
+  const HardwareProfile* hw = find_hardware(inputs.hardware);
+  plan_bounds(values, inputs, hw, answer.errors);
+  if (answer.errors.empty()) {
+    ParallelSpec general = specs.parallel;
+    general.load_balance = false;
+    general.layout.reset();
+    answer.errors = validation_errors(specs.attention, general);
+  }
+  if (!answer.errors.empty()) {
+    answer.exit_code = 2;
+    answer.document = failure_json("valid", answer.errors);
+    return answer;
+  }
+  const PlanRequest req = plan_request(values, specs, inputs, *hw);
+  const Plan plan = make_plan(req);
+  answer.document = json_text(plan_document(req, plan), 2);
+  std::ostringstream text;
+  print_plan(req, plan, inputs.segments, text);
+  answer.text = text.str();
+  return answer;
+}
+
+}  // namespace cpattn

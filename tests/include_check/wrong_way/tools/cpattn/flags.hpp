@@ -1,0 +1,2 @@
+// A fixture: a file of the program.
+#pragma once
