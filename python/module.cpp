@@ -16,15 +16,13 @@
 #include <utility>
 #include <vector>
 
+#include "cpattn/communicators.hpp"
 #include "cpattn/config.hpp"
 #include "cpattn/context_parallel.hpp"
 #include "cpattn/documents.hpp"
 #include "cpattn/error.hpp"
 #include "cpattn/flash.hpp"
 #include "cpattn/sequence_layout.hpp"
-#ifdef CPATTN_WITH_MPI
-#include "cpattn/mpi_comm.hpp"
-#endif
 
 namespace py = pybind11;
 
@@ -335,8 +333,6 @@ py::tuple run_document(const std::string& command,
   return py::make_tuple(answer.exit_code, answer.document);
 }
 
-#ifdef CPATTN_WITH_MPI
-
 // What one rank passes in a forward, agreed on by every rank before anything else: a rank whose arguments are
 // wrong, or that disagrees with the others, makes every rank raise.
 struct Agreement {
@@ -355,13 +351,6 @@ class ContextParallel {
                   std::optional<double> scale, std::optional<int> threads, bool remat,
                   std::optional<double> timeout,
                   const std::vector<std::tuple<std::string, std::string, std::string>>& caller_problems) {
-    int initialized = 0, finalized = 0;
-    MPI_Initialized(&initialized);
-    MPI_Finalized(&finalized);
-    if (!initialized || finalized) {
-      throw Error(ErrorKind::invalid_config, "comm", "",
-                  "comm: MPI is not initialised (import mpi4py.MPI before making ContextParallelAttention)");
-    }
     // Every option is checked on every rank, and the outcome agreed on after the collective that makes the
     // communicator: a bad option on one rank raises on all of them instead of leaving the others waiting.
     Problems problems;
@@ -394,8 +383,10 @@ class ContextParallel {
     }
     {
       py::gil_scoped_release release;
-      comm_ =
-          std::make_unique<MpiCommunicator>(MPI_Comm_f2c(static_cast<MPI_Fint>(fortran_handle)), deadline);
+      CommunicatorOptions options;
+      options.timeout = deadline;
+      options.fortran_handle = fortran_handle;  // mpi4py's: MPI initialised by it (else an error on "comm")
+      comm_ = make_communicator(Backend::mpi, options);
     }
     std::int64_t bad = problems.items.empty() ? -1 : comm_->rank();
     {
@@ -566,13 +557,11 @@ class ContextParallel {
   bool causal_ = true;
   std::optional<double> scale_;
   ContextParallelOptions options_;
-  std::unique_ptr<MpiCommunicator> comm_;
+  std::unique_ptr<Communicator> comm_;
   static constexpr std::size_t kept_shapes = 8;
   std::vector<std::pair<std::string, std::shared_ptr<ContextParallelAttention>>>
       objects_;  // most recent first
 };
-
-#endif
 
 }  // namespace
 }  // namespace cpattn::python
@@ -616,8 +605,7 @@ PYBIND11_MODULE(_cpattn, m) {
         py::arg("layout") = "contiguous");
   m.def("_run_document", &run_document);
   m.def("simd_target", [] { return flash_vector_target(); });
-#ifdef CPATTN_WITH_MPI
-  m.attr("with_mpi") = true;
+  m.attr("with_mpi") = available(Backend::mpi);
   py::class_<ContextParallel::SavedForward>(m, "_SavedForward");
   py::class_<ContextParallel>(m, "_ContextParallel")
       .def(py::init<std::int64_t, const std::string&, bool, bool, std::optional<std::string>,
@@ -632,7 +620,4 @@ PYBIND11_MODULE(_cpattn, m) {
       .def("forward", &ContextParallel::forward)
       .def("backward", &ContextParallel::backward)
       .def("local_positions", &ContextParallel::local_positions);
-#else
-  m.attr("with_mpi") = false;
-#endif
 }

@@ -20,9 +20,7 @@
 #include "harness/whole_problem.hpp"
 #include "problem_flags.hpp"
 
-#ifdef CPATTN_WITH_MPI
-#include "cpattn/mpi_comm.hpp"
-#endif
+#include "cpattn/communicators.hpp"
 
 namespace cpattn::cli {
 namespace {
@@ -99,16 +97,7 @@ Timing time_collective(Communicator& comm, const std::string& kind, std::int64_t
     to.offset.push_back(p * rows * row);
   }
   auto once = [&] {
-#ifdef CPATTN_WITH_MPI
-    if (raw_mpi) {
-      auto& mpi = static_cast<MpiCommunicator&>(comm);
-      MPI_Alltoall(send.data(), static_cast<int>(block), MPI_FLOAT, recv.data(), static_cast<int>(block),
-                   MPI_FLOAT, mpi.comm());
-      return;
-    }
-#else
-    (void)raw_mpi;
-#endif
+    if (raw_mpi && native_all_to_all(comm, send.data(), recv.data(), block)) return;
     if (kind == "all_to_all") comm.all_to_all(send.data(), recv.data(), block, CommDType::f32);
     if (kind == "all_to_all_strided") {
       comm.all_to_all_strided(send.data(), {row, 0, n * row}, recv.data(), {rows * row, 0, row},
@@ -214,11 +203,11 @@ int bench_comm(const CommOptions& opt) {
       }
     }
   } else {
-#ifdef CPATTN_WITH_MPI
-    int initialized = 0;
-    MPI_Initialized(&initialized);
-    if (!initialized) MPI_Init(nullptr, nullptr);
-    MpiCommunicator comm;
+    CommunicatorOptions options;
+    options.thread_multiple = false;  // as MPI's own calls are measured (MPI_Init)
+    const std::unique_ptr<Communicator> made =
+        make_communicator(parse_backend(opt.backend, "--backend"), options);
+    Communicator& comm = *made;
     print = comm.rank() == 0;
     for (const std::string kind : {"all_to_all", "raw_MPI_Alltoall", "all_to_all_strided", "all_to_all_v",
                                    "all_gather", "reduce_scatter"}) {
@@ -228,10 +217,6 @@ int bench_comm(const CommOptions& opt) {
         if (print) record(raw ? "mpi_raw" : "mpi", raw ? "all_to_all" : kind, comm.size(), bytes, t);
       }
     }
-#else
-    throw Error(ErrorKind::invalid_config, "--backend", opt.backend,
-                "this build has no MPI backend; valid: inproc");
-#endif
   }
   if (!print) return 0;
   out["memcpy_gbps"] = memcpy_gbps;

@@ -12,12 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "cpattn/communicators.hpp"
 #include "cpattn/error.hpp"
 #include "cpattn/parse.hpp"
 
-#ifdef CPATTN_WITH_MPI
-#include <mpi.h>
-#endif
 #include "bench_command.hpp"
 #include "plan_command.hpp"
 #include "problem_flags.hpp"
@@ -38,17 +36,7 @@ struct Invocation {
 
 // Under mpirun only world rank 0 prints the document (the ranks agree; one document for the job).
 bool prints_documents() {
-#ifdef CPATTN_WITH_MPI
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (initialized && !finalized) {
-    int rank = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    return rank == 0;
-  }
-#endif
-  return true;
+  return cpattn::world_rank() == 0;
 }
 
 // Ends MPI where the run began it. Every error after MPI_Init that main sees is one every rank sees alike
@@ -56,12 +44,7 @@ bool prints_documents() {
 // all reach MPI_Finalize, so the job ends with this process's exit code rather than mpirun's "exited without
 // finalize". Errors mid-run end the whole job in execute (end_mpi_job).
 void finish_mpi() {
-#ifdef CPATTN_WITH_MPI
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (initialized && !finalized) MPI_Finalize();
-#endif
+  cpattn::finish_backends();
 }
 
 int fail(const Invocation& inv, ErrorKind kind, const std::vector<ErrorItem>& items,

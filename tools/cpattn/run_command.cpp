@@ -26,9 +26,7 @@
 #include "output_dir.hpp"
 #include "problem_flags.hpp"
 
-#ifdef CPATTN_WITH_MPI
-#include "cpattn/mpi_comm.hpp"
-#endif
+#include "cpattn/communicators.hpp"
 
 namespace cpattn::cli {
 namespace {
@@ -203,61 +201,15 @@ std::string fmt(double x) {
   return s.str();
 }
 
-#ifdef CPATTN_WITH_MPI
-// MPI_Init and a communicator's first collectives (MPI_Comm_dup, MPI_Comm_split_type) have no deadline of
-// their own: a rank stopped before them would hold its peers there for ever. While it lives, this ends the
-// process (exit 1, which makes mpirun end the job) once `limit` has passed. No rank can be named there: none
-// has made progress that the others could see.
-class SetupDeadline {
- public:
-  explicit SetupDeadline(std::chrono::milliseconds limit)
-      : thread_([this, limit] {
-          pthread_setname_np(pthread_self(),
-                             "cpattn-setup");  // tests/mpi/cli_stopped_rank_test.sh waits on it
-          std::unique_lock lock(mutex_);
-          if (done_changed_.wait_for(lock, limit, [this] { return done_; })) return;
-          std::fprintf(
-              stderr,
-              "error (communication): MPI setup (MPI_Init, the communicator's first collectives) made "
-              "no progress in %.3g s (--comm-timeout): a rank is stopped, dead or cannot be reached\n",
-              std::chrono::duration<double>(limit).count());
-          std::fflush(stderr);
-          std::_Exit(1);
-        }) {}
-  ~SetupDeadline() {
-    {
-      std::lock_guard lock(mutex_);
-      done_ = true;
-    }
-    done_changed_.notify_all();
-    thread_.join();
-  }
-  SetupDeadline(const SetupDeadline&) = delete;
-  SetupDeadline& operator=(const SetupDeadline&) = delete;
-
- private:
-  std::mutex mutex_;
-  std::condition_variable done_changed_;
-  bool done_ = false;
-  std::thread thread_;  // last: it starts once the members it reads exist
-};
-#endif
-
 // The whole run on the chosen backend. Under MPI every process runs one rank and then holds the whole result.
 WholeResult execute(const std::string& backend, const AttentionSpec& a, const ParallelSpec& p,
                     const harness::RunSettings& settings, const WholeProblem& problem, int& my_rank) {
   my_rank = 0;
   if (backend == "inproc") return harness::run_in_process(a, p, settings, problem);
-#ifdef CPATTN_WITH_MPI
-  auto setup = std::make_unique<SetupDeadline>(settings.comm_timeout);
-  int initialized = 0;
-  MPI_Initialized(&initialized);
-  if (!initialized) {
-    int provided = 0;
-    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-  }
-  MpiCommunicator comm(MPI_COMM_WORLD, settings.comm_timeout);
-  setup.reset();
+  CommunicatorOptions options;
+  options.timeout = settings.comm_timeout;
+  const std::unique_ptr<Communicator> made = make_communicator(parse_backend(backend), options);
+  Communicator& comm = *made;
   my_rank = comm.rank();
   if (comm.size() != p.cp) {
     bad_input("--cp", std::to_string(p.cp),
@@ -278,15 +230,9 @@ WholeResult execute(const std::string& backend, const AttentionSpec& a, const Pa
                                           error->kind() == ErrorKind::invalid_input);
     std::cerr << "error (" << (error != nullptr ? to_string(error->kind()) : "internal") << "): rank "
               << comm.rank() << ": " << e.what() << "\n";
-    end_mpi_job(MPI_COMM_WORLD, bad ? 2 : 1);
+    end_job(bad ? 2 : 1);
   }
   return result;
-#else
-  (void)p;
-  (void)settings;
-  (void)problem;
-  throw Error(ErrorKind::invalid_config, "backend", backend, "this build has no MPI backend");
-#endif
 }
 
 // "1e-6" for 1e-6, "2e-2" for 2e-2: a tolerance as it is written in the docs.
@@ -463,15 +409,7 @@ int run(const CLI::App& app, RunOptions& opt) {
     print_errors(errors);
     return 2;
   }
-#ifdef CPATTN_WITH_MPI
-  const char* backends = "inproc or mpi";
-#else
-  const char* backends = "inproc (this build has no MPI)";
-#endif
-  if (opt.backend != "inproc" && !(opt.backend == "mpi" && std::string(backends) == "inproc or mpi")) {
-    bad_input("--backend", opt.backend,
-              "--backend '" + cpattn::quoted(opt.backend) + "' is not available; valid: " + backends);
-  }
+  parse_backend(opt.backend, "--backend");  // one this build has
   const AttentionSpec& a = specs.attention;
   const ParallelSpec& p = specs.parallel;
   if (opt.backend == "inproc") refuse_inproc_under_launcher();
