@@ -46,15 +46,12 @@ std::string dtype_text(const py::array& a) {
   return py::str(a.dtype()).cast<std::string>();
 }
 
-// Problems found while reading the arguments, all reported at once.
-struct Problems {
-  std::vector<ErrorItem> items;
+// Problems found while reading the arguments, all reported at once (Error(invalid_input)).
+struct Problems : ErrorList {
   void add(const std::string& field, const std::string& value, const std::string& message) {
-    items.push_back({{field}, value, message});
+    ErrorList::add({field}, value, message);
   }
-  void raise() const {
-    if (!items.empty()) throw Error(ErrorKind::invalid_input, items);
-  }
+  void raise() const { ErrorList::raise(ErrorKind::invalid_input); }
 };
 
 // A [B, S, H, D] array as a view the kernels take: zero-copy when the last axis is contiguous and the strides
@@ -182,7 +179,7 @@ AttentionSpec spec_of(const std::optional<ArrayRef>& q, const std::optional<Arra
 }
 
 void add_rule_errors(const AttentionSpec& a, const ParallelSpec& p, Problems& problems) {
-  for (ErrorItem& e : validation_errors(a, p)) problems.items.push_back(std::move(e));
+  problems.append(validation_errors(a, p));
 }
 
 // An owning numpy array over a Tensor's storage (no copy: the Tensor lives in the array's capsule).
@@ -213,12 +210,11 @@ std::vector<std::int32_t> natural_positions(std::int64_t batch, std::int64_t seq
 
 FlashConfig kernel_config(std::optional<int> threads, Problems& problems) {
   FlashConfig config;
-  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   if (threads && *threads < 1) {
     problems.add("threads", std::to_string(*threads),
                  "threads: " + std::to_string(*threads) + " must be >= 1");
   }
-  config.threads = threads.value_or(hw);
+  config.threads = threads_per_rank(threads.value_or(0), 1);  // default: every hardware thread
   return config;
 }
 
@@ -228,7 +224,7 @@ py::tuple attention(const py::object& q_obj, const py::object& k_obj, const py::
   auto q = read_tensor(q_obj, "q", problems), k = read_tensor(k_obj, "k", problems),
        v = read_tensor(v_obj, "v", problems);
   const AttentionSpec a = spec_of(q, k, v, causal, scale, problems);
-  if (problems.items.empty()) add_rule_errors(a, ParallelSpec{}, problems);
+  if (problems.empty()) add_rule_errors(a, ParallelSpec{}, problems);
   const FlashConfig config = kernel_config(threads, problems);
   problems.raise();
   const auto seg = read_segments(segment_ids, a.batch, a.seq_len, problems);
@@ -254,7 +250,7 @@ py::tuple attention_backward(const py::object& q_obj, const py::object& k_obj, c
        v = read_tensor(v_obj, "v", problems), o = read_tensor(o_obj, "o", problems),
        d_out = read_tensor(do_obj, "do", problems);
   const AttentionSpec a = spec_of(q, k, v, causal, scale, problems);
-  if (problems.items.empty()) add_rule_errors(a, ParallelSpec{}, problems);
+  if (problems.empty()) add_rule_errors(a, ParallelSpec{}, problems);
   const FlashConfig config = kernel_config(threads, problems);
   if (q) {
     for (const auto& [x, name] : {std::pair{&o, "o"}, std::pair{&d_out, "do"}}) {
@@ -301,7 +297,7 @@ py::array local_positions_of(std::int64_t seq_len, std::int64_t cp, std::int64_t
     problems.add("rank", std::to_string(rank), "rank: " + std::to_string(rank) + " must be in [0, cp)");
   }
   const ShardLayout l = parse_layout(layout, "layout");
-  const std::int64_t chunks = l == ShardLayout::dual_chunk_swap ? 2 * cp : cp;
+  const std::int64_t chunks = layout_chunks(l, cp);
   if (cp >= 1 && (seq_len < chunks || seq_len % chunks != 0)) {
     problems.add("seq_len", std::to_string(seq_len),
                  "seq_len: " + std::to_string(seq_len) + " must be a positive multiple of " +
@@ -359,7 +355,7 @@ class ContextParallel {
       try {
         read();
       } catch (const Error& e) {
-        problems.items.insert(problems.items.end(), e.items().begin(), e.items().end());
+        problems.append(e.items());
       }
     };
     parse([&] { parallel_.strategy = parse_strategy(strategy, "strategy"); });
@@ -388,7 +384,7 @@ class ContextParallel {
       options.fortran_handle = fortran_handle;  // mpi4py's: MPI initialised by it (else an error on "comm")
       comm_ = make_communicator(Backend::mpi, options);
     }
-    std::int64_t bad = problems.items.empty() ? -1 : comm_->rank();
+    std::int64_t bad = problems.empty() ? -1 : comm_->rank();
     {
       py::gil_scoped_release release;
       comm_->all_reduce(&bad, 1, ReduceOp::max);
@@ -419,7 +415,7 @@ class ContextParallel {
     }
     AttentionSpec a = spec_of(q, k, v, causal_, scale_, problems);
     std::vector<std::int32_t> seg;
-    if (problems.items.empty()) seg = read_segments(segment_ids, a.batch, a.seq_len, problems);
+    if (problems.empty()) seg = read_segments(segment_ids, a.batch, a.seq_len, problems);
     const std::int64_t local_seq = a.seq_len;
     a.seq_len = local_seq * parallel_.cp;
     agree(a, local_seq, !segment_ids.is_none(), problems);
@@ -458,7 +454,7 @@ class ContextParallel {
     }
     // The object checks d_out against its spec on every rank (and agrees on the outcome) before data moves;
     // a rank whose argument could not even be read passes an empty tensor, which fails that check.
-    Tensor dt = d_out && problems.items.empty() ? copy_in(d_out->ref) : Tensor();
+    Tensor dt = d_out && problems.empty() ? copy_in(d_out->ref) : Tensor();
     AttentionGradients g;
     try {
       py::gil_scoped_release release;
@@ -482,7 +478,7 @@ class ContextParallel {
 
   void agree(const AttentionSpec& a, std::int64_t local_seq, bool has_segments, const Problems& problems) {
     const int rank = comm_->rank();
-    std::int64_t mine[Agreement::count] = {problems.items.empty() ? -1 : rank,
+    std::int64_t mine[Agreement::count] = {problems.empty() ? -1 : rank,
                                            a.batch,
                                            local_seq,
                                            a.num_q_heads,

@@ -707,7 +707,8 @@ TEST(ContextParallel, AShapeThatDisagreesIsAnErrorOnEveryRank) {
 // of a strategy's forward or backward.
 class FailingCommunicator final : public Communicator {
  public:
-  FailingCommunicator(Communicator& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
+  FailingCommunicator(Communicator& inner, int fail_at)
+      : inner_(inner), state_(std::make_shared<State>(State{0, fail_at})) {}
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
   const char* backend() const override { return inner_.backend(); }
@@ -740,25 +741,35 @@ class FailingCommunicator final : public Communicator {
   }
   void barrier() override { inner_.barrier(); }
   void all_reduce(std::int64_t* values, int n, ReduceOp op) override { inner_.all_reduce(values, n, op); }
-  int calls() const { return calls_; }
+  // A sub-group (hybrid's) counts its data collectives with this one's: the fault point is over all of them.
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    return std::unique_ptr<Communicator>(new FailingCommunicator(inner_.split(color, key), state_));
+  }
+  int calls() const { return state_->calls; }
 
  private:
+  struct State {
+    int calls, fail_at;
+  };
+  FailingCommunicator(std::unique_ptr<Communicator> owned, std::shared_ptr<State> state)
+      : inner_(*owned), owned_(std::move(owned)), state_(std::move(state)) {}
   void step() {
-    if (calls_++ == fail_at_)
-      throw std::runtime_error("injected fault at collective " + std::to_string(fail_at_));
+    if (state_->calls++ == state_->fail_at)
+      throw std::runtime_error("injected fault at collective " + std::to_string(state_->fail_at));
   }
   Communicator& inner_;
-  int fail_at_;
-  int calls_ = 0;
+  std::unique_ptr<Communicator> owned_;  // a sub-group's
+  std::shared_ptr<State> state_;
 };
 
 // A rank that fails mid-forward or mid-backward: every other rank gets an error naming it, promptly (not by
 // the group's timeout), no thread stays blocked (run() returns), and a new group in the same process works.
 TEST(ContextParallel, ARankFailingMidForwardOrBackwardIsAnErrorOnEveryRank) {
-  for (const Strategy strategy : {Strategy::ulysses, Strategy::all_gather, Strategy::ring}) {
+  for (const Strategy strategy : kStrategies) {
     CpCase c;
     c.strategy = strategy;
-    c.load_balance = strategy != Strategy::ulysses;
+    c.load_balance = strategy_traits(strategy).load_balance;
+    if (strategy_traits(strategy).sub_groups) c.ulysses_degree = 2;
     c.seq = 256;
     c.hq = 8;
     const auto in = testing::make_whole_inputs(c, 3);

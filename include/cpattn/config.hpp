@@ -17,6 +17,12 @@ namespace cpattn {
 // dual_chunk_swap (2*cp chunks; rank r holds chunks r and 2*cp-1-r).
 enum class ShardLayout { contiguous, dual_chunk_swap };
 
+// The chunks a layout cuts a row of tokens into at cp ranks: cp (contiguous) or 2*cp (dual chunk swap); a
+// row's length must be a multiple of them.
+constexpr std::int64_t layout_chunks(ShardLayout layout, std::int64_t cp) {
+  return layout == ShardLayout::dual_chunk_swap ? 2 * cp : cp;
+}
+
 const char* to_string(Strategy strategy);
 const char* to_string(ShardLayout layout);
 Strategy parse_strategy(const std::string& text, const std::string& field = "strategy");

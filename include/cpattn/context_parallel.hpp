@@ -25,6 +25,9 @@
 
 namespace cpattn {
 
+// Kernel threads of one rank: `threads`, or where it is 0, max(1, hardware threads / cp).
+int threads_per_rank(int threads, std::int64_t cp);
+
 struct ContextParallelOptions {
   bool remat = false;  // all_gather: re-gather K/V in backward; ulysses: redo the Q/K/V all-to-alls
   int threads = 0;     // kernel threads per rank; 0: max(1, hardware threads / cp)

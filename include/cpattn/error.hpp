@@ -45,6 +45,28 @@ class Error : public std::runtime_error {
 // ...").
 Error on_rank(const Error& e, int rank);
 
+// Errors found one by one and reported at once (every broken rule, not the first): validation's rules, the
+// Python module's arguments.
+class ErrorList {
+ public:
+  void add(std::vector<std::string> fields, std::string value, std::string message) {
+    items_.push_back({std::move(fields), std::move(value), std::move(message)});
+  }
+  void append(const std::vector<ErrorItem>& items) {
+    items_.insert(items_.end(), items.begin(), items.end());
+  }
+  bool empty() const { return items_.empty(); }
+  const std::vector<ErrorItem>& items() const { return items_; }
+  std::vector<ErrorItem> take() { return std::move(items_); }
+  // Error(kind) with every item, where there is one.
+  void raise(ErrorKind kind) const {
+    if (!items_.empty()) throw Error(kind, items_);
+  }
+
+ private:
+  std::vector<ErrorItem> items_;
+};
+
 // Throws Error(internal) with file:line when an internal invariant fails.
 [[noreturn]] void fail_invariant(const char* expr, const char* file, int line);
 

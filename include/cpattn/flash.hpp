@@ -65,7 +65,7 @@ struct FlashConfig {
   // Backward with GQA: the most memory the per-q-head fp64 dK/dV partials may take; the kv blocks are walked
   // in stripes that fit. Results do not depend on it (each kv block's sums are the same in any stripe).
   double backward_partial_bytes = 64.0 * 1024 * 1024;
-  // bf16 forward and backward on AMX tiles where the CPU has them (src/kernels/flash_amx.hpp); off: the next
+  // bf16 forward and backward on AMX tiles where the CPU has them (src/kernels/flash_bf16.hpp); off: the next
   // path of flash_bf16_path.
   bool allow_amx = true;
   // bf16 products with AVX512-BF16 dot products where the CPU has them and AMX is not used; off: the vector

@@ -76,21 +76,14 @@ double AttentionSpec::scale() const {
 namespace {
 
 // Collects broken rules; each names its field(s), the value(s) and what would be valid.
-class Rules {
+class Rules : public ErrorList {
  public:
-  void add(std::vector<std::string> fields, std::string value, std::string message) {
-    items_.push_back({std::move(fields), std::move(value), std::move(message)});
-  }
   bool positive(const std::string& field, std::int64_t value) {
     if (value > 0) return true;
     add({field}, std::to_string(value),
         field + " (" + std::to_string(value) + ") must be a positive integer");
     return false;
   }
-  std::vector<ErrorItem> take() { return std::move(items_); }
-
- private:
-  std::vector<ErrorItem> items_;
 };
 
 std::string str(std::int64_t v) {
@@ -229,12 +222,12 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
   if (!seq_ok || !cp_ok) {
     // seq_len against cp: judged once both are valid
   } else if (p.load_balance && p.traits().load_balance) {
-    if (a.seq_len % (2 * p.cp) != 0) {
+    if (a.seq_len % layout_chunks(ShardLayout::dual_chunk_swap, p.cp) != 0) {
       rules.add({"seq_len", "cp"}, str(a.seq_len),
                 "seq_len (" + str(a.seq_len) + ") must be divisible by 2*cp (" + str(2 * p.cp) + ") for " +
                     to_string(p.strategy) + " with load balance (dual chunk swap cuts it into 2*cp chunks)");
     }
-  } else if (a.seq_len % p.cp != 0) {
+  } else if (a.seq_len % layout_chunks(ShardLayout::contiguous, p.cp) != 0) {
     rules.add({"seq_len", "cp"}, str(a.seq_len),
               "seq_len (" + str(a.seq_len) + ") must be divisible by cp (" + str(p.cp) + ")");
   }

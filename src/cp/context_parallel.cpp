@@ -83,9 +83,13 @@ void ContextParallelAttention::Impl::finish() {
 
 FlashConfig ContextParallelAttention::Impl::kernel_config() const {
   FlashConfig cfg = options.kernel;
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  cfg.threads = options.threads > 0 ? options.threads : std::max(1, cores / static_cast<int>(cp));
+  cfg.threads = threads_per_rank(options.threads, cp);
   return cfg;
+}
+
+int threads_per_rank(int threads, std::int64_t cp) {
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return threads > 0 ? threads : std::max(1, cores / static_cast<int>(std::max<std::int64_t>(cp, 1)));
 }
 
 AttentionMask ContextParallelAttention::Impl::mask(const std::vector<std::int32_t>& q_pos,

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/parallel_for.hpp"
 #include "cpattn/flash.hpp"
 #include "kernels/tile_classification.hpp"
 
@@ -42,6 +43,20 @@ inline std::int64_t backward_stripe_blocks(const FlashConfig& config, std::int64
   const double bytes_per_block = 2.0 * 8.0 * static_cast<double>(batch * q_heads * config.block_kv * width);
   return std::clamp<std::int64_t>(static_cast<std::int64_t>(config.backward_partial_bytes / bytes_per_block),
                                   1, kv_blocks);
+}
+
+// The backward's outer loop, the vector and the bf16 paths alike: the kv blocks in stripes of `stripe`; in
+// each, head(task, s0, s1, worker) for every (batch row, q head) task in parallel, then, where a kv head
+// serves several q heads, sum(s0, s1) adds the group's per-head dK/dV partials of kv blocks [s0, s1) in head
+// order.
+template <class Head, class Sum>
+void for_each_backward_stripe(std::int64_t kv_blocks, std::int64_t stripe, std::int64_t tasks, int threads,
+                              bool grouped, const Head& head, const Sum& sum) {
+  for (std::int64_t s0 = 0; s0 < kv_blocks; s0 += stripe) {
+    const std::int64_t s1 = std::min(kv_blocks, s0 + stripe);
+    parallel_for(tasks, threads, [&](std::int64_t task, int worker) { head(task, s0, s1, worker); });
+    if (grouped) sum(s0, s1);
+  }
 }
 
 }  // namespace cpattn::kernels

@@ -15,7 +15,7 @@
 #include "kernels/aligned_vector.hpp"
 #include "kernels/block_grid.hpp"
 #include "kernels/exp2_poly.hpp"
-#include "kernels/flash_amx.hpp"
+#include "kernels/flash_bf16.hpp"
 #include "kernels/kernel_args.hpp"
 #include "kernels/masking.hpp"
 #include "kernels/packing.hpp"
@@ -377,12 +377,14 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
                           .full = full,
                           .partial = partial};
   std::vector<Workspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
-  for (std::int64_t s0 = 0; s0 < kv_blocks; s0 += stripe) {
-    const std::int64_t s1 = std::min(kv_blocks, s0 + stripe);
-    parallel_for(B * Hq, config.threads,
-                 [&](std::int64_t task, int worker) { backward_head(call, task, s0, s1, spaces[worker]); });
-    if (G > 1) sum_head_partials(call, B, s0 * Bk, std::min(Skv, s1 * Bk), config.threads);
-  }
+  for_each_backward_stripe(
+      kv_blocks, stripe, B * Hq, config.threads, G > 1,
+      [&](std::int64_t task, std::int64_t s0, std::int64_t s1, int worker) {
+        backward_head(call, task, s0, s1, spaces[worker]);
+      },
+      [&](std::int64_t s0, std::int64_t s1) {
+        sum_head_partials(call, B, s0 * Bk, std::min(Skv, s1 * Bk), config.threads);
+      });
   const float grad_scale = static_cast<float>(scale);
   parallel_for(B * Hq, config.threads, [&](std::int64_t task, int) {
     const std::int64_t b = task / Hq, h = task % Hq;
@@ -451,8 +453,8 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
   const bool bf16_inputs = q.dtype == DType::bf16 && k.dtype == DType::bf16 && v.dtype == DType::bf16 &&
                            d_out.dtype == DType::bf16;
   if (bf16_inputs && !guard && !any_nonfinite(v) && flash_bf16_path(config) != Bf16Path::vector) {
-    flash_backward_amx(q, k, v, d_out, mask, scale, config, grid, lse2, delta, dq, dk, dv, task_tiles, full,
-                       partial);
+    flash_backward_bf16(q, k, v, d_out, mask, scale, config, grid, lse2, delta, dq, dk, dv, task_tiles, full,
+                        partial);
   } else {
     HWY_DYNAMIC_DISPATCH(backward_vector)
     (q, k, v, d_out, mask, scale, config, grid, lse2, delta, guard, dq, dk, dv, task_tiles, full, partial);

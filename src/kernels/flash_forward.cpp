@@ -14,7 +14,7 @@
 #include "kernels/aligned_vector.hpp"
 #include "kernels/block_grid.hpp"
 #include "kernels/exp2_poly.hpp"
-#include "kernels/flash_amx.hpp"
+#include "kernels/flash_bf16.hpp"
 #include "kernels/kernel_args.hpp"
 #include "kernels/masking.hpp"
 #include "kernels/packing.hpp"
@@ -454,7 +454,7 @@ void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const Const
   const bool bf16_inputs = q.dtype == DType::bf16 && k.dtype == DType::bf16 && v.dtype == DType::bf16;
   // The bf16 products cannot skip a masked pair, so a non-finite V (0 * Inf = NaN) takes the vector path.
   if (bf16_inputs && flash_bf16_path(config) != Bf16Path::vector && !any_nonfinite(v)) {
-    flash_forward_amx(q, k, v, mask, scale, config, grid, o, lse, task_tiles, full, partial);
+    flash_forward_bf16(q, k, v, mask, scale, config, grid, o, lse, task_tiles, full, partial);
   } else {
     HWY_DYNAMIC_DISPATCH(forward_vector)
     (q, k, v, mask, scale, config, grid, o, lse, task_tiles, full, partial);

@@ -441,19 +441,18 @@ int run(const CLI::App& app, RunOptions& opt) {
   settings.options.threads = opt.threads;
   settings.forward_only = opt.forward_only;
   settings.comm_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(opt.comm_timeout * 1000));
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads_per_rank = opt.threads > 0 ? opt.threads : std::max(1, cores / static_cast<int>(p.cp));
+  const int rank_threads = threads_per_rank(opt.threads, p.cp);
 
   int my_rank = 0;
   const WholeResult result = execute(opt.backend, a, p, settings, problem, my_rank);
   if (my_rank != 0) return 0;  // under mpirun rank 0 alone checks and reports
 
-  nlohmann::ordered_json out = run_report(opt, a, p, threads_per_rank, result);
+  nlohmann::ordered_json out = run_report(opt, a, p, rank_threads, result);
   bool pass = true;
   std::string check_text;
   if (opt.check) {
     const harness::WholeCheck c =
-        harness::check_whole_result(a, p.strategy, problem, result, opt.forward_only, cores);
+        harness::check_whole_result(a, p.strategy, problem, result, opt.forward_only, threads_per_rank(0, 1));
     pass = c.pass;
     check_text = check_report(c, opt.forward_only, out);
   }

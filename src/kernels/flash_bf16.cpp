@@ -1,4 +1,4 @@
-#include "kernels/flash_amx.hpp"
+#include "kernels/flash_bf16.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -343,11 +343,11 @@ bool amx_bf16_usable() {
   return usable;
 }
 
-void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
-                       const AttentionMask& mask, double scale, const FlashConfig& config,
-                       const BlockGrid& grid, const TensorRef& o, float* lse,
-                       std::vector<std::int64_t>& task_tiles, std::atomic<std::int64_t>& full,
-                       std::atomic<std::int64_t>& partial) {
+void flash_forward_bf16(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
+                        const AttentionMask& mask, double scale, const FlashConfig& config,
+                        const BlockGrid& grid, const TensorRef& o, float* lse,
+                        std::vector<std::int64_t>& task_tiles, std::atomic<std::int64_t>& full,
+                        std::atomic<std::int64_t>& partial) {
   const std::int64_t B = q.shape.b, Sq = q.shape.s, Skv = k.shape.s, Hq = q.shape.h, Hkv = k.shape.h;
   const std::int64_t D = q.shape.d, G = Hq / Hkv;
   const std::int64_t Bq = config.block_q, Bk = config.block_kv;
@@ -649,12 +649,12 @@ void sum_amx_partials(const AmxBackwardCall& call, std::vector<AmxBackwardWorksp
 
 }  // namespace
 
-void flash_backward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
-                        const ConstTensorRef& d_out, const AttentionMask& mask, double scale,
-                        const FlashConfig& config, const BlockGrid& grid, const std::vector<float>& lse2,
-                        const std::vector<float>& delta, const TensorRef& dq, const TensorRef& dk,
-                        const TensorRef& dv, std::vector<std::int64_t>& task_tiles,
-                        std::atomic<std::int64_t>& full, std::atomic<std::int64_t>& partial) {
+void flash_backward_bf16(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
+                         const ConstTensorRef& d_out, const AttentionMask& mask, double scale,
+                         const FlashConfig& config, const BlockGrid& grid, const std::vector<float>& lse2,
+                         const std::vector<float>& delta, const TensorRef& dq, const TensorRef& dk,
+                         const TensorRef& dv, std::vector<std::int64_t>& task_tiles,
+                         std::atomic<std::int64_t>& full, std::atomic<std::int64_t>& partial) {
   const std::int64_t B = q.shape.b, Sq = q.shape.s, Skv = k.shape.s, Hq = q.shape.h, Hkv = k.shape.h;
   const std::int64_t D = q.shape.d, G = Hq / Hkv;
   const std::int64_t Bq = config.block_q, Bk = config.block_kv;
@@ -704,13 +704,12 @@ void flash_backward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const 
                              .full = full,
                              .partial = partial};
   std::vector<AmxBackwardWorkspace> spaces(static_cast<std::size_t>(std::max(1, config.threads)));
-  for (std::int64_t s0 = 0; s0 < kv_blocks; s0 += stripe) {
-    const std::int64_t s1 = std::min(kv_blocks, s0 + stripe);
-    parallel_for(B * Hq, config.threads, [&](std::int64_t task, int worker) {
-      amx_backward_head(call, task, s0, s1, spaces[worker]);
-    });
-    if (G > 1) sum_amx_partials(call, spaces, B, s0, s1, config.threads);
-  }
+  for_each_backward_stripe(
+      kv_blocks, stripe, B * Hq, config.threads, G > 1,
+      [&](std::int64_t task, std::int64_t s0, std::int64_t s1, int worker) {
+        amx_backward_head(call, task, s0, s1, spaces[worker]);
+      },
+      [&](std::int64_t s0, std::int64_t s1) { sum_amx_partials(call, spaces, B, s0, s1, config.threads); });
   parallel_for(B * Hq * q_blocks, config.threads, [&](std::int64_t task, int) {
     const std::int64_t b = task / (Hq * q_blocks), h = (task / q_blocks) % Hq;
     const BlockMeta& qb = grid.q[b][task % q_blocks];
@@ -730,19 +729,19 @@ bool amx_bf16_usable() {
   return false;
 }
 
-void flash_forward_amx(const ConstTensorRef&, const ConstTensorRef&, const ConstTensorRef&,
-                       const AttentionMask&, double, const FlashConfig&, const BlockGrid&, const TensorRef&,
-                       float*, std::vector<std::int64_t>&, std::atomic<std::int64_t>&,
-                       std::atomic<std::int64_t>&) {
-  CPATTN_ASSERT(false && "flash_forward_amx without AMX");
+void flash_forward_bf16(const ConstTensorRef&, const ConstTensorRef&, const ConstTensorRef&,
+                        const AttentionMask&, double, const FlashConfig&, const BlockGrid&, const TensorRef&,
+                        float*, std::vector<std::int64_t>&, std::atomic<std::int64_t>&,
+                        std::atomic<std::int64_t>&) {
+  CPATTN_ASSERT(false && "flash_forward_bf16 without AMX");
 }
 
-void flash_backward_amx(const ConstTensorRef&, const ConstTensorRef&, const ConstTensorRef&,
-                        const ConstTensorRef&, const AttentionMask&, double, const FlashConfig&,
-                        const BlockGrid&, const std::vector<float>&, const std::vector<float>&,
-                        const TensorRef&, const TensorRef&, const TensorRef&, std::vector<std::int64_t>&,
-                        std::atomic<std::int64_t>&, std::atomic<std::int64_t>&) {
-  CPATTN_ASSERT(false && "flash_backward_amx without AMX");
+void flash_backward_bf16(const ConstTensorRef&, const ConstTensorRef&, const ConstTensorRef&,
+                         const ConstTensorRef&, const AttentionMask&, double, const FlashConfig&,
+                         const BlockGrid&, const std::vector<float>&, const std::vector<float>&,
+                         const TensorRef&, const TensorRef&, const TensorRef&, std::vector<std::int64_t>&,
+                         std::atomic<std::int64_t>&, std::atomic<std::int64_t>&) {
+  CPATTN_ASSERT(false && "flash_backward_bf16 without AMX");
 }
 
 #endif

@@ -27,22 +27,22 @@ bool avx512_bf16_usable();
 
 // The forward of flash_forward for bf16 inputs; task_tiles [B][Hq][q blocks] and the full/partial counts are
 // filled as the vector path fills them.
-void flash_forward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
-                       const AttentionMask& mask, double scale, const FlashConfig& config,
-                       const BlockGrid& grid, const TensorRef& o, float* lse,
-                       std::vector<std::int64_t>& task_tiles, std::atomic<std::int64_t>& full,
-                       std::atomic<std::int64_t>& partial);
+void flash_forward_bf16(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
+                        const AttentionMask& mask, double scale, const FlashConfig& config,
+                        const BlockGrid& grid, const TensorRef& o, float* lse,
+                        std::vector<std::int64_t>& task_tiles, std::atomic<std::int64_t>& full,
+                        std::atomic<std::int64_t>& partial);
 
 // The backward of flash_backward for bf16 inputs with finite values: S, dP, dV^T, dK^T and dQ on the tile
 // unit (P and dS rounded to bf16 for the last three), the rest as the vector path: one task per (batch row, q
 // head) walking the kv blocks in order, dQ rows summing over kv blocks in that order, dK/dV of a kv block
 // over the q blocks in theirs in fp64, and a group's q heads through fp64 partials in stripes of at most
 // config.backward_partial_bytes. lse2 and delta: [B][Hq][q_blocks * Bq] as flash_backward computes them.
-void flash_backward_amx(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
-                        const ConstTensorRef& d_out, const AttentionMask& mask, double scale,
-                        const FlashConfig& config, const BlockGrid& grid, const std::vector<float>& lse2,
-                        const std::vector<float>& delta, const TensorRef& dq, const TensorRef& dk,
-                        const TensorRef& dv, std::vector<std::int64_t>& task_tiles,
-                        std::atomic<std::int64_t>& full, std::atomic<std::int64_t>& partial);
+void flash_backward_bf16(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
+                         const ConstTensorRef& d_out, const AttentionMask& mask, double scale,
+                         const FlashConfig& config, const BlockGrid& grid, const std::vector<float>& lse2,
+                         const std::vector<float>& delta, const TensorRef& dq, const TensorRef& dk,
+                         const TensorRef& dv, std::vector<std::int64_t>& task_tiles,
+                         std::atomic<std::int64_t>& full, std::atomic<std::int64_t>& partial);
 
 }  // namespace cpattn::kernels
