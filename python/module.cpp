@@ -319,9 +319,7 @@ py::tuple run_document(const std::string& command,
       keywords.emplace_back(name, value.cast<bool>());
     } else if (py::isinstance<py::int_>(value)) {
       keywords.emplace_back(name, py::str(value).cast<std::string>());  // any size: the parser bounds it
-    } else if (py::isinstance<py::float_>(value)) {
-      keywords.emplace_back(name, value.cast<double>());
-    } else {
+    } else {  // a float as Python writes it: 4.0 is no integer, as "--cp 4.0" is not
       keywords.emplace_back(name, py::str(value).cast<std::string>());
     }
   }

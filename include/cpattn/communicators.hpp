@@ -36,10 +36,14 @@ struct CommunicatorOptions {
   // mpi, initialised here: with MPI_THREAD_MULTIPLE (a thread of its own polls a ring shift while the rank
   // computes), or plain MPI_Init (the collectives bench, comparing with MPI's own calls).
   bool thread_multiple = true;
+  // How the setup deadline is named in its message (the program: "--comm-timeout").
+  std::string timeout_name = "the communicator's timeout";
 };
 
-// This process's rank of a backend that runs one rank per process (mpi), set up under options.timeout: a rank
-// that never arrives ends the process after it. inproc: Error(invalid_config), its ranks being threads.
+// This process's rank of a backend that runs one rank per process (mpi). MPI initialised here is set up under
+// options.timeout (MPI_Init and the communicator's first collectives: a rank that never arrives ends the
+// process after it); on a communicator made elsewhere (fortran_handle) the first collectives have the
+// communicator's own deadline only where they poll. inproc: Error(invalid_config), its ranks being threads.
 std::unique_ptr<Communicator> make_communicator(Backend backend, const CommunicatorOptions& options = {});
 
 // This process's rank in the world of a running MPI (initialised, not finalised); 0 otherwise.

@@ -60,10 +60,13 @@ DocumentAnswer plan_answer(const PlanInputs& inputs);
 
 // The keyword form of both (the Python module's): keywords named as the program's flags without their dashes
 // and with underscores (q_heads for --q-heads), each read as the flag reads its text (numbers by the one
-// decimal parser, with the flag's range); a switch takes true or false. Error(invalid_config) for an unknown
-// command or keyword (naming the valid ones and the nearest) and for a value the keyword cannot take; the
-// rules a configuration breaks are in the answer.
+// decimal parser, with the flag's range); a switch takes true or false; `config` may repeat (files merged in
+// order, as --config). Error(invalid_config) for an unknown command or keyword (naming the valid ones and the
+// nearest) or a switch given a value, Error(invalid_input) for a value the keyword cannot take; the rules a
+// configuration breaks are in the answer.
 using KeywordValue = std::variant<bool, std::int64_t, double, std::string>;
+// The keywords of "validate" or "plan", in the table's order (tests hold them against the program's flags).
+std::vector<std::string> document_keywords(const std::string& command);
 DocumentAnswer keyword_answer(const std::string& command,
                               const std::vector<std::pair<std::string, KeywordValue>>& keywords);
 

@@ -42,6 +42,9 @@ def _document(command, config):
     for name, value in config.items():
         if value is None:
             continue
+        if name == "config" and isinstance(value, (list, tuple)):  # several files, merged in order
+            flags += [(name, path) for path in value]
+            continue
         if isinstance(value, (list, tuple)):  # segments=[61440, 4096] -> "61440,4096"
             value = ",".join(str(x) for x in value)
         flags.append((name, value))

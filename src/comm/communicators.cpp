@@ -70,8 +70,8 @@ bool mpi_running() {
 // has made progress that the others could see.
 class SetupDeadline {
  public:
-  explicit SetupDeadline(std::chrono::milliseconds limit)
-      : thread_([this, limit] {
+  SetupDeadline(std::chrono::milliseconds limit, std::string name)
+      : thread_([this, limit, name = std::move(name)] {
           pthread_setname_np(pthread_self(),
                              "cpattn-setup");  // tests/mpi/cli_stopped_rank_test.sh waits on it
           std::unique_lock lock(mutex_);
@@ -79,8 +79,8 @@ class SetupDeadline {
           std::fprintf(
               stderr,
               "error (communication): MPI setup (MPI_Init, the communicator's first collectives) made "
-              "no progress in %.3g s (--comm-timeout): a rank is stopped, dead or cannot be reached\n",
-              std::chrono::duration<double>(limit).count());
+              "no progress in %.3g s (%s): a rank is stopped, dead or cannot be reached\n",
+              std::chrono::duration<double>(limit).count(), name.c_str());
           std::fflush(stderr);
           std::_Exit(1);
         }) {}
@@ -111,7 +111,7 @@ std::unique_ptr<Communicator> make_mpi(const CommunicatorOptions& options) {
     return std::make_unique<MpiCommunicator>(MPI_Comm_f2c(static_cast<MPI_Fint>(*options.fortran_handle)),
                                              options.timeout);
   }
-  SetupDeadline setup(options.timeout);
+  SetupDeadline setup(options.timeout, options.timeout_name);
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {

@@ -13,7 +13,7 @@ Tensor reorder_sequence(Communicator& comm, const Tensor& x, std::int64_t seq_le
                         ShardLayout to) {
   const std::int64_t cp = comm.size(), rank = comm.rank();
   const Shape4 s = x.shape();
-  if (seq_len % (2 * cp) != 0 || s.s * cp != seq_len) {
+  if (seq_len % layout_chunks(ShardLayout::dual_chunk_swap, cp) != 0 || s.s * cp != seq_len) {
     throw Error(ErrorKind::invalid_input, "seq_len", std::to_string(seq_len),
                 "reorder_sequence needs seq_len (" + std::to_string(seq_len) + ") divisible by 2*cp (" +
                     std::to_string(2 * cp) + ") and shards of seq_len/cp tokens (got " + std::to_string(s.s) +

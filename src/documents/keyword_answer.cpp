@@ -19,7 +19,7 @@ constexpr Int kAnyHi = std::numeric_limits<Int>::max();
 // What the keywords set: the problem's values (over a config file's), plan's own inputs.
 struct Request {
   ConfigValues values;
-  std::string config;  // config=: a YAML file under the keywords' values
+  std::vector<std::string> configs;  // config=: YAML files (in order) under the keywords' values
   PlanInputs plan;
 };
 
@@ -31,6 +31,7 @@ struct Keyword {
   Int min = kAnyLo, max = kAnyHi;  // integer
   double real_min = 0, real_max = 0;
   std::function<void(Request&, const KeywordValue&)> set;  // the value already read as `kind`
+  bool empty_ok = false;                                   // text: "" taken (as the flag takes it)
 };
 
 Keyword integer(const char* name, Int min, Int max, std::function<void(Request&, Int)> set) {
@@ -51,14 +52,15 @@ Keyword real(const char* name, double min, double max, std::function<void(Reques
           max,
           [set](Request& r, const KeywordValue& v) { set(r, std::get<double>(v)); }};
 }
-Keyword text(const char* name, std::function<void(Request&, const std::string&)> set) {
+Keyword text(const char* name, std::function<void(Request&, const std::string&)> set, bool empty_ok = false) {
   return {name,
           Kind::text,
           0,
           0,
           0,
           0,
-          [set](Request& r, const KeywordValue& v) { set(r, std::get<std::string>(v)); }};
+          [set](Request& r, const KeywordValue& v) { set(r, std::get<std::string>(v)); },
+          empty_ok};
 }
 Keyword flag(const char* name, std::function<void(Request&, bool)> set) {
   return {
@@ -68,7 +70,7 @@ Keyword flag(const char* name, std::function<void(Request&, bool)> set) {
 // The problem's keywords (validate's and plan's): the program's --strategy --cp ... --config.
 std::vector<Keyword> problem_keywords() {
   return {
-      text("config", [](Request& r, const std::string& v) { r.config = v; }),
+      text("config", [](Request& r, const std::string& v) { r.configs.push_back(v); }),  // may repeat
       text("strategy", [](Request& r, const std::string& v) { r.values.strategy = v; }),
       integer("cp", kAnyLo, kAnyHi, [](Request& r, Int v) { r.values.cp = v; }),
       integer("ulysses_degree", kAnyLo, kAnyHi, [](Request& r, Int v) { r.values.ulysses_degree = v; }),
@@ -92,7 +94,8 @@ std::vector<Keyword> problem_keywords() {
 std::vector<Keyword> plan_keywords() {
   std::vector<Keyword> k = problem_keywords();
   const std::vector<Keyword> own = {
-      text("preset", [](Request& r, const std::string& v) { r.plan.preset = v; }),
+      text(
+          "preset", [](Request& r, const std::string& v) { r.plan.preset = v; }, true),  // "": none
       integer("emb_dim", 1, kMaxPlanEmbDim, [](Request& r, Int v) { r.plan.emb_dim = v; }),
       integer("layers", 1, kMaxPlanLayers, [](Request& r, Int v) { r.plan.layers = v; }),
       integer("attention_every", 1, kMaxPlanLayers, [](Request& r, Int v) { r.plan.attention_every = v; }),
@@ -142,7 +145,7 @@ KeywordValue read_value(const Keyword& k, const KeywordValue& v) {
     case Kind::real:
       return parse_real(text, name, k.real_min, k.real_max);
     case Kind::text:
-      if (text.empty()) {
+      if (text.empty() && !k.empty_ok) {
         throw Error(ErrorKind::invalid_input, name, text,
                     name + " is empty; give it a value or leave it out");
       }
@@ -160,6 +163,12 @@ std::string names_of(const std::vector<Keyword>& keywords) {
 }
 
 }  // namespace
+
+std::vector<std::string> document_keywords(const std::string& command) {
+  std::vector<std::string> names;
+  for (const Keyword& k : command == "plan" ? plan_keywords() : problem_keywords()) names.push_back(k.name);
+  return names;
+}
 
 DocumentAnswer keyword_answer(const std::string& command,
                               const std::vector<std::pair<std::string, KeywordValue>>& keywords) {
@@ -186,7 +195,7 @@ DocumentAnswer keyword_answer(const std::string& command,
     k->set(r, read_value(*k, value));
   }
   ConfigValues values;
-  if (!r.config.empty()) values = read_config_file(r.config);
+  for (const std::string& path : r.configs) values.merge_from(read_config_file(path));
   values.merge_from(r.values);
   if (!plan) return validate_answer(values);
   r.plan.values = values;

@@ -10,8 +10,8 @@ std::vector<PositionRange> local_ranges(ShardLayout layout, std::int64_t seq_len
     const std::int64_t n = seq_len / cp;
     return {{rank * n, (rank + 1) * n}};
   }
-  CPATTN_ASSERT(seq_len % (2 * cp) == 0);
-  const std::int64_t c = seq_len / (2 * cp);
+  CPATTN_ASSERT(seq_len % layout_chunks(layout, cp) == 0);
+  const std::int64_t c = seq_len / layout_chunks(layout, cp);
   std::vector<PositionRange> ranges;
   for (std::int64_t slot = 0; slot < 2; ++slot) {
     const std::int64_t chunk = chunk_at(layout, cp, rank, slot);

@@ -11,8 +11,10 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 #include <string>
 
+#include "cpattn/documents.hpp"
 #include "cpattn/npy.hpp"
 
 namespace {
@@ -58,6 +60,49 @@ void expect_bad_input(const std::pair<std::string, std::string> (&cases)[N]) {
 }
 
 const char* kSeed = "--q-heads 32 --kv-heads 2 --head-dim 256 --seq 65536";
+
+// The keyword form (cpattn/documents.hpp, the Python module's) takes exactly the program's flags of validate
+// and plan, each integer one with the flag's range: read off --help, so a flag added to one and not the other
+// fails here.
+TEST(CliDocuments, KeywordsAreTheFlagsWithTheirRanges) {
+  for (const std::string command : {"validate", "plan"}) {
+    const Result help = run(command + " --help");
+    ASSERT_EQ(help.exit_code, 0) << help.err;
+    std::set<std::string> flags;
+    std::vector<std::pair<std::string, std::int64_t>> ranged;  // keyword, the flag's largest value
+    std::istringstream lines(help.out);
+    for (std::string line; std::getline(lines, line);) {
+      // "  --name ARG   description (lo..hi)": a flag's line; "(lo..hi)" where it has a range.
+      const std::size_t at = line.find_first_not_of(' ');
+      if (at == std::string::npos || at == 0 || line.compare(at, 2, "--") != 0) continue;
+      std::string name =
+          line.substr(at + 2, line.find_first_not_of("abcdefghijklmnopqrstuvwxyz-", at + 2) - at - 2);
+      if (name == "json" || name.rfind("no-", 0) == 0) continue;
+      std::replace(name.begin(), name.end(), '-', '_');
+      flags.insert(name);
+      const std::size_t dots = line.rfind("..");
+      if (!line.empty() && line.back() == ')' && dots != std::string::npos &&
+          line.find_first_not_of("0123456789", dots + 2) == line.size() - 1) {
+        ranged.emplace_back(name, std::stoll(line.substr(dots + 2, line.size() - 1 - dots - 2)));
+      }
+    }
+    const std::vector<std::string> listed = cpattn::document_keywords(command);
+    EXPECT_EQ(flags, std::set<std::string>(listed.begin(), listed.end())) << command;
+    if (command == "plan") {
+      EXPECT_EQ(ranged.size(), 5u) << "--emb-dim --layers --attention-every --block --ranks-per-host";
+    }
+    for (const auto& [name, max] : ranged) {
+      EXPECT_NO_THROW(cpattn::keyword_answer(command, {{name, std::to_string(max)}}))
+          << command << " " << name;
+      try {
+        cpattn::keyword_answer(command, {{name, std::to_string(max) + "0"}});
+        ADD_FAILURE() << command << " " << name << " took a value past its range";
+      } catch (const cpattn::Error& e) {
+        EXPECT_EQ(e.items().front().fields.front(), name) << e.what();
+      }
+    }
+  }
+}
 
 TEST(CliValidate, SeedUlyssesCp4PrintsThePlacement) {
   const Result r = run(std::string("validate --strategy ulysses --cp 4 ") + kSeed);

@@ -42,7 +42,7 @@ bool prints_documents() {
 // Ends MPI where the run began it. Every error after MPI_Init that main sees is one every rank sees alike
 // (--cp against the world's size) or rank 0's alone after the others finished (checking, saving): the ranks
 // all reach MPI_Finalize, so the job ends with this process's exit code rather than mpirun's "exited without
-// finalize". Errors mid-run end the whole job in execute (end_mpi_job).
+// finalize". Errors mid-run end the whole job in execute (cpattn::end_job).
 void finish_mpi() {
   cpattn::finish_backends();
 }

@@ -208,6 +208,7 @@ WholeResult execute(const std::string& backend, const AttentionSpec& a, const Pa
   if (backend == "inproc") return harness::run_in_process(a, p, settings, problem);
   CommunicatorOptions options;
   options.timeout = settings.comm_timeout;
+  options.timeout_name = "--comm-timeout";
   const std::unique_ptr<Communicator> made = make_communicator(parse_backend(backend), options);
   Communicator& comm = *made;
   my_rank = comm.rank();
