@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <iterator>
 #include <limits>
 #include <sstream>
 #include <utility>
@@ -108,8 +107,7 @@ void layout_rules(Rules& rules, const ParallelSpec& p) {
   } else if (layout == ShardLayout::dual_chunk_swap && !p.load_balance) {
     rules.add({"layout", "load_balance"}, "dual_chunk_swap",
               "layout dual_chunk_swap needs " + strategy_names(&StrategyTraits::load_balance) +
-                  " with load_balance true; valid layout "
-                  "here: contiguous");
+                  " with load_balance true; valid layout here: contiguous");
   } else if (layout == ShardLayout::contiguous && p.load_balance) {
     rules.add({"layout", "load_balance"}, "contiguous",
               "load_balance (true) needs layout dual_chunk_swap (chunks r and 2*cp-1-r on rank r)");

@@ -27,8 +27,6 @@ ContextParallelAttention::Impl::Impl(const AttentionSpec& a, const ParallelSpec&
   hkv = attention.num_kv_heads / parallel.tp;
   positions = rank_positions(parallel.effective_layout(), attention.seq_len, cp);
   if (parallel.traits().sub_groups) {
-    ulysses_degree = parallel.ulysses_degree;
-    ring_degree = cp / ulysses_degree;
     const auto u_rank = static_cast<int>(parallel.ulysses_rank(rank));
     const auto r_rank = static_cast<int>(parallel.ring_rank(rank));
     ulysses_group = group.split(r_rank, u_rank);
@@ -38,7 +36,7 @@ ContextParallelAttention::Impl::Impl(const AttentionSpec& a, const ParallelSpec&
     ulysses_comm = std::make_unique<cp::ScheduledCommunicator>(*ulysses_group, kUlyssesGroup);
     ring_comm = std::make_unique<cp::ScheduledCommunicator>(*ring_group, kRingGroup);
     // A ring of one rank holds the whole row in natural order (one kernel call per head run, as ulysses).
-    ring_positions = rank_positions(parallel.ring_layout(), attention.seq_len, ring_degree);
+    ring_positions = rank_positions(parallel.ring_layout(), attention.seq_len, parallel.ring_degree());
   }
 }
 

@@ -67,10 +67,10 @@ class ContextParallelAttention::Impl {
   TileCounts tiles;
   double comm_wait_seconds = 0;  // ring: time spent in shifts' wait() since the last forward began
 
-  // hybrid: U x R ranks, rank = ring_rank * U + ulysses_rank; the caller's communicator split into this
-  // rank's ulysses group (U ranks) and ring group (R ranks, the same ulysses rank), each checked against its
-  // part of the schedule and counted in the caller's counters under its group's name.
-  std::int64_t ulysses_degree = 1, ring_degree = 1;
+  // hybrid: U x R ranks (parallel.head_group_size() x parallel.ring_degree()), rank = ring_rank * U +
+  // ulysses_rank; the caller's communicator split into this rank's ulysses group (U ranks) and ring group (R
+  // ranks, the same ulysses rank), each checked against its part of the schedule and counted in the caller's
+  // counters under its group's name.
   std::unique_ptr<Communicator> ulysses_group, ring_group;
   std::unique_ptr<cp::ScheduledCommunicator> ulysses_comm, ring_comm;
   RankPositions ring_positions;  // each ring rank's rows (its ulysses group's tokens, in the zigzag's order)

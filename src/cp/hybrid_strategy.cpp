@@ -86,7 +86,7 @@ HybridPlan hybrid_plan(const ContextParallelAttention::Impl& impl) {
 
 AttentionOutput ContextParallelAttention::Impl::hybrid_forward(const Tensor& q, const Tensor& k,
                                                                const Tensor& v, bool forward_only) {
-  const std::int64_t B = attention.batch, U = ulysses_degree, L = U * local_seq;
+  const std::int64_t B = attention.batch, U = parallel.head_group_size(), L = U * local_seq;
   const HybridPlan h = hybrid_plan(*this);
   const UlyssesHeads& u = h.heads;
   const std::int64_t u_rank = h.u_rank;
@@ -122,7 +122,8 @@ AttentionOutput ContextParallelAttention::Impl::hybrid_forward(const Tensor& q, 
     }
   }
   if (!seg_local.empty()) {
-    seg_full = ring_degree > 1 ? cp::all_gather_segments(*ring_comm, seg_rows, B, ring_positions) : seg_rows;
+    seg_full = parallel.ring_degree() > 1 ? cp::all_gather_segments(*ring_comm, seg_rows, B, ring_positions)
+                                          : seg_rows;
   }
 
   const cp::RingPass pass = ring_pass(*ring_comm, ring_positions, parallel.ring_parts(),
@@ -164,7 +165,7 @@ AttentionOutput ContextParallelAttention::Impl::hybrid_forward(const Tensor& q, 
 
 AttentionGradients ContextParallelAttention::Impl::hybrid_backward(const Tensor& d_out) {
   const cp::RingSaved& s = saved_as<cp::RingSaved>();
-  const std::int64_t U = ulysses_degree;
+  const std::int64_t U = parallel.head_group_size();
   const HybridPlan h = hybrid_plan(*this);
   const UlyssesHeads& u = h.heads;
   Tensor do_heads;
