@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -16,12 +17,14 @@
 #include <utility>
 #include <vector>
 
+#include "cpattn/agreement.hpp"
 #include "cpattn/communicators.hpp"
 #include "cpattn/config.hpp"
 #include "cpattn/context_parallel.hpp"
 #include "cpattn/documents.hpp"
 #include "cpattn/error.hpp"
 #include "cpattn/flash.hpp"
+#include "cpattn/parse.hpp"
 #include "cpattn/sequence_layout.hpp"
 
 namespace py = pybind11;
@@ -54,6 +57,76 @@ struct Problems : ErrorList {
   void raise() const { ErrorList::raise(ErrorKind::invalid_input); }
 };
 
+// Options read as the program reads its flags (cpattn/parse.hpp's parsers, the library's ranges), so that a
+// keyword takes what its flag takes: True or False for a switch (None too where the default is meant), an
+// int for a count (not a bool, not 4.0), a number for a real (not a str). A bad one joins `problems`.
+std::string repr_of(const py::handle& obj) {
+  std::string text = py::repr(obj).cast<std::string>();
+  return text.size() > 60 ? text.substr(0, 57) + "..." : text;
+}
+
+std::string type_of(const py::handle& obj) {
+  return py::type::of(obj).attr("__name__").cast<std::string>();
+}
+
+bool is_bool(const py::handle& obj) {
+  return py::isinstance<py::bool_>(obj) || type_of(obj) == "bool_";  // numpy's bool too
+}
+
+std::optional<bool> read_switch(const py::handle& obj, const std::string& field, Problems& problems) {
+  if (is_bool(obj)) return obj.cast<bool>();
+  problems.add(field, repr_of(obj),
+               field + ": expected True or False, got " + type_of(obj) + " " + repr_of(obj) +
+                   (obj.is_none() ? " (None is not a value of " + field + ")" : std::string()));
+  return std::nullopt;
+}
+
+std::optional<std::int64_t> read_count(const py::handle& obj, const std::string& field, std::int64_t min,
+                                       std::int64_t max, Problems& problems) {
+  if (obj.is_none()) return std::nullopt;
+  if (is_bool(obj) || !PyIndex_Check(obj.ptr())) {
+    problems.add(field, repr_of(obj),
+                 field + ": expected an int in " + std::to_string(min) + ".." + std::to_string(max) +
+                     ", got " + type_of(obj) + " " + repr_of(obj));
+    return std::nullopt;
+  }
+  try {
+    return parse_integer(py::str(py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr()))), field, min,
+                         max);
+  } catch (const Error& e) {
+    problems.append(e.items());
+  }
+  return std::nullopt;
+}
+
+std::optional<double> read_number(const py::handle& obj, const std::string& field, double min, double max,
+                                  Problems& problems) {
+  if (obj.is_none()) return std::nullopt;
+  const bool text = py::isinstance<py::str>(obj) || py::isinstance<py::bytes>(obj);
+  double x = 0;
+  bool ok = !text && !is_bool(obj);
+  if (ok) {
+    try {
+      x = obj.cast<double>();
+    } catch (const py::cast_error&) {
+      ok = false;
+    }
+  }
+  if (!ok) {
+    problems.add(field, repr_of(obj),
+                 field + ": expected a number, got " + type_of(obj) + " " + repr_of(obj));
+    return std::nullopt;
+  }
+  if (!(x >= min && x <= max)) {  // NaN too
+    problems.add(field, repr_of(obj),
+                 field + ": " + repr_of(obj) + " is out of range; valid: a finite number in " +
+                     py::repr(py::float_(min)).cast<std::string>() + ".." +
+                     py::repr(py::float_(max)).cast<std::string>());
+    return std::nullopt;
+  }
+  return x;
+}
+
 // A [B, S, H, D] array as a view the kernels take: zero-copy when the last axis is contiguous and the strides
 // are whole elements, else a C-contiguous copy (kept alive in `keep`).
 struct ArrayRef {
@@ -85,7 +158,15 @@ std::optional<ArrayRef> read_tensor(const py::handle& obj, const std::string& na
   const auto item = static_cast<py::ssize_t>(dtype_size(*dtype));
   bool direct = a.shape(3) <= 1 || a.strides(3) == item;
   for (int i = 0; i < 4; ++i) direct = direct && a.strides(i) >= 0 && a.strides(i) % item == 0;
-  if (!direct) a = py::array::ensure(a, py::array::c_style);
+  if (!direct) {
+    // A copy numpy cannot allocate is a MemoryError naming the array (ensure returns null and sets one).
+    a = py::array::ensure(a, py::array::c_style);
+    if (!a) {
+      PyErr_Clear();
+      fail_allocation(static_cast<std::size_t>(py::reinterpret_borrow<py::array>(obj).nbytes()),
+                      name + " (a C-order copy of a strided array)");
+    }
+  }
   ArrayRef out{a, {}};
   out.ref.ptr = a.data();
   out.ref.dtype = *dtype;
@@ -104,6 +185,7 @@ std::vector<std::int32_t> read_segments(const py::handle& obj, std::int64_t batc
     a = py::array::ensure(obj);
   } catch (const py::error_already_set&) {
   }
+  if (!a) PyErr_Clear();  // not an array numpy can make: refused below
   if (!a || !(a.dtype().is(py::dtype::of<std::int32_t>()) || a.dtype().is(py::dtype::of<std::int64_t>()))) {
     problems.add("segment_ids", a ? dtype_text(a) : py::str(py::type::of(obj)).cast<std::string>(),
                  "segment_ids: expected an int32 or int64 array [batch, seq]");
@@ -208,24 +290,33 @@ std::vector<std::int32_t> natural_positions(std::int64_t batch, std::int64_t seq
   return pos;
 }
 
-FlashConfig kernel_config(std::optional<int> threads, Problems& problems) {
+// The one-process functions' options: causal, scale and threads, read as their flags are.
+struct KernelOptions {
+  bool causal = true;
+  std::optional<double> scale;
   FlashConfig config;
-  if (threads && *threads < 1) {
-    problems.add("threads", std::to_string(*threads),
-                 "threads: " + std::to_string(*threads) + " must be >= 1");
-  }
-  config.threads = threads_per_rank(threads.value_or(0), 1);  // default: every hardware thread
-  return config;
+};
+
+KernelOptions kernel_options(const py::object& causal, const py::object& scale, const py::object& threads,
+                             Problems& problems) {
+  KernelOptions out;
+  out.causal = read_switch(causal, "causal", problems).value_or(true);
+  out.scale = read_number(scale, "scale", kMinScale, kMaxScale, problems);
+  const auto t = read_count(threads, "threads", 1, kMaxThreads, problems);
+  out.config.threads =
+      threads_per_rank(static_cast<int>(t.value_or(0)), 1);  // default: every hardware thread
+  return out;
 }
 
-py::tuple attention(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj, bool causal,
-                    const py::object& segment_ids, std::optional<double> scale, std::optional<int> threads) {
+py::tuple attention(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
+                    const py::object& causal_obj, const py::object& segment_ids, const py::object& scale,
+                    const py::object& threads) {
   Problems problems;
+  const auto [causal, scale_value, config] = kernel_options(causal_obj, scale, threads, problems);
   auto q = read_tensor(q_obj, "q", problems), k = read_tensor(k_obj, "k", problems),
        v = read_tensor(v_obj, "v", problems);
-  const AttentionSpec a = spec_of(q, k, v, causal, scale, problems);
+  const AttentionSpec a = spec_of(q, k, v, causal, scale_value, problems);
   if (problems.empty()) add_rule_errors(a, ParallelSpec{}, problems);
-  const FlashConfig config = kernel_config(threads, problems);
   problems.raise();
   const auto seg = read_segments(segment_ids, a.batch, a.seq_len, problems);
   problems.raise();
@@ -243,15 +334,15 @@ py::tuple attention(const py::object& q_obj, const py::object& k_obj, const py::
 
 py::tuple attention_backward(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
                              const py::object& o_obj, const py::object& lse_obj, const py::object& do_obj,
-                             bool causal, const py::object& segment_ids, std::optional<double> scale,
-                             std::optional<int> threads) {
+                             const py::object& causal_obj, const py::object& segment_ids,
+                             const py::object& scale, const py::object& threads) {
   Problems problems;
+  const auto [causal, scale_value, config] = kernel_options(causal_obj, scale, threads, problems);
   auto q = read_tensor(q_obj, "q", problems), k = read_tensor(k_obj, "k", problems),
        v = read_tensor(v_obj, "v", problems), o = read_tensor(o_obj, "o", problems),
        d_out = read_tensor(do_obj, "do", problems);
-  const AttentionSpec a = spec_of(q, k, v, causal, scale, problems);
+  const AttentionSpec a = spec_of(q, k, v, causal, scale_value, problems);
   if (problems.empty()) add_rule_errors(a, ParallelSpec{}, problems);
-  const FlashConfig config = kernel_config(threads, problems);
   if (q) {
     for (const auto& [x, name] : {std::pair{&o, "o"}, std::pair{&d_out, "do"}}) {
       if (*x && !((*x)->ref.shape == q->ref.shape && (*x)->ref.dtype == q->ref.dtype)) {
@@ -268,6 +359,11 @@ py::tuple attention_backward(const py::object& q_obj, const py::object& k_obj, c
     problems.add("lse", "", "lse: expected the float32 array [B, Hq, S] that attention returned");
   } else {
     lse = py::array::ensure(lse_obj, py::array::c_style);
+    if (!lse) {
+      PyErr_Clear();
+      fail_allocation(static_cast<std::size_t>(py::reinterpret_borrow<py::array>(lse_obj).nbytes()),
+                      "lse (a C-order copy)");
+    }
     if (q && !(lse.ndim() == 3 && lse.shape(0) == a.batch && lse.shape(1) == a.num_q_heads &&
                lse.shape(2) == a.seq_len)) {
       problems.add("lse", shape_text(lse),
@@ -289,16 +385,41 @@ py::tuple attention_backward(const py::object& q_obj, const py::object& k_obj, c
   return py::make_tuple(to_numpy(std::move(dq)), to_numpy(std::move(dk)), to_numpy(std::move(dv)));
 }
 
-py::array local_positions_of(std::int64_t seq_len, std::int64_t cp, std::int64_t rank,
-                             const std::string& layout) {
+// The most positions local_positions returns (1 GiB of int64): a rank's share of any real row is far less,
+// and the answer stays within seconds.
+constexpr std::int64_t kMaxLocalPositions = std::int64_t{1} << 27;
+
+py::array local_positions_of(const py::object& seq_obj, const py::object& cp_obj, const py::object& rank_obj,
+                             const py::object& layout_obj) {
   Problems problems;
-  if (cp < 1) problems.add("cp", std::to_string(cp), "cp: " + std::to_string(cp) + " must be >= 1");
-  if (rank < 0 || rank >= cp) {
-    problems.add("rank", std::to_string(rank), "rank: " + std::to_string(rank) + " must be in [0, cp)");
+  const auto seq = read_count(seq_obj, "seq_len", 1, std::numeric_limits<std::int32_t>::max(), problems);
+  const auto cp_read = read_count(cp_obj, "cp", 1, kMaxRanks, problems);
+  const auto rank_read = read_count(rank_obj, "rank", 0, kMaxRanks - 1, problems);
+  if (!py::isinstance<py::str>(layout_obj)) {
+    problems.add("layout", repr_of(layout_obj),
+                 "layout: expected 'contiguous' or 'dual_chunk_swap', got " + type_of(layout_obj) + " " +
+                     repr_of(layout_obj));
   }
-  const ShardLayout l = parse_layout(layout, "layout");
+  problems.raise();
+  if (!seq || !cp_read || !rank_read) {
+    problems.add("seq_len", "None", "seq_len, cp and rank: None is not a value; valid: ints");
+    problems.raise();
+  }
+  const std::int64_t seq_len = *seq, cp = *cp_read, rank = *rank_read;
+  if (rank >= cp) {
+    problems.add("rank", std::to_string(rank),
+                 "rank: " + std::to_string(rank) + " must be in [0, cp) = [0, " + std::to_string(cp) + ")");
+  }
+  const ShardLayout l = parse_layout(layout_obj.cast<std::string>(), "layout");
   const std::int64_t chunks = layout_chunks(l, cp);
-  if (cp >= 1 && (seq_len < chunks || seq_len % chunks != 0)) {
+  if (seq_len / cp > kMaxLocalPositions) {
+    problems.add("seq_len", std::to_string(seq_len),
+                 "seq_len / cp (" + std::to_string(seq_len / cp) +
+                     ") is more positions than local_positions "
+                     "returns; valid: at most " +
+                     std::to_string(kMaxLocalPositions) + " per rank");
+  }
+  if (seq_len < chunks || seq_len % chunks != 0) {
     problems.add("seq_len", std::to_string(seq_len),
                  "seq_len: " + std::to_string(seq_len) + " must be a positive multiple of " +
                      std::to_string(chunks) + " (" + to_string(l) + " at cp " + std::to_string(cp) + ")");
@@ -329,7 +450,7 @@ py::tuple run_document(const std::string& command,
 
 // What one rank passes in a forward, agreed on by every rank before anything else: a rank whose arguments are
 // wrong, or that disagrees with the others, makes every rank raise.
-struct Agreement {
+struct ForwardFields {
   enum Field { bad_rank, batch, seq, q_heads, kv_heads, head_dim, dtype, segments, count };
   static constexpr const char* names[count] = {"rank",     "batch",    "seq (local)", "q heads",
                                                "kv heads", "head_dim", "dtype",       "segment_ids given"};
@@ -340,15 +461,14 @@ struct Agreement {
 // objects of the 8 most recently used shapes are kept.
 class ContextParallel {
  public:
-  ContextParallel(std::int64_t fortran_handle, const std::string& strategy, bool causal, bool load_balance,
-                  std::optional<std::string> layout, std::optional<std::int64_t> ulysses_degree,
-                  std::optional<double> scale, std::optional<int> threads, bool remat,
-                  std::optional<double> timeout,
-                  const std::vector<std::tuple<std::string, std::string, std::string>>& caller_problems) {
-    // Every option is checked on every rank, and the outcome agreed on after the collective that makes the
-    // communicator: a bad option on one rank raises on all of them instead of leaving the others waiting.
+  // Every option is read on every rank as its flag is, and the ranks agree on the options and on whether any
+  // rank's were bad after the collective that makes the communicator: a bad option on one rank, or options
+  // that differ, raise on all of them instead of leaving the others waiting or computing other numbers.
+  ContextParallel(std::int64_t fortran_handle, const py::dict& kwargs) {
     Problems problems;
-    for (const auto& [field, value, message] : caller_problems) problems.add(field, value, message);
+    const auto get = [&](const char* name) {
+      return kwargs.contains(name) ? kwargs[name] : py::object(py::none());
+    };
     const auto parse = [&](const auto& read) {
       try {
         read();
@@ -356,25 +476,35 @@ class ContextParallel {
         problems.append(e.items());
       }
     };
-    parse([&] { parallel_.strategy = parse_strategy(strategy, "strategy"); });
-    parallel_.load_balance = load_balance;
-    if (layout) parse([&] { parallel_.layout = parse_layout(*layout, "layout"); });
-    parallel_.ulysses_degree = ulysses_degree.value_or(0);
-    causal_ = causal;
-    scale_ = scale;
-    options_.remat = remat;
-    if (threads && *threads < 1) {
-      problems.add("threads", std::to_string(*threads),
-                   "threads: " + std::to_string(*threads) + " must be >= 1");
+    const py::object strategy = get("strategy"), layout = get("layout");
+    std::string strategy_text = "ulysses", layout_text;
+    if (py::isinstance<py::str>(strategy)) {
+      strategy_text = strategy.cast<std::string>();
+      parse([&] { parallel_.strategy = parse_strategy(strategy_text, "strategy"); });
+    } else {
+      problems.add("strategy", repr_of(strategy),
+                   std::string("strategy: expected one of ") + strategy_names() + ", got " +
+                       type_of(strategy) + " " + repr_of(strategy));
     }
-    options_.threads = threads.value_or(0);
+    if (py::isinstance<py::str>(layout)) {
+      layout_text = layout.cast<std::string>();
+      parse([&] { parallel_.layout = parse_layout(layout_text, "layout"); });
+    } else if (!layout.is_none()) {
+      problems.add("layout", repr_of(layout),
+                   "layout: expected 'contiguous' or 'dual_chunk_swap', got " + type_of(layout) + " " +
+                       repr_of(layout));
+    }
+    parallel_.load_balance = read_switch(get("load_balance"), "load_balance", problems).value_or(false);
+    parallel_.ulysses_degree =
+        read_count(get("ulysses_degree"), "ulysses_degree", 1, kMaxRanks, problems).value_or(0);
+    causal_ = read_switch(get("causal"), "causal", problems).value_or(true);
+    scale_ = read_number(get("scale"), "scale", kMinScale, kMaxScale, problems);
+    options_.remat = read_switch(get("remat"), "remat", problems).value_or(false);
+    options_.threads =
+        static_cast<int>(read_count(get("threads"), "threads", 1, kMaxThreads, problems).value_or(0));
+    const auto timeout = read_number(get("timeout"), "timeout", 0.001, 86400, problems);
     std::chrono::milliseconds deadline = std::chrono::seconds(600);
-    if (timeout && !(*timeout > 0 && *timeout <= 1e6)) {
-      problems.add("timeout", std::to_string(*timeout),
-                   "timeout: " + std::to_string(*timeout) + " is not valid; valid: seconds in (0, 1e6]");
-    } else if (timeout) {
-      deadline = std::chrono::milliseconds(static_cast<std::int64_t>(*timeout * 1000));
-    }
+    if (timeout) deadline = std::chrono::milliseconds(static_cast<std::int64_t>(*timeout * 1000));
     {
       py::gil_scoped_release release;
       CommunicatorOptions options;
@@ -382,6 +512,17 @@ class ContextParallel {
       options.fortran_handle = fortran_handle;  // mpi4py's: MPI initialised by it (else an error on "comm")
       comm_ = make_communicator(Backend::mpi, options);
     }
+    cpattn::Agreement agreement;
+    agreement.add_text("strategy", strategy_text)
+        .add("causal", causal_)
+        .add("load_balance", parallel_.load_balance)
+        .add_text("layout", layout_text)
+        .add("ulysses_degree", parallel_.ulysses_degree)
+        .add("scale", scale_.value_or(0.0))
+        .add("remat", options_.remat)
+        .add("threads", static_cast<std::int64_t>(options_.threads))
+        .add("timeout", static_cast<std::int64_t>(deadline.count()));
+    // First whether any rank's options are bad (its own error names them), then whether the good ones agree.
     std::int64_t bad = problems.empty() ? -1 : comm_->rank();
     {
       py::gil_scoped_release release;
@@ -390,8 +531,12 @@ class ContextParallel {
     problems.raise();
     if (bad >= 0) {
       throw Error(ErrorKind::invalid_config, "rank", std::to_string(bad),
-                  "rank " + std::to_string(comm_->rank()) + ": rank " + std::to_string(bad) +
+                  "rank " + std::to_string(bad) +
                       " passed options that are not valid (its error names them); nothing was made");
+    }
+    {
+      py::gil_scoped_release release;
+      cpattn::agree(*comm_, agreement);
     }
     parallel_.cp = comm_->size();
   }
@@ -464,8 +609,9 @@ class ContextParallel {
     return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)), to_numpy(std::move(g.dv)));
   }
 
-  py::array local_positions(std::int64_t seq_len) const {
-    return local_positions_of(seq_len, parallel_.cp, comm_->rank(), to_string(parallel_.effective_layout()));
+  py::array local_positions(const py::object& seq_len) const {
+    return local_positions_of(seq_len, py::int_(parallel_.cp), py::int_(comm_->rank()),
+                              py::str(to_string(parallel_.effective_layout())));
   }
 
  private:
@@ -476,38 +622,38 @@ class ContextParallel {
 
   void agree(const AttentionSpec& a, std::int64_t local_seq, bool has_segments, const Problems& problems) {
     const int rank = comm_->rank();
-    std::int64_t mine[Agreement::count] = {problems.empty() ? -1 : rank,
-                                           a.batch,
-                                           local_seq,
-                                           a.num_q_heads,
-                                           a.num_kv_heads,
-                                           a.head_dim,
-                                           static_cast<std::int64_t>(a.dtype),
-                                           has_segments ? 1 : 0};
+    std::int64_t mine[ForwardFields::count] = {problems.empty() ? -1 : rank,
+                                               a.batch,
+                                               local_seq,
+                                               a.num_q_heads,
+                                               a.num_kv_heads,
+                                               a.head_dim,
+                                               static_cast<std::int64_t>(a.dtype),
+                                               has_segments ? 1 : 0};
     // max of each field, then max of its negation (the min), in one call
-    std::int64_t both[2 * Agreement::count];
-    for (int i = 0; i < Agreement::count; ++i) {
+    std::int64_t both[2 * ForwardFields::count];
+    for (int i = 0; i < ForwardFields::count; ++i) {
       both[i] = mine[i];
-      both[Agreement::count + i] = -mine[i];
+      both[ForwardFields::count + i] = -mine[i];
     }
     {
       py::gil_scoped_release release;
-      comm_->all_reduce(both, 2 * Agreement::count, ReduceOp::max);
+      comm_->all_reduce(both, 2 * ForwardFields::count, ReduceOp::max);
     }
     problems.raise();
     const std::string me = "rank " + std::to_string(rank) + ": ";
-    if (both[Agreement::bad_rank] >= 0) {
-      throw Error(ErrorKind::invalid_input, "rank", std::to_string(both[Agreement::bad_rank]),
-                  me + "rank " + std::to_string(both[Agreement::bad_rank]) +
+    if (both[ForwardFields::bad_rank] >= 0) {
+      throw Error(ErrorKind::invalid_input, "rank", std::to_string(both[ForwardFields::bad_rank]),
+                  me + "rank " + std::to_string(both[ForwardFields::bad_rank]) +
                       " passed arguments that cannot run (its error names them); nothing was computed");
     }
     std::vector<ErrorItem> items;
-    for (int i = Agreement::batch; i < Agreement::count; ++i) {
-      const std::int64_t hi = both[i], lo = -both[Agreement::count + i];
+    for (int i = ForwardFields::batch; i < ForwardFields::count; ++i) {
+      const std::int64_t hi = both[i], lo = -both[ForwardFields::count + i];
       if (hi != lo) {
-        items.push_back({{Agreement::names[i]},
+        items.push_back({{ForwardFields::names[i]},
                          std::to_string(mine[i]),
-                         me + std::string(Agreement::names[i]) + " differs between ranks (from " +
+                         me + std::string(ForwardFields::names[i]) + " differs between ranks (from " +
                              std::to_string(lo) + " to " + std::to_string(hi) + "; this rank's: " +
                              std::to_string(mine[i]) + "); every rank must pass the same shapes"});
       }
@@ -590,25 +736,20 @@ PYBIND11_MODULE(_cpattn, m) {
     }
   });
 
-  m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("causal") = true,
-        py::arg("segment_ids") = py::none(), py::arg("scale") = py::none(), py::arg("threads") = py::none());
-  m.def("attention_backward", &attention_backward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
-        py::arg("lse"), py::arg("do"), py::arg("causal") = true, py::arg("segment_ids") = py::none(),
+  m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("causal") = py::bool_(true), py::arg("segment_ids") = py::none(),
         py::arg("scale") = py::none(), py::arg("threads") = py::none());
+  m.def("attention_backward", &attention_backward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+        py::arg("lse"), py::arg("do"), py::arg("causal") = py::bool_(true),
+        py::arg("segment_ids") = py::none(), py::arg("scale") = py::none(), py::arg("threads") = py::none());
   m.def("local_positions", &local_positions_of, py::arg("seq_len"), py::arg("cp"), py::arg("rank"),
-        py::arg("layout") = "contiguous");
+        py::arg("layout") = py::str("contiguous"));
   m.def("_run_document", &run_document);
   m.def("simd_target", [] { return flash_vector_target(); });
   m.attr("with_mpi") = available(Backend::mpi);
   py::class_<ContextParallel::SavedForward>(m, "_SavedForward");
   py::class_<ContextParallel>(m, "_ContextParallel")
-      .def(py::init<std::int64_t, const std::string&, bool, bool, std::optional<std::string>,
-                    std::optional<std::int64_t>, std::optional<double>, std::optional<int>, bool,
-                    std::optional<double>,
-                    const std::vector<std::tuple<std::string, std::string, std::string>>&>(),
-           py::arg("fortran_handle"), py::arg("strategy"), py::arg("causal"), py::arg("load_balance"),
-           py::arg("layout"), py::arg("ulysses_degree"), py::arg("scale"), py::arg("threads"),
-           py::arg("remat"), py::arg("timeout"), py::arg("caller_problems"))
+      .def(py::init<std::int64_t, const py::dict&>(), py::arg("fortran_handle"), py::arg("options"))
       .def_property_readonly("rank", &ContextParallel::rank)
       .def_property_readonly("size", &ContextParallel::size)
       .def("forward", &ContextParallel::forward)

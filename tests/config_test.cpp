@@ -358,14 +358,33 @@ dtype: bfloat16
   EXPECT_TRUE(validation_errors(s.attention, s.parallel).empty());
 }
 
-TEST(ConfigFile, EitherLoadBalanceKeyMeansLoadBalance) {
+// Attention's own key decides where it is given (the seed: GDN contiguous, attention balanced); the general
+// key otherwise.
+TEST(ConfigFile, TheAttentionLoadBalanceKeyDecidesWhereGiven) {
   auto v = parse_config_yaml("context_parallel_attention_load_balance: true\n", "a.yml");
   EXPECT_TRUE(v.any_load_balance());
   v = parse_config_yaml(
+      "context_parallel_load_balance: false\ncontext_parallel_attention_load_balance: true\n", "a.yml");
+  EXPECT_TRUE(v.any_load_balance());
+  v = parse_config_yaml(
       "context_parallel_load_balance: true\ncontext_parallel_attention_load_balance: false\n", "a.yml");
+  EXPECT_FALSE(v.any_load_balance());
+  v = parse_config_yaml("context_parallel_load_balance: true\n", "a.yml");
   EXPECT_TRUE(v.any_load_balance());
   v = parse_config_yaml("context_parallel_load_balance: false\n", "a.yml");
   EXPECT_FALSE(v.any_load_balance());
+}
+
+TEST(ConfigFile, ASecondYamlDocumentIsRefused) {
+  try {
+    parse_config_yaml("num_query_heads: 32\n---\nnum_qery_heads: 8\n", "two.yml");
+    FAIL() << "a second document was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::invalid_input);
+    EXPECT_NE(std::string(e.what()).find("two.yml: holds 2 YAML documents"), std::string::npos) << e.what();
+  }
+  // One document with its optional markers is one document.
+  EXPECT_EQ(parse_config_yaml("---\nnum_query_heads: 32\n...\n", "one.yml").num_q_heads.value(), 32);
 }
 
 TEST(ConfigFile, LaterSourcesWin) {

@@ -37,6 +37,14 @@ inline constexpr std::int64_t kMaxHeads = 65536;
 // an entry per rank is bounded.
 inline constexpr std::int64_t kMaxRanks = 65536;
 
+// The softmax scales the kernels take: they hold the scale (times log2 e) in fp32, where 1e300 would be
+// infinite and every output NaN; far wider than any model's (1/sqrt(head_dim), a soft-capped logit's).
+inline constexpr double kMinScale = 1e-30;
+inline constexpr double kMaxScale = 1e30;
+// The most kernel threads per rank (the program's --threads, Python's threads=): above any machine's cores,
+// low enough that a pool of them can be made.
+inline constexpr std::int64_t kMaxThreads = 1024;
+
 struct AttentionSpec {
   std::int64_t batch = 1;
   std::int64_t seq_len = 0;  // S: tokens of one whole (packed) row, over all ranks

@@ -32,10 +32,10 @@ struct ConfigValues {
 
   // Values set in `later` replace ours.
   void merge_from(const ConfigValues& later);
-  // Either load-balance key set to true means load balance (the seed uses both).
-  bool any_load_balance() const {
-    return load_balance.value_or(false) || attention_load_balance.value_or(false);
-  }
+  // Attention's load balance: context_parallel_attention_load_balance where it is given, else
+  // context_parallel_load_balance. Not an OR and not refused when they differ: the seed sets them apart on
+  // purpose (its GDN layers keep the contiguous layout, load_balance false, while attention balances).
+  bool any_load_balance() const { return attention_load_balance.value_or(load_balance.value_or(false)); }
 };
 
 // Parses YAML text; unknown keys are ignored, a known key with the wrong type is an Error(invalid_input)

@@ -46,6 +46,7 @@ DocumentAnswer validate_answer(const ConfigValues& values);
 struct PlanInputs {
   ConfigValues values;
   std::optional<std::int64_t> ulysses_degree;  // given by the caller: refused
+  std::optional<std::string> strategy;         // given by the caller: refused (every strategy is planned)
   std::string preset;                          // a model preset's heads and sizes, under `values`
   std::string hardware = "h200";
   std::string segments;  // packed document lengths as typed ("61440,4096"), or empty

@@ -17,6 +17,8 @@ enum class ErrorKind {
   internal,        // an invariant inside cpattn broke (a bug)
   out_of_memory,   // an allocation failed: the bytes and what they were for are named (and the rank, on a
                    // rank)
+  resource,        // another resource of the machine ran out: a thread that cannot be made, a file size
+                   // limit, a full disk (what ran out and what it was for are named)
 };
 
 const char* to_string(ErrorKind kind);
@@ -40,6 +42,8 @@ class Error : public std::runtime_error {
   std::vector<ErrorItem> items_;
 };
 
+// Throws Error(resource): "could not start a thread for <what>: <the system's reason>; ...".
+[[noreturn]] void fail_thread(const std::string& what, const std::exception& reason);
 // Throws Error(out_of_memory): "out of memory while allocating N bytes for <what>".
 [[noreturn]] void fail_allocation(std::size_t bytes, const std::string& what);
 // The same error said of one rank: "out of memory on rank r while allocating ..." (other kinds: "rank r:

@@ -11,6 +11,8 @@
         with autograd. Every process of comm must call it, with the same shapes.
 """
 
+import sys as _sys
+
 import numpy as _np
 import torch as _torch
 from torch.autograd.function import once_differentiable as _once_differentiable
@@ -60,28 +62,6 @@ def _segments(segment_ids):
         return segment_ids.detach().cpu().numpy(), ""
     except Exception as e:
         return None, f"segment_ids: cannot be read as an array ({type(e).__name__}: {e})"
-
-
-def _option(reasons, name, value, kind):
-    """value if it is None or of the kind an option takes, else None with the reason added (never raises: the
-    reason joins the agreement every rank makes, so a bad option on one rank raises on all)."""
-    if value is None:
-        return None
-    if kind is bool:
-        ok = isinstance(value, (bool, _np.bool_))
-    elif kind is int:
-        ok = isinstance(value, (int, _np.integer)) and not isinstance(value, bool)
-    elif kind is float:
-        ok = isinstance(value, (int, float, _np.integer, _np.floating)) and not isinstance(value, bool)
-    else:
-        ok = isinstance(value, kind)
-    if ok and kind is int and not -(2**31) <= value < 2**31:
-        reasons.append((name, str(value), f"{name}: {value} is out of range (valid: a 32-bit integer)"))
-        return None
-    if ok:
-        return kind(value)
-    reasons.append((name, repr(value), f"{name}: expected {kind.__name__}, got {type(value).__name__} {value!r}"))
-    return None
 
 
 def _config_error(reasons):
@@ -178,23 +158,16 @@ class ContextParallelAttention(_torch.nn.Module):
             raise _config_error([f"comm: expected an mpi4py communicator, got {type(comm).__name__}"])
         if not getattr(_cpattn, "with_mpi", False):
             raise _config_error(["comm: this cpattn was built without MPI"])
-        reasons = []
-        options = dict(
-            strategy=_option(reasons, "strategy", strategy, str),
-            causal=_option(reasons, "causal", causal, bool),
-            load_balance=_option(reasons, "load_balance", load_balance, bool),
-            layout=_option(reasons, "layout", layout, str),
-            ulysses_degree=_option(reasons, "ulysses_degree", ulysses_degree, int),
-            scale=_option(reasons, "scale", scale, float),
-            threads=_option(reasons, "threads", threads, int),
-            remat=_option(reasons, "remat", remat, bool),
-            timeout=_option(reasons, "timeout", timeout, float),
-        )
-        for name in ("strategy", "causal", "load_balance", "remat"):  # required: stand-ins where one was bad
-            if options[name] is None:
-                options[name] = "ulysses" if name == "strategy" else False
+        mpi = _sys.modules.get(type(comm).__module__)
+        if mpi is not None and hasattr(mpi, "Is_initialized") and (not mpi.Is_initialized() or mpi.Is_finalized()):
+            # py2f itself would end the process (MPI_Comm_c2f before MPI_Init is fatal in Open MPI)
+            raise _config_error(["comm: MPI is not initialised (or already finalised): with mpi4py.rc.initialize "
+                                 "= False, call MPI.Init_thread() before making ContextParallelAttention"])
+        # Every option is read (as the program's flags are) and agreed on by the ranks in the extension.
+        options = dict(strategy=strategy, causal=causal, load_balance=load_balance, layout=layout,
+                       ulysses_degree=ulysses_degree, scale=scale, threads=threads, remat=remat, timeout=timeout)
         self.strategy = strategy
-        self._impl = _cpattn._ContextParallel(comm.py2f(), caller_problems=reasons, **options)
+        self._impl = _cpattn._ContextParallel(comm.py2f(), options)
 
     @property
     def rank(self):

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <thread>
 
+#include "core/start_thread.hpp"
 #include "cpattn/error.hpp"
 #include "cpattn/parse.hpp"
 
@@ -71,7 +72,7 @@ bool mpi_running() {
 class SetupDeadline {
  public:
   SetupDeadline(std::chrono::milliseconds limit, std::string name)
-      : thread_([this, limit, name = std::move(name)] {
+      : thread_(start_thread("MPI setup's deadline", [this, limit, name = std::move(name)] {
           pthread_setname_np(pthread_self(),
                              "cpattn-setup");  // tests/mpi/cli_stopped_rank_test.sh waits on it
           std::unique_lock lock(mutex_);
@@ -83,7 +84,7 @@ class SetupDeadline {
               std::chrono::duration<double>(limit).count(), name.c_str());
           std::fflush(stderr);
           std::_Exit(1);
-        }) {}
+        })) {}
   ~SetupDeadline() {
     {
       std::lock_guard lock(mutex_);
@@ -108,8 +109,21 @@ std::unique_ptr<Communicator> make_mpi(const CommunicatorOptions& options) {
       throw Error(ErrorKind::invalid_config, "comm", "",
                   "comm: MPI is not initialised (import mpi4py.MPI before making ContextParallelAttention)");
     }
-    return std::make_unique<MpiCommunicator>(MPI_Comm_f2c(static_cast<MPI_Fint>(*options.fortran_handle)),
-                                             options.timeout);
+    const MPI_Comm comm = MPI_Comm_f2c(static_cast<MPI_Fint>(*options.fortran_handle));
+    if (comm == MPI_COMM_NULL) {
+      throw Error(ErrorKind::invalid_config, "comm", "COMM_NULL",
+                  "comm: MPI.COMM_NULL (or a communicator already freed) is not a communicator; valid: "
+                  "MPI.COMM_WORLD or one made from it (Split, Dup)");
+    }
+    int inter = 0;
+    if (MPI_Comm_test_inter(comm, &inter) != MPI_SUCCESS || inter) {
+      throw Error(ErrorKind::invalid_config, "comm", inter ? "an intercommunicator" : "not a communicator",
+                  std::string("comm: ") +
+                      (inter ? "an intercommunicator (two groups) cannot run one sequence's attention"
+                             : "not a valid communicator") +
+                      "; valid: an intracommunicator, MPI.COMM_WORLD or one made from it (Split, Dup)");
+    }
+    return std::make_unique<MpiCommunicator>(comm, options.timeout);
   }
   SetupDeadline setup(options.timeout, options.timeout_name);
   int initialized = 0;

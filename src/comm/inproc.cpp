@@ -9,6 +9,7 @@
 #include <thread>
 #include <tuple>
 
+#include "core/start_thread.hpp"
 #include "cpattn/bf16.hpp"
 #include "cpattn/error.hpp"
 #include "sum_blocks.hpp"
@@ -279,7 +280,8 @@ class InProcessShift final : public PendingShift {
                  std::size_t bytes, std::function<void()> count)
       : state_(state), rank_(rank), seq_(seq), count_(std::move(count)) {
     try {
-      copier_ = std::thread([this, recv, bytes] { state_.copy_shift(rank_, seq_, recv, bytes); });
+      copier_ = start_thread("rank " + std::to_string(rank) + "'s ring shift",
+                             [this, recv, bytes] { state_.copy_shift(rank_, seq_, recv, bytes); });
     } catch (...) {
       state_.withdraw_shift(rank_, seq_);  // no peer may read a send that no handle guards
       throw;
@@ -627,7 +629,19 @@ void InProcessGroup::run(const std::function<void(Communicator&)>& fn) {
     }
   };
   std::vector<std::thread> threads;
-  for (int r = 1; r < state_->size; ++r) threads.emplace_back(body, r);
+  threads.reserve(static_cast<std::size_t>(state_->size - 1));
+  try {
+    for (int r = 1; r < state_->size; ++r) {
+      threads.push_back(start_thread("rank " + std::to_string(r) + " of the in-process group (" +
+                                         std::to_string(state_->size) + " ranks)",
+                                     body, r));
+    }
+  } catch (const Error& e) {
+    // The ranks already started meet the abort at their next collective and end; none is left joinable.
+    abort(static_cast<int>(threads.size()) + 1, e.what());
+    for (auto& t : threads) t.join();
+    throw;
+  }
   body(0);
   for (auto& t : threads) t.join();
   // The root cause: the failed rank's own error (the others only report that it failed).

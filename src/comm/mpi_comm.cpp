@@ -10,6 +10,7 @@
 #include <string>
 #include <thread>
 
+#include "core/start_thread.hpp"
 #include "cpattn/bf16.hpp"
 #include "cpattn/error.hpp"
 #include "sum_blocks.hpp"
@@ -369,7 +370,7 @@ class MpiShift final : public PendingShift {
   }
   // Starts the thread that progresses the posted requests.
   void start_progress() {
-    progress_ = std::thread([this] {
+    progress_ = start_thread("an MPI ring shift's progress", [this] {
       for (;;) {
         int flag = 0;
         MPI_Status statuses[2];

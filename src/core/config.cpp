@@ -192,10 +192,14 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
                     str(kMaxHeads));
     }
   }
-  if (a.softmax_scale && !(std::isfinite(*a.softmax_scale) && *a.softmax_scale > 0)) {
+  if (a.softmax_scale && !(*a.softmax_scale >= kMinScale && *a.softmax_scale <= kMaxScale)) {
     std::ostringstream v;
     v << *a.softmax_scale;
-    rules.add({"softmax_scale"}, v.str(), "softmax_scale (" + v.str() + ") must be finite and positive");
+    rules.add(
+        {"softmax_scale"}, v.str(),
+        "softmax_scale (" + v.str() +
+            ") must be finite and positive, within 1e-30..1e+30 (the kernels hold it and the scaled scores "
+            "in fp32)");
   }
   if (sizes_ok) {
     // The largest tensor, [B, S, max(Hq, Hkv), D], must be addressable (elements and bytes).

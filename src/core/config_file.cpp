@@ -135,7 +135,14 @@ void ConfigValues::merge_from(const ConfigValues& o) {
 ConfigValues parse_config_yaml(const std::string& text, const std::string& name) {
   YAML::Node root;
   try {
-    root = YAML::Load(text);
+    // Every document of the stream: a second one (after ---) would otherwise go unread, typos and all.
+    const std::vector<YAML::Node> documents = YAML::LoadAll(text);
+    if (documents.size() > 1) {
+      throw Error(ErrorKind::invalid_input, name, std::to_string(documents.size()) + " documents",
+                  name + ": holds " + std::to_string(documents.size()) +
+                      " YAML documents (separated by ---); valid: one mapping of keys to values");
+    }
+    if (!documents.empty()) root = documents.front();
   } catch (const YAML::Exception& e) {
     throw Error(ErrorKind::invalid_input, name, "", name + ": not valid YAML: " + e.what());
   }

@@ -28,6 +28,8 @@ const char* to_string(ErrorKind kind) {
       return "internal";
     case ErrorKind::out_of_memory:
       return "out_of_memory";
+    case ErrorKind::resource:
+      return "resource";
   }
   return "unknown";
 }
@@ -42,6 +44,13 @@ void fail_invariant(const char* expr, const char* file, int line) {
   throw Error(
       ErrorKind::internal, "invariant", expr,
       std::string("cpattn internal error: ") + expr + " failed at " + file + ":" + std::to_string(line));
+}
+
+void fail_thread(const std::string& what, const std::exception& reason) {
+  throw Error(
+      ErrorKind::resource, "threads", what,
+      "could not start a thread for " + what + ": " + reason.what() +
+          " (the process's limits, ulimit -u or -v, or its memory ran out); use fewer ranks or threads");
 }
 
 void fail_allocation(std::size_t bytes, const std::string& what) {

@@ -1,5 +1,6 @@
 // Runs fn(task, worker) for task in [0, n) on `threads` workers (the calling thread is worker 0). Tasks are
-// taken in order from a shared counter; results must not depend on which worker ran a task.
+// taken in order from a shared counter; results must not depend on which worker ran a task (nor on how many
+// workers there are).
 #pragma once
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 #include <cstdint>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -33,7 +35,12 @@ void parallel_for(std::int64_t n, int threads, Fn&& fn) {
   };
   std::vector<std::thread> pool;
   pool.reserve(static_cast<std::size_t>(workers - 1));
-  for (int w = 1; w < workers; ++w) pool.emplace_back(work, w);
+  // A worker the system cannot start (its thread limit, its address space) leaves its tasks to the others:
+  // the results are the same, only slower.
+  try {
+    for (int w = 1; w < workers; ++w) pool.emplace_back(work, w);
+  } catch (const std::system_error&) {
+  }
   work(0);
   for (auto& t : pool) t.join();
   if (error) std::rethrow_exception(error);

@@ -2,6 +2,7 @@
 #include <thread>
 
 #include "context_parallel_impl.hpp"
+#include "cpattn/agreement.hpp"
 #include "cpattn/error.hpp"
 #include "cpattn/placement.hpp"
 #include "cpattn/sequence_layout.hpp"
@@ -11,6 +12,16 @@ namespace cpattn {
 ContextParallelAttention::Impl::Impl(const AttentionSpec& a, const ParallelSpec& p, Communicator& c,
                                      ContextParallelOptions o)
     : attention(a), parallel(p), group(c), comm(c), options(o) {
+  // Before the rules, so that ranks that differ hear of the difference (a rank's spec that breaks a rule
+  // then breaks it on every rank alike).
+  Agreement agreement;
+  add_specs(agreement, attention, parallel);
+  agreement.add("remat", options.remat)
+      .add("kernel.block_q", options.kernel.block_q)
+      .add("kernel.block_kv", options.kernel.block_kv)
+      .add("kernel.allow_amx", options.kernel.allow_amx)
+      .add("kernel.allow_avx512_bf16", options.kernel.allow_avx512_bf16);
+  agree(group, agreement);
   validate(attention, parallel);
   if (comm.size() != parallel.cp) {
     throw Error(ErrorKind::invalid_config, "cp", std::to_string(parallel.cp),
@@ -98,7 +109,7 @@ AttentionMask ContextParallelAttention::Impl::mask(const std::vector<std::int32_
 }
 
 void ContextParallelAttention::Impl::check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                  std::span<const std::int32_t> seg) {
+                                                  std::span<const std::int32_t> seg, bool forward_only) {
   const std::int64_t B = attention.batch, D = attention.head_dim;
   const Shape4 want_q{B, local_seq, hq, D}, want_kv{B, local_seq, hkv, D};
   std::string problem;
@@ -123,11 +134,11 @@ void ContextParallelAttention::Impl::check_inputs(const Tensor& q, const Tensor&
     problem = "segment_ids holds " + std::to_string(seg.size()) +
               " values; expected [B, S/cp] = " + std::to_string(B * local_seq);
   }
-  // Every rank learns whether any rank is wrong (and which), and whether all agree on having segments.
-  std::int64_t flags[3] = {problem.empty() ? -1 : rank, seg.empty() ? 0 : 1, seg.empty() ? 0 : 1};
-  comm.all_reduce(flags, 1, ReduceOp::max);
-  comm.all_reduce(flags + 1, 1, ReduceOp::max);
-  comm.all_reduce(flags + 2, 1, ReduceOp::min);
+  // One all_reduce: every rank learns whether any rank is wrong (and which), and whether all agree on having
+  // segments and on keeping state (the largest of each and of its complement, ~ the smallest).
+  const std::int64_t has_seg = seg.empty() ? 0 : 1, keeps = forward_only ? 0 : 1;
+  std::int64_t flags[5] = {problem.empty() ? -1 : rank, has_seg, ~has_seg, keeps, ~keeps};
+  comm.all_reduce(flags, 5, ReduceOp::max);
   if (!problem.empty()) {
     throw Error(ErrorKind::invalid_input, field, "", "rank " + std::to_string(rank) + ": " + problem);
   }
@@ -137,9 +148,16 @@ void ContextParallelAttention::Impl::check_inputs(const Tensor& q, const Tensor&
         "rank " + std::to_string(rank) + ": rank " + std::to_string(flags[0]) +
             " passed tensors that disagree with the spec (its error names them); nothing was computed");
   }
-  if (flags[1] != flags[2]) {
-    throw Error(ErrorKind::invalid_input, "segment_ids", "",
-                "rank " + std::to_string(rank) + ": some ranks passed segment_ids and others did not");
+  if (flags[1] != ~flags[2]) {
+    throw Error(ErrorKind::invalid_input, "segment_ids", has_seg != 0 ? "given" : "none",
+                "the ranks disagree on segment_ids: some ranks passed them and others did not (this rank: " +
+                    std::string(has_seg != 0 ? "passed" : "did not") + ")");
+  }
+  if (flags[3] != ~flags[4]) {
+    throw Error(ErrorKind::invalid_config, "forward_only", forward_only ? "true" : "false",
+                "the ranks disagree on forward_only: some ranks keep state for a backward and others do not "
+                "(this rank: forward_only " +
+                    std::string(forward_only ? "true" : "false") + "); every rank must pass the same");
   }
 }
 
@@ -199,7 +217,7 @@ AttentionGradients ContextParallelAttention::Impl::run_backward(const Tensor& d_
 AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                                         std::span<const std::int32_t> seg,
                                                         bool forward_only) {
-  check_inputs(q, k, v, seg);
+  check_inputs(q, k, v, seg, forward_only);
   saved.reset();
   comm_wait_seconds = 0;
   seg_local.assign(seg.begin(), seg.end());

@@ -24,9 +24,10 @@ class ContextParallelAttention::Impl {
                           std::span<const std::int32_t> seg, bool forward_only);
   AttentionGradients backward(const Tensor& d_out);
 
-  // Shapes checked against the spec on this rank, then agreed on by every rank (all_reduce), before data
-  // moves.
-  void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const std::int32_t> seg);
+  // Shapes checked against the spec on this rank, then agreed on by every rank (all_reduce) with whether
+  // segments are given and state kept, before data moves.
+  void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const std::int32_t> seg,
+                    bool forward_only);
   void check_grad_input(const Tensor& d_out);
 
   // The strategy's own forward and backward (a switch over Strategy without default).

@@ -200,6 +200,7 @@ DocumentAnswer keyword_answer(const std::string& command,
   if (!plan) return validate_answer(values);
   r.plan.values = values;
   r.plan.ulysses_degree = r.values.ulysses_degree;  // given: refused (a config file's is not read)
+  r.plan.strategy = r.values.strategy;              // likewise
   return plan_answer(r.plan);
 }
 

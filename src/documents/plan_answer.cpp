@@ -67,6 +67,12 @@ void plan_bounds(const ConfigValues& values, const PlanInputs& opt, const Hardwa
   positive(values.num_layers, "--layers");
   positive(values.attention_every, "--attention-every");
   positive(values.emb_dim, "--emb-dim");
+  if (opt.strategy) {
+    errors.push_back({{"strategy"},
+                      *opt.strategy,
+                      "plan plans every strategy (its recommendation says which to run); drop --strategy '" +
+                          quoted(*opt.strategy) + "'"});
+  }
   if (opt.ulysses_degree) {
     errors.push_back({{"ulysses_degree"},
                       std::to_string(*opt.ulysses_degree),

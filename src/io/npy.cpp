@@ -27,6 +27,10 @@ std::string value_after(const std::string& header, const std::string& key, const
   const std::string pattern = "'" + key + "'";
   const auto at = header.find(pattern);
   if (at == std::string::npos) bad(name, "header has no '" + key + "'");
+  // numpy reads the last of a key given twice, a reader of the first would read other data: refused.
+  if (header.find(pattern, at + pattern.size()) != std::string::npos) {
+    bad(name, "header gives '" + key + "' twice");
+  }
   auto colon = header.find(':', at + pattern.size());
   if (colon == std::string::npos) bad(name, "header key '" + key + "' has no value");
   auto start = header.find_first_not_of(' ', colon + 1);

@@ -1,5 +1,6 @@
 #include "kernels/machine_peak.hpp"
 
+#include "core/start_thread.hpp"
 #include "kernels/aligned_vector.hpp"
 #include "kernels/simd_target.hpp"
 
@@ -148,7 +149,17 @@ double peak_on_threads(int threads, Loop loop, std::int64_t iters = 4'000'000) {
     }
   };
   std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(body, t);
+  pool.reserve(static_cast<std::size_t>(threads - 1));
+  try {
+    for (int t = 1; t < threads; ++t)
+      pool.push_back(start_thread("the FMA peak's thread " + std::to_string(t), body, t));
+  } catch (const Error&) {
+    // The threads that did start run their tries with the missing ones and this one dropped from the barrier,
+    // and end.
+    for (int t = static_cast<int>(pool.size()) + 1; t <= threads; ++t) sync.arrive_and_drop();
+    for (auto& t : pool) t.join();
+    throw;
+  }
   body(0);
   for (auto& t : pool) t.join();
   double sum = 0;

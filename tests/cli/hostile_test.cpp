@@ -461,7 +461,7 @@ const std::vector<Case>& cases() {
       {"plan --preset llama3-70b --seq 1024 --inter-bandwidth -5", 2, {"--inter-bandwidth", "-5"}},
       {"plan --preset llama3-70b --seq 1024 --ranks-per-host -1", 2, {"--ranks-per-host", "-1"}},
       {"plan --preset llama3-70b --seq 1024 --ulysses-degree 2", 2, {"--ulysses-degree"}},
-      {"plan --preset llama3-70b --seq 1024 --cp 4 --strategy ulysses --q-heads 3", 2, {"num_q_heads"}},
+      {"plan --preset llama3-70b --seq 1024 --cp 4 --q-heads 3", 2, {"num_q_heads"}},
       {"plan --preset llama3-70b --seq 1024 --causal --no-causal", 2, {"--causal", "--no-causal"}},
       {"plan --preset llama3-70b --seq 1024 --config {R}/typo.yml", 2, {"ici_context_paralelism"}},
       // bench: the same flags, the same rules.

@@ -155,6 +155,58 @@ def case_errors():
     assert torch.equal(o, attn.shard(ct.attention(q, k, v, threads=1)))
 
 
+def case_disagree():
+    # An option one rank holds otherwise: every rank raises ConfigError naming the option, each value and the
+    # ranks holding it, before any data moves (the ranks would otherwise compute other numbers, or wait).
+    rank = WORLD.rank
+    other = {
+        "causal": (True, False),
+        "strategy": ("ring", "all_gather"),
+        "scale": (None, 0.2),
+        "load_balance": (False, True),
+        "remat": (False, True),
+        "threads": (1, 2),
+        "timeout": (60, 30),
+    }
+    for field, (usual, odd) in other.items():
+        options = {"strategy": "ring", "threads": 1, field: odd if rank == 1 else usual}
+        msg = expect_error(cpattn.ConfigError, lambda: ct.ContextParallelAttention(WORLD, **options),
+                           f"the ranks disagree on {field}", "on rank 1")
+        assert "ranks 0, 2..3" in msg, msg
+    # causal=None is not a value (the default is causal): refused, not taken for False.
+    expect_error(cpattn.ConfigError, lambda: ct.ContextParallelAttention(WORLD, causal=None), "causal")
+    attn = ct.ContextParallelAttention(WORLD, strategy="ring", threads=1)
+    q, k, v, _, seg = problem(1, 256, 8, 2, 32, 31, packed=True)
+    ql, kl, vl = (attn.shard(t) for t in (q, k, v))
+    # segment_ids on one rank only.
+    segs = attn.shard(seg) if rank != 2 else None
+    expect_error(cpattn.ConfigError, lambda: attn(ql, kl, vl, segment_ids=segs), "segment_ids")
+    # A graph on one rank only (no_grad elsewhere): one keeps state for a backward, the others do not.
+    grad = ql.clone().requires_grad_() if rank == 0 else ql
+    expect_error(cpattn.ConfigError, lambda: attn(grad, kl, vl), "forward_only")
+    # After all of that the communicator and the object still work.
+    o = attn(ql, kl, vl)
+    assert naive.relative_error(o, attn.shard(ct.attention(q, k, v, threads=1))) < 1e-6
+
+
+def case_bad_comms():
+    # Communicators that cannot run attention: refused on every rank naming comm, never a crash.
+    null = MPI.COMM_NULL
+    expect_error(cpattn.ConfigError, lambda: ct.ContextParallelAttention(null), "comm: MPI.COMM_NULL")
+    freed = WORLD.Dup()
+    freed.Free()
+    expect_error(cpattn.ConfigError, lambda: ct.ContextParallelAttention(freed), "comm: MPI.COMM_NULL")
+    half = WORLD.Split(WORLD.rank % 2, WORLD.rank)
+    inter = half.Create_intercomm(0, WORLD, 1 - WORLD.rank % 2, tag=7)
+    expect_error(cpattn.ConfigError, lambda: ct.ContextParallelAttention(inter), "intercommunicator")
+    inter.Free()
+    half.Free()
+    attn = ct.ContextParallelAttention(WORLD, strategy="ulysses", threads=1)
+    q, k, v, _, _ = problem(1, 64, 4, 2, 16, 32)
+    o = attn(*(attn.shard(t) for t in (q, k, v)))
+    assert torch.equal(o, attn.shard(ct.attention(q, k, v, threads=1)))
+
+
 def case_many_shapes():
     # More shapes than the object keeps: a forward of the first shape still in flight while ten others run
     # (its object leaves the cache and is kept alive by that forward); its backward is still right.

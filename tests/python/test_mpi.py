@@ -28,7 +28,9 @@ def mpirun(np, case, timeout=240):
     return out.returncode, out.stdout + out.stderr, time.monotonic() - start
 
 
-@pytest.mark.parametrize("case", ["strategies", "bfloat16", "side_by_side", "errors", "many_shapes"])
+@pytest.mark.parametrize(
+    "case", ["strategies", "bfloat16", "side_by_side", "errors", "disagree", "bad_comms", "many_shapes"]
+)
 def test_four_ranks(case):
     code, output, _ = mpirun(4, case)
     assert code == 0, output
@@ -48,3 +50,20 @@ def test_a_dead_process_ends_the_job():
     assert code != 0, output
     assert "dies ok" not in output, output
     assert seconds < 60, seconds
+
+
+def test_mpi_not_initialised_is_a_config_error():
+    # mpi4py told not to initialise MPI: a ConfigError naming comm, not Open MPI's abort from MPI_Comm_c2f.
+    code = (
+        "import mpi4py; mpi4py.rc.initialize = False\n"
+        "from mpi4py import MPI\n"
+        "import cpattn, cpattn.torch as ct\n"
+        "try:\n"
+        "    ct.ContextParallelAttention(MPI.COMM_WORLD)\n"
+        "except cpattn.ConfigError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "refused: comm: MPI is not initialised" in out.stdout, out.stdout + out.stderr

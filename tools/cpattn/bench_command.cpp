@@ -250,50 +250,122 @@ struct StrategyOptions {
   bool json = false;
 };
 
+struct StrategyConfig {
+  std::string name;
+  Strategy strategy;
+  bool lb;
+  std::int64_t cp;
+  std::int64_t ulysses_degree = 0;
+};
+
+// The configurations bench strategy runs: the single device, then at each cp every strategy (with and without
+// load balance; hybrid at every factorisation U x R, 1 < U < cp, load-balanced), narrowed to what was asked
+// (--strategy, --cp, --ulysses-degree, --load-balance). What was asked and breaks a rule is refused (exit 2),
+// not skipped.
+std::vector<StrategyConfig> strategy_configs(const CLI::App& app, const StrategyOptions& opt,
+                                             const ConfigValues& asked, const AttentionSpec& a) {
+  std::vector<std::int64_t> cps(opt.cps.begin(), opt.cps.end());
+  if (asked.cp) {
+    if (app.count("--cps") > 0) {
+      throw Error(ErrorKind::invalid_input, "--cp", std::to_string(*asked.cp),
+                  "--cp and --cps both give the ranks; give one of them");
+    }
+    if (*asked.cp < 1 || *asked.cp > kMaxInProcessRanks) {
+      throw Error(ErrorKind::invalid_input, "--cp", std::to_string(*asked.cp),
+                  "--cp (" + std::to_string(*asked.cp) + ") is out of range; valid: 1.." +
+                      std::to_string(kMaxInProcessRanks) + " (in-process ranks)");
+    }
+    cps = {*asked.cp};
+  }
+  if (asked.tp && *asked.tp != 1) {
+    throw Error(ErrorKind::invalid_input, "--tp", std::to_string(*asked.tp),
+                "bench strategy runs one tensor-parallel group; use --tp 1");
+  }
+  // Plain values and flags, not std::optional (GCC 12 warns of them as maybe uninitialised here).
+  const bool only = asked.strategy.has_value();
+  const Strategy only_strategy = only ? parse_strategy(*asked.strategy, "--strategy") : Strategy::all_gather;
+  const bool lb_asked = asked.load_balance.has_value() || asked.attention_load_balance.has_value();
+  const bool lb_value = asked.any_load_balance();
+  std::vector<StrategyConfig> configs = {{"single_device", Strategy::all_gather, false, 1}};
+  for (const std::int64_t cp : cps) {
+    for (const Strategy strategy : kStrategies) {
+      if (only && strategy != only_strategy) continue;
+      const StrategyTraits traits = strategy_traits(strategy);
+      if (traits.sub_groups) {
+        for (std::int64_t u = 2; u < cp; ++u) {
+          if (cp % u == 0 && (!asked.ulysses_degree || *asked.ulysses_degree == u)) {
+            configs.push_back({hybrid_name(u, cp / u, true), strategy, (!lb_asked || lb_value), cp, u});
+          }
+        }
+        if (asked.ulysses_degree && configs.back().strategy != strategy) {
+          configs.push_back({"hybrid", strategy, (!lb_asked || lb_value), cp, *asked.ulysses_degree});
+        }
+        continue;
+      }
+      if (asked.ulysses_degree) {  // only hybrid has one: the rules refuse it below
+        configs.push_back({traits.name, strategy, (lb_asked && lb_value), cp, *asked.ulysses_degree});
+        continue;
+      }
+      if (!(lb_asked && lb_value)) configs.push_back({traits.name, strategy, false, cp});
+      // Load balance where the strategy has it; asked of one that has none, refused by the rules below.
+      if ((lb_asked ? lb_value : traits.load_balance) && (traits.load_balance || only)) {
+        configs.push_back({std::string(traits.name) + "_load_balanced", strategy, true, cp});
+      }
+    }
+  }
+  // Only where something was asked: the asked configurations that break a rule are refused.
+  if (only || asked.cp || asked.ulysses_degree || lb_asked) {
+    std::vector<ErrorItem> errors;
+    for (std::size_t i = 1; i < configs.size(); ++i) {
+      ParallelSpec p;
+      p.cp = configs[i].cp;
+      p.strategy = configs[i].strategy;
+      p.load_balance = configs[i].lb;
+      p.ulysses_degree = configs[i].ulysses_degree;
+      for (ErrorItem& e : validation_errors(a, p)) {
+        const bool said = std::any_of(errors.begin(), errors.end(),
+                                      [&](const ErrorItem& x) { return x.message == e.message; });
+        if (!said) errors.push_back(std::move(e));  // once, whichever cp broke it
+      }
+    }
+    if (configs.size() == 1) {
+      errors.push_back({{"--strategy"},
+                        asked.strategy.value_or(""),
+                        "nothing to run: no configuration is what was asked"});
+    }
+    if (!errors.empty()) throw Error(ErrorKind::invalid_config, errors);
+  }
+  return configs;
+}
+
 int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
-  ConfigValues values = opt.problem.resolve(app);
+  const ConfigValues asked = opt.problem.resolve(app);
+  ConfigValues values = asked;
   if (!values.seq_len) values.seq_len = 16384;
   if (!values.num_q_heads) values.num_q_heads = 32;
   if (!values.num_kv_heads) values.num_kv_heads = 2;
   if (!values.head_dim) values.head_dim = 128;
+  // The problem alone (one device); how it is split is each configuration's.
   values.cp = 1;
+  values.tp.reset();
   values.strategy = "all_gather";
+  values.ulysses_degree.reset();
+  values.load_balance.reset();
+  values.attention_load_balance.reset();
   Specs base;
   auto errors = all_config_errors(values, base);
   if (!errors.empty()) {
     throw Error(ErrorKind::invalid_config, errors);  // main answers it: stderr, and --json's document
   }
   const AttentionSpec& a = base.attention;
+  const std::vector<StrategyConfig> configs = strategy_configs(app, opt, asked, a);
   const harness::WholeProblem problem = harness::random_problem(a, 1);
-  struct Config {
-    std::string name;
-    Strategy strategy;
-    bool lb;
-    std::int64_t cp;
-    std::int64_t ulysses_degree = 0;
-  };
-  std::vector<Config> configs = {{"single_device", Strategy::all_gather, false, 1}};
-  for (int cp : opt.cps) {
-    for (const Strategy strategy : kStrategies) {
-      const StrategyTraits traits = strategy_traits(strategy);
-      if (traits.sub_groups) {  // at every factorisation U x R, 1 < U < cp, load-balanced
-        for (int u = 2; u < cp; ++u) {
-          if (cp % u == 0) configs.push_back({hybrid_name(u, cp / u, true), strategy, true, cp, u});
-        }
-        continue;
-      }
-      configs.push_back({traits.name, strategy, false, cp});
-      if (traits.load_balance) {
-        configs.push_back({std::string(traits.name) + "_load_balanced", strategy, true, cp});
-      }
-    }
-  }
   nlohmann::ordered_json out;
   out["problem"] = attention_to_json(a);
   out["problem"]["cores"] = std::thread::hardware_concurrency();
   out["results"] = nlohmann::ordered_json::array();
   double single = 0;
-  for (const Config& c : configs) {
+  for (const StrategyConfig& c : configs) {
     ParallelSpec p;
     p.cp = c.cp;
     p.strategy = c.strategy;
@@ -343,15 +415,15 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
             << to_string(a.dtype) << ", " << std::thread::hardware_concurrency()
             << " cores; each rank max(1, cores/cp) threads\n";
   for (const auto& r : out["results"]) {
-    std::cout << std::left << std::setw(31) << r["name"].get<std::string>() << "cp " << std::setw(3)
+    std::cout << std::left << std::setw(31) << r["name"].get<std::string>() << " cp " << std::setw(4)
               << r["cp"].get<int>();
     if (r.contains("skipped")) {
       std::cout << "skipped: " << r["skipped"].get<std::string>() << "\n";
       continue;
     }
-    std::cout << std::setprecision(3) << "forward " << std::setw(8) << r["seconds"]["forward"].get<double>()
-              << "backward " << std::setw(8) << r["seconds"]["backward"].get<double>() << "x single "
-              << std::setw(7) << r["ratio_to_single_device"].get<double>() << "tiles max/min "
+    std::cout << std::setprecision(3) << "forward " << std::setw(10) << r["seconds"]["forward"].get<double>()
+              << " backward " << std::setw(10) << r["seconds"]["backward"].get<double>() << " x single "
+              << std::setw(7) << r["ratio_to_single_device"].get<double>() << " tiles max/min "
               << r["tiles_skew"].get<double>();
     if (r.contains("most_heads_over_mean")) {
       std::cout << " heads max/mean " << r["most_heads_over_mean"].get<double>();

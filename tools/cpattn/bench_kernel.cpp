@@ -315,7 +315,7 @@ void add_bench_kernel_command(CLI::App& bench, int& exit_code) {
   auto opt = std::make_shared<KernelOptions>();
   CLI::App* sub =
       bench.add_subcommand("kernel", "flash forward/backward GFLOP/s against the measured FMA peak");
-  opt->problem.add_to(*sub);
+  opt->problem.add_to(*sub, false);  // one kernel: no strategy, ranks or load balance
   add_integer(*sub, "--threads", opt->threads, 1, kMaxThreads, "kernel threads (default 1)");
   add_real(*sub, "--min-seconds", opt->min_seconds, 0.0, 600.0,
            "time each kernel at least this long (best run counts)");

@@ -13,14 +13,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpattn/config.hpp"
 #include "cpattn/parse.hpp"
 
 namespace cpattn::cli {
 
 // The in-process group's largest size (one thread per rank): run --cp and bench comm --ranks above it exit 2.
 inline constexpr std::int64_t kMaxInProcessRanks = 1024;
-// The most kernel threads a rank may ask for.
-inline constexpr std::int64_t kMaxThreads = 1024;
 
 namespace detail {
 std::string with_range(const std::string& description, std::int64_t min, std::int64_t max);

@@ -47,6 +47,7 @@ void add_plan_command(CLI::App& app, int& exit_code, std::ostream& out, std::ost
     // factorisation), a config file's is not read.
     opt->inputs.values = opt->problem.resolve(*sub);
     opt->inputs.ulysses_degree = opt->problem.values.ulysses_degree;
+    opt->inputs.strategy = opt->problem.values.strategy;
     exit_code = print_answer(plan_answer(opt->inputs), opt->json, out, err);
   });
 }

@@ -11,26 +11,30 @@
 
 namespace cpattn::cli {
 
-void ProblemFlags::add_to(CLI::App& app) {
+void ProblemFlags::add_to(CLI::App& app, bool parallel) {
   app.add_option("--config", config_files, "YAML config file(s) with the seed framework's keys; later wins")
       ->check(CLI::ExistingFile);
-  add_text(app, "--strategy", values.strategy, strategy_names());
   // Sizes are read as decimal int64 here; their rules (cp >= 1, heads dividing, ...) are validation's, which
   // reports every broken rule at once.
   constexpr std::int64_t any_lo = std::numeric_limits<std::int64_t>::min();
   constexpr std::int64_t any_hi = std::numeric_limits<std::int64_t>::max();
-  add_integer(app, "--cp", values.cp, any_lo, any_hi, "context-parallel ranks");
-  add_integer(app, "--ulysses-degree", values.ulysses_degree, any_lo, any_hi,
-              "hybrid: ranks per ulysses group (a divisor of cp, <= q heads); the ring has cp / this");
-  add_integer(app, "--tp", values.tp, any_lo, any_hi, "tensor-parallel degree over heads");
+  if (parallel) {
+    add_text(app, "--strategy", values.strategy, strategy_names());
+    add_integer(app, "--cp", values.cp, any_lo, any_hi, "context-parallel ranks");
+    add_integer(app, "--ulysses-degree", values.ulysses_degree, any_lo, any_hi,
+                "hybrid: ranks per ulysses group (a divisor of cp, <= q heads); the ring has cp / this");
+    add_integer(app, "--tp", values.tp, any_lo, any_hi, "tensor-parallel degree over heads");
+  }
   add_integer(app, "--q-heads", values.num_q_heads, any_lo, any_hi, "query heads");
   add_integer(app, "--kv-heads", values.num_kv_heads, any_lo, any_hi, "key/value heads");
   add_integer(app, "--head-dim", values.head_dim, any_lo, any_hi, "head dimension");
   add_integer(app, "--seq", values.seq_len, any_lo, any_hi, "sequence length (tokens of one packed row)");
   add_integer(app, "--batch", values.batch, any_lo, any_hi, "batch size");
   add_text(app, "--dtype", values.dtype, "fp32 or bf16");
-  app.add_flag("--load-balance", load_balance,
-               strategy_names(&StrategyTraits::load_balance) + " with dual-chunk-swap load balance");
+  if (parallel) {
+    app.add_flag("--load-balance", load_balance,
+                 strategy_names(&StrategyTraits::load_balance) + " with dual-chunk-swap load balance");
+  }
   CLI::Option* yes = app.add_flag("--causal", causal, "causal mask (the default)");
   CLI::Option* no = app.add_flag("--no-causal", no_causal, "no causal mask");
   yes->excludes(no);
@@ -41,12 +45,16 @@ ConfigValues ProblemFlags::resolve(const CLI::App& app) const {
   ConfigValues merged;
   for (const auto& path : config_files) merged.merge_from(read_config_file(path));
   ConfigValues flags = values;
-  if (app.count("--load-balance") > 0) {
+  const auto given = [&](const char* flag) {
+    const CLI::Option* o = app.get_option_no_throw(flag);
+    return o != nullptr && o->count() > 0;
+  };
+  if (given("--load-balance")) {
     flags.load_balance = load_balance;
     flags.attention_load_balance = load_balance;
   }
-  if (app.count("--causal") > 0) flags.causal = true;
-  if (app.count("--no-causal") > 0) flags.causal = false;
+  if (given("--causal")) flags.causal = true;
+  if (given("--no-causal")) flags.causal = false;
   merged.merge_from(flags);
   return merged;
 }

@@ -24,10 +24,10 @@ struct ProblemFlags {
   bool causal = false;
   bool no_causal = false;
 
-  // Adds --strategy --cp --ulysses-degree --q-heads --kv-heads --head-dim --seq --batch --tp --load-balance
-  // --dtype --causal
-  // --no-causal --config.
-  void add_to(CLI::App& app);
+  // Adds --q-heads --kv-heads --head-dim --seq --batch --dtype --causal --no-causal --config and, with
+  // `parallel`, how the problem is split: --strategy --cp --ulysses-degree --tp --load-balance (a command
+  // that runs one kernel has none of them: given, they are unknown flags, not ignored ones).
+  void add_to(CLI::App& app, bool parallel = true);
   // Files merged in order, then the flags on top.
   ConfigValues resolve(const CLI::App& app) const;
 };

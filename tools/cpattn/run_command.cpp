@@ -17,6 +17,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "cpattn/agreement.hpp"
 #include "cpattn/npy.hpp"
 #include "cpattn/placement.hpp"
 #include "cpattn/sequence_layout.hpp"
@@ -202,8 +203,38 @@ std::string fmt(double x) {
 }
 
 // The whole run on the chosen backend. Under MPI every process runs one rank and then holds the whole result.
+// Everything of the run every process must hold alike: the specs, every flag, the inputs it made or read.
+// Under mpirun each process parses its own command line and reads its own files; a flag given to one rank
+// alone (--no-causal, --save DIR) or another file under the same path is refused on every rank.
+Agreement run_agreement(const RunOptions& opt, const AttentionSpec& a, const ParallelSpec& p,
+                        const WholeProblem& problem) {
+  Agreement agreement;
+  add_specs(agreement, a, p);
+  agreement.add_text("--segments", opt.segments)
+      .add("--remat", opt.remat)
+      .add("--forward-only", opt.forward_only)
+      .add("--check", opt.check)
+      .add("--json", opt.json)
+      .add_text("--backend", opt.backend)
+      .add("--threads", static_cast<std::int64_t>(opt.threads))
+      .add("--comm-timeout", opt.comm_timeout)
+      .add("--seed", static_cast<std::int64_t>(opt.seed))
+      .add_text("--load", opt.load_dir)
+      .add_text("--save", opt.save_dir);
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"inputs: q", &problem.q},
+                                {"inputs: k", &problem.k},
+                                {"inputs: v", &problem.v},
+                                {"inputs: do", &problem.d_out}}) {
+    agreement.add_bytes(name, t->raw(), t->nbytes());
+  }
+  agreement.add_bytes("inputs: segment_ids", problem.segment_ids.data(),
+                      problem.segment_ids.size() * sizeof(std::int32_t));
+  return agreement;
+}
+
 WholeResult execute(const std::string& backend, const AttentionSpec& a, const ParallelSpec& p,
-                    const harness::RunSettings& settings, const WholeProblem& problem, int& my_rank) {
+                    const harness::RunSettings& settings, const WholeProblem& problem,
+                    const Agreement& agreement, int& my_rank) {
   my_rank = 0;
   if (backend == "inproc") return harness::run_in_process(a, p, settings, problem);
   CommunicatorOptions options;
@@ -212,6 +243,9 @@ WholeResult execute(const std::string& backend, const AttentionSpec& a, const Pa
   const std::unique_ptr<Communicator> made = make_communicator(parse_backend(backend), options);
   Communicator& comm = *made;
   my_rank = comm.rank();
+  // Alike on every rank, agreed or not: an error here reaches main on every rank, which prints one document
+  // and ends MPI normally.
+  agree(comm, agreement);
   if (comm.size() != p.cp) {
     bad_input("--cp", std::to_string(p.cp),
               "--cp (" + std::to_string(p.cp) + ") must equal the number of MPI processes (" +
@@ -445,7 +479,9 @@ int run(const CLI::App& app, RunOptions& opt) {
   const int rank_threads = threads_per_rank(opt.threads, p.cp);
 
   int my_rank = 0;
-  const WholeResult result = execute(opt.backend, a, p, settings, problem, my_rank);
+  const WholeResult result =
+      execute(opt.backend, a, p, settings, problem,
+              opt.backend == "inproc" ? Agreement() : run_agreement(opt, a, p, problem), my_rank);
   if (my_rank != 0) return 0;  // under mpirun rank 0 alone checks and reports
 
   nlohmann::ordered_json out = run_report(opt, a, p, rank_threads, result);
