@@ -5,11 +5,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <signal.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -24,6 +27,7 @@
 #include "cpattn/documents.hpp"
 #include "cpattn/error.hpp"
 #include "cpattn/flash.hpp"
+#include "cpattn/interrupt.hpp"
 #include "cpattn/parse.hpp"
 #include "cpattn/sequence_layout.hpp"
 
@@ -55,6 +59,61 @@ struct Problems : ErrorList {
     ErrorList::add({field}, value, message);
   }
   void raise() const { ErrorList::raise(ErrorKind::invalid_input); }
+};
+
+// Ctrl-C while a call runs with the GIL released: Python's own handler would only act once the call returned
+// (minutes, for a long sequence). Meanwhile SIGINT requests an interrupt instead (cpattn/interrupt.hpp): the
+// kernels stop before their next task and the call raises KeyboardInterrupt. Python's handler is back in
+// place after the call, and a SIGINT that came after the last task is passed on to it. Where Python ignores
+// SIGINT, so does the call.
+class InterruptScope {
+ public:
+  InterruptScope() {
+    std::lock_guard<std::mutex> lock(mutex());
+    if (depth()++ > 0) return;  // another thread's call holds the handler
+    clear_interrupt();
+    struct sigaction ours {};
+    ours.sa_handler = [](int) { request_interrupt(); };
+    sigemptyset(&ours.sa_mask);
+    installed() = ::sigaction(SIGINT, nullptr, &previous()) == 0 && previous().sa_handler != SIG_IGN &&
+                  ::sigaction(SIGINT, &ours, nullptr) == 0;
+  }
+  ~InterruptScope() {
+    std::lock_guard<std::mutex> lock(mutex());
+    if (--depth() > 0 || !installed()) return;
+    ::sigaction(SIGINT, &previous(), nullptr);
+    if (interrupt_requested()) {  // not seen by a kernel: Python's handler gets it now
+      clear_interrupt();
+      ::raise(SIGINT);
+    }
+  }
+  InterruptScope(const InterruptScope&) = delete;
+  InterruptScope& operator=(const InterruptScope&) = delete;
+
+ private:
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static int& depth() {
+    static int d = 0;
+    return d;
+  }
+  static bool& installed() {
+    static bool i = false;
+    return i;
+  }
+  static struct sigaction& previous() {
+    static struct sigaction p {};
+    return p;
+  }
+};
+
+// A call into the kernels or the strategies: Ctrl-C an interrupt (InterruptScope), the GIL released; the GIL
+// is taken back before the handler is restored.
+struct KernelCall {
+  InterruptScope interrupt;
+  py::gil_scoped_release release;
 };
 
 // Options read as the program reads its flags (cpattn/parse.hpp's parsers, the library's ranges), so that a
@@ -324,7 +383,7 @@ py::tuple attention(const py::object& q_obj, const py::object& k_obj, const py::
   Tensor o(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim});
   std::vector<float> lse(static_cast<std::size_t>(a.batch * a.num_q_heads * a.seq_len));
   {
-    py::gil_scoped_release release;
+    const KernelCall call;  // the GIL released, Ctrl-C an interrupt
     const AttentionMask mask{pos, pos, seg, seg, causal};
     flash_forward(q->ref, k->ref, v->ref, mask, a.scale(), config, ref(o), lse.data());
   }
@@ -377,7 +436,7 @@ py::tuple attention_backward(const py::object& q_obj, const py::object& k_obj, c
   const auto pos = natural_positions(a.batch, a.seq_len);
   Tensor dq(a.dtype, q->ref.shape), dk(a.dtype, k->ref.shape), dv(a.dtype, v->ref.shape);
   {
-    py::gil_scoped_release release;
+    const KernelCall call;  // the GIL released, Ctrl-C an interrupt
     const AttentionMask mask{pos, pos, seg, seg, causal};
     flash_backward(q->ref, k->ref, v->ref, o->ref, static_cast<const float*>(lse.data()), d_out->ref, mask,
                    a.scale(), config, ref(dq), ref(dk), ref(dv));
@@ -568,7 +627,7 @@ class ContextParallel {
     AttentionOutput out;
     std::shared_ptr<ContextParallelAttention::Saved> saved;
     {
-      py::gil_scoped_release release;
+      const KernelCall call;  // the GIL released, Ctrl-C an interrupt
       out = cp->forward(qt, kt, vt, seg, forward_only);
       if (!forward_only) saved = cp->take_saved();
     }
@@ -600,7 +659,7 @@ class ContextParallel {
     Tensor dt = d_out && problems.empty() ? copy_in(d_out->ref) : Tensor();
     AttentionGradients g;
     try {
-      py::gil_scoped_release release;
+      const KernelCall call;  // the GIL released, Ctrl-C an interrupt
       g = saved.object->backward(dt, *saved.saved);
     } catch (const Error&) {
       problems.raise();  // this rank's own reason first
@@ -717,6 +776,10 @@ PYBIND11_MODULE(_cpattn, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
+      if (e.kind() == ErrorKind::interrupted) {
+        PyErr_SetString(PyExc_KeyboardInterrupt, e.what());
+        return;
+      }
       py::list items;
       for (const ErrorItem& i : e.items()) {
         py::dict d;
@@ -730,6 +793,7 @@ PYBIND11_MODULE(_cpattn, m) {
       py::object type = config ? py::object(config_error) : py::object(communication_error);
       if (e.kind() == ErrorKind::internal) type = py::reinterpret_borrow<py::object>(PyExc_RuntimeError);
       if (e.kind() == ErrorKind::out_of_memory) type = py::reinterpret_borrow<py::object>(PyExc_MemoryError);
+      if (e.kind() == ErrorKind::resource) type = py::reinterpret_borrow<py::object>(PyExc_OSError);
       py::object instance = type(std::string(e.what()));
       if (e.kind() != ErrorKind::internal) instance.attr("errors") = items;
       PyErr_SetObject(type.ptr(), instance.ptr());

@@ -19,6 +19,7 @@ enum class ErrorKind {
                    // rank)
   resource,        // another resource of the machine ran out: a thread that cannot be made, a file size
                    // limit, a full disk (what ran out and what it was for are named)
+  interrupted,     // the caller asked the work to stop (cpattn/interrupt.hpp: Python's Ctrl-C)
 };
 
 const char* to_string(ErrorKind kind);

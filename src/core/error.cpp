@@ -30,6 +30,8 @@ const char* to_string(ErrorKind kind) {
       return "out_of_memory";
     case ErrorKind::resource:
       return "resource";
+    case ErrorKind::interrupted:
+      return "interrupted";
   }
   return "unknown";
 }

@@ -1,6 +1,7 @@
 // Runs fn(task, worker) for task in [0, n) on `threads` workers (the calling thread is worker 0). Tasks are
 // taken in order from a shared counter; results must not depend on which worker ran a task (nor on how many
-// workers there are).
+// workers there are). An interrupt requested meanwhile (cpattn/interrupt.hpp) stops it before the next task
+// with Error(interrupted).
 #pragma once
 
 #include <algorithm>
@@ -12,13 +13,18 @@
 #include <thread>
 #include <vector>
 
+#include "cpattn/interrupt.hpp"
+
 namespace cpattn {
 
 template <class Fn>
 void parallel_for(std::int64_t n, int threads, Fn&& fn) {
   const int workers = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(threads, n)));
   if (workers <= 1) {
-    for (std::int64_t t = 0; t < n; ++t) fn(t, 0);
+    for (std::int64_t t = 0; t < n; ++t) {
+      if (interrupt_requested()) throw_if_interrupted();
+      fn(t, 0);
+    }
     return;
   }
   std::atomic<std::int64_t> next{0};
@@ -26,7 +32,10 @@ void parallel_for(std::int64_t n, int threads, Fn&& fn) {
   std::mutex error_mutex;
   auto work = [&](int worker) {
     try {
-      for (std::int64_t t = next++; t < n; t = next++) fn(t, worker);
+      for (std::int64_t t = next++; t < n; t = next++) {
+        if (interrupt_requested()) throw_if_interrupted();  // the first worker to see it throws
+        fn(t, worker);
+      }
     } catch (...) {
       std::lock_guard<std::mutex> lock(error_mutex);
       if (!error) error = std::current_exception();

@@ -109,7 +109,8 @@ void write_raw(const std::string& path, const char* descr, const std::vector<std
   // The data reaches the file at the close: a full disk shows now, not after the caller trusts it.
   if (std::fclose(out) != 0 && error == 0) error = errno != 0 ? errno : EIO;
   if (error != 0) {
-    throw Error(ErrorKind::invalid_input, path, "", path + ": write failed (" + std::strerror(error) + ")");
+    // The machine's limits (a full disk, a file size limit), not the input's fault.
+    throw Error(ErrorKind::resource, path, "", path + ": write failed (" + std::strerror(error) + ")");
   }
 }
 

@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <csignal>
 #include <exception>
 #include <filesystem>
 #include <iostream>
@@ -78,6 +79,9 @@ std::string flag_in(const std::string& message) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A file size limit (ulimit -f) makes a write fail with EFBIG, which --save reports and cleans up after,
+  // instead of killing the process with SIGXFSZ half-way through its files.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{
       "cpattn: context-parallel attention (all_gather, ulysses with KV-head replication, ring, hybrid)"};
   app.require_subcommand(1);

@@ -1,11 +1,15 @@
 #include "output_dir.hpp"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
 #include <system_error>
 
 #include "cpattn/error.hpp"
@@ -41,6 +45,130 @@ const char* kind_of(fs::file_type t) {
     default:
       return "not a regular file";
   }
+}
+
+// One writer at a time in a directory: an flock on DIR/.cpattn.lock, held until the outputs are in place, so
+// that runs saving into one directory leave one run's whole set (the later one), never a mix. The holder's
+// pid is in the file; a holder that keeps it past kLockWait (a stopped process) is named in the refusal.
+class DirLock {
+ public:
+  static constexpr int kLockWaitSeconds = 60;
+  explicit DirLock(const fs::path& dir) : path_(dir / ".cpattn.lock") {
+    fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd_ < 0) refuse(path_.string(), std::string("cannot be opened (") + std::strerror(errno) + ")");
+    for (int waited = 0; ::flock(fd_, LOCK_EX | LOCK_NB) != 0; ++waited) {
+      if (errno != EWOULDBLOCK || waited == kLockWaitSeconds * 10) {
+        const std::string holder = holder_pid();
+        ::close(fd_);
+        throw Error(ErrorKind::resource, "--save", dir.string(),
+                    "--save: " + quoted(dir.string()) + ": another cpattn run" +
+                        (holder.empty() ? "" : " (pid " + holder + ")") + " has been saving into it for " +
+                        std::to_string(kLockWaitSeconds) + " s; save elsewhere or end that run");
+      }
+      ::usleep(100'000);
+    }
+    const std::string pid = std::to_string(::getpid()) + "\n";
+    if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, pid.data(), pid.size(), 0) < 0) {
+      // The pid is only for the message of a run that waits; the lock holds without it.
+    }
+  }
+  ~DirLock() { ::close(fd_); }  // the lock goes with the descriptor; the empty file stays for the next run
+  DirLock(const DirLock&) = delete;
+  DirLock& operator=(const DirLock&) = delete;
+
+ private:
+  std::string holder_pid() const {
+    char buf[32] = {};
+    const ssize_t n = ::pread(fd_, buf, sizeof buf - 1, 0);
+    std::string text(buf, n > 0 ? static_cast<std::size_t>(n) : 0);
+    while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+    return text.find_first_not_of("0123456789") == std::string::npos ? text : std::string();
+  }
+  fs::path path_;
+  int fd_ = -1;
+};
+
+// The journal of the renames (DIR/.cpattn.journal), written before the first of them and removed after the
+// last: a run killed between the two left its new outputs half in place, and the journal says how to put the
+// earlier ones back. One line per output: NAME, its temporary, and where the earlier file was kept ("-": the
+// output did not exist before).
+struct JournalEntry {
+  std::string name, temp, aside;
+};
+
+fs::path journal_path(const fs::path& dir) {
+  return dir / ".cpattn.journal";
+}
+
+void write_journal(const fs::path& dir, const std::vector<JournalEntry>& entries) {
+  std::string text = "cpattn save journal " + std::to_string(::getpid()) + "\n";
+  for (const auto& e : entries)
+    text += e.name + "\t" + e.temp + "\t" + (e.aside.empty() ? "-" : e.aside) + "\n";
+  const fs::path tmp = dir / ".cpattn.journal.tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "wb");
+  const bool ok = f != nullptr && std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  if ((f != nullptr && std::fclose(f) != 0) || !ok) {
+    std::error_code e;
+    fs::remove(tmp, e);
+    throw Error(ErrorKind::resource, "--save", tmp.string(),
+                "--save: " + quoted(tmp.string()) + ": cannot write the journal of the renames (" +
+                    std::strerror(errno) + "); nothing was replaced");
+  }
+  std::error_code ec;
+  fs::rename(tmp, journal_path(dir), ec);
+  if (ec) {
+    fs::remove(tmp, ec);
+    throw Error(ErrorKind::resource, "--save", dir.string(),
+                "--save: " + quoted(dir.string()) +
+                    ": cannot place the journal of the renames; nothing was replaced");
+  }
+}
+
+// Under the lock, what an earlier run that was killed left behind: with a journal, its renames undone (each
+// earlier output put back, each output that did not exist before removed); then every temporary and kept
+// earlier file of an output name removed (no live run has any: they exist only under the lock). Says what it
+// did on stderr.
+void recover_killed_run(const fs::path& dir) {
+  std::error_code ec;
+  std::string done;
+  std::ifstream journal(journal_path(dir));
+  if (journal) {
+    std::string line, pid;
+    std::getline(journal, line);
+    pid = line.substr(line.rfind(' ') + 1);
+    while (std::getline(journal, line)) {
+      std::istringstream fields(line);
+      JournalEntry e;
+      std::getline(fields, e.name, '\t');
+      std::getline(fields, e.temp, '\t');
+      std::getline(fields, e.aside, '\t');
+      if (e.name.empty() || e.name.find('/') != std::string::npos) continue;
+      const fs::path target = dir / e.name;
+      if (e.aside != "-" && fs::exists(fs::symlink_status(dir / e.aside, ec))) {
+        fs::rename(dir / e.aside, target, ec);
+      } else if (e.aside == "-") {
+        fs::remove(target, ec);
+      }
+    }
+    journal.close();
+    fs::remove(journal_path(dir), ec);
+    done = "put back the outputs that a run killed while renaming its own (pid " + pid + ") had replaced";
+  }
+  std::size_t removed = 0;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string file = entry.path().filename().string();
+    for (const auto& name : output_names(false)) {
+      if (file.rfind("." + name + ".tmp.", 0) == 0 || file.rfind("." + name + ".old.", 0) == 0) {
+        if (fs::remove(entry.path(), ec)) ++removed;
+      }
+    }
+  }
+  fs::remove(dir / ".cpattn.journal.tmp", ec);
+  if (removed > 0) {
+    done += std::string(done.empty() ? "" : "; ") + "removed " + std::to_string(removed) +
+            " temporary or kept file(s) of a run that was killed";
+  }
+  if (!done.empty()) std::cerr << "cpattn: --save " << quoted(dir.string()) << ": " << done << "\n";
 }
 
 }  // namespace
@@ -106,6 +234,8 @@ void write_outputs(const std::string& dir, const std::vector<OutputFile>& files)
   const bool made_dir = !fs::exists(fs::status(base, ec));
   fs::create_directories(base, ec);
   if (ec) refuse(dir, "cannot be made (" + ec.message() + ")");
+  const DirLock lock(base);
+  recover_killed_run(base);
   const std::string pid = std::to_string(::getpid());
   // A name in DIR that nothing holds: ".NAME.KIND.PID", with ".N" added until one is free. `take` claims it
   // (an O_EXCL create, or a hard link) and fails with EEXIST where the name is taken: no other process's file
@@ -140,12 +270,16 @@ void write_outputs(const std::string& dir, const std::vector<OutputFile>& files)
       if (!asides[i].empty()) fs::remove(asides[i], e);
     }
     for (const auto& t : temps) fs::remove(t, e);
-    if (made_dir) fs::remove(base, e);  // only if empty
+    if (made_dir) {  // with the lock's file this run made in it; only if nothing else is there
+      fs::remove(base / ".cpattn.lock", e);
+      fs::remove(base, e);
+    }
     return left;
   };
+  // Past the checks, what fails is the machine's (a full disk, a file size limit): exit 1, not bad input.
   auto fail = [&](const fs::path& target, const std::string& why) {
     const std::string left = undo();
-    throw Error(ErrorKind::invalid_input, "--save", target.string(),
+    throw Error(ErrorKind::resource, "--save", target.string(),
                 "--save: " + quoted(target.string()) + ": " + why +
                     (left.empty() ? "; nothing was replaced" : "; not everything could be put back:" + left));
   };
@@ -187,10 +321,24 @@ void write_outputs(const std::string& dir, const std::vector<OutputFile>& files)
       fail(targets[i], std::string("cannot keep the earlier file (") + e.what() + ")");
     }
   }
+  std::vector<JournalEntry> journal;
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    journal.push_back({files[i].name, temps[i].filename().string(),
+                       asides[i].empty() ? std::string() : asides[i].filename().string()});
+  }
+  try {
+    write_journal(base, journal);
+  } catch (const Error& e) {
+    fail(journal_path(base), e.items().front().message);
+  }
   for (; placed < files.size(); ++placed) {
     fs::rename(temps[placed], targets[placed], ec);
-    if (ec) fail(targets[placed], "cannot rename into it (" + ec.message() + ")");
+    if (ec) {
+      fs::remove(journal_path(base), ec);
+      fail(targets[placed], "cannot rename into it (" + ec.message() + ")");
+    }
   }
+  fs::remove(journal_path(base), ec);  // every new output in place: nothing to undo from here on
   for (const auto& a : asides) {
     if (!a.empty()) fs::remove(a, ec);
   }
