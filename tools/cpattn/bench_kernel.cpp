@@ -19,6 +19,7 @@
 #include "cpattn/sequence_layout.hpp"
 #include "flag_parsing.hpp"
 #include "harness/whole_problem.hpp"
+#include "cpattn/context_parallel.hpp"
 #include "kernels/machine_peak.hpp"
 #include "problem_flags.hpp"
 
@@ -227,8 +228,11 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
   if (!opt.simd_target.empty()) flash_force_vector_target(opt.simd_target);
 
   // The peak first and again after the kernels; their mean is the baseline (the machine's clock drifts).
-  const double peak_before = measure_fma_peak_gflops(opt.threads);
-  const double tile_before = measure_tile_peak_gflops(opt.threads);
+  // The peak of the cores the threads run on: more threads than the machine has cores add no FMA units (and
+  // would only make the measurement take as many times longer).
+  const int peak_threads = std::min(opt.threads, threads_per_rank(0, 1));
+  const double peak_before = measure_fma_peak_gflops(peak_threads);
+  const double tile_before = measure_tile_peak_gflops(peak_threads);
   const KernelTimes times = time_kernels(q, k, v, d_out, mask, scale, cfg, opt);
   const double forward_s = times.forward_s, backward_s = times.backward_s;
   const FlashForwardResult& fwd = times.fwd;
@@ -239,13 +243,13 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
     fp32 = time_kernels(q.to(DType::f32), k.to(DType::f32), v.to(DType::f32), d_out.to(DType::f32), mask,
                         scale, cfg, opt);
   }
-  const double peak_after = measure_fma_peak_gflops(opt.threads);
-  const double tile_after = measure_tile_peak_gflops(opt.threads);
+  const double peak_after = measure_fma_peak_gflops(peak_threads);
+  const double tile_after = measure_tile_peak_gflops(peak_threads);
   const double fma_peak = (peak_before + peak_after) / 2;
   // The second baseline: the forward's own register tile on L1-resident data (the ceiling of the vector
   // kernels' loops), measured the same way; its mean before and after.
   const double tile_peak = (tile_before + tile_after) / 2;
-  const double bf16_peak = measure_bf16_dot_peak_gflops(opt.threads);
+  const double bf16_peak = measure_bf16_dot_peak_gflops(peak_threads);
 
   const double forward_flops =
       attention_forward_flops(a.batch, a.seq_len, a.num_q_heads, a.head_dim, a.causal);
