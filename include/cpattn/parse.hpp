@@ -33,8 +33,9 @@ std::vector<std::int64_t> parse_document_lengths(const std::string& text, const 
 // \xNN escapes, at most 200 characters (the rest as "...").
 std::string quoted(const std::string& text);
 
-// The whole text with only the bytes that are not UTF-8 escaped (\xNN): what a message or a JSON document
-// may carry whatever path or value went into it.
+// The whole text with the bytes that are not UTF-8 and the control characters but newline and tab escaped
+// (\xNN): what a message or a JSON document may carry whatever path or value went into it (a NUL byte from a
+// file's header, an escape sequence, are shown, not sent to the terminal).
 std::string utf8_safe(const std::string& text);
 
 // The nearest of `known` to `word` by edit distance, or "" where none is close (more than a third of the

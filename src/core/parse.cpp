@@ -108,7 +108,7 @@ std::string escaped(const std::string& text, bool controls, std::size_t limit) {
     if (!ok) {
       escape(c);
       ++i;
-    } else if (controls && len == 1 && (c < 0x20 || c == 0x7F)) {
+    } else if (len == 1 && (c < 0x20 || c == 0x7F) && (controls || (c != '\n' && c != '\t'))) {
       escape(c);
       ++i;
     } else {
