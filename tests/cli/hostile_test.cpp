@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -25,6 +26,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cpattn/error.hpp"
@@ -47,8 +49,8 @@ struct Outcome {
 
 // Runs CPATTN_EXE with `args` in `cwd`, the environment plus `env` (which replaces inherited entries of the
 // same name; an MPI launcher's own variables are dropped); kills it at the bound.
-Outcome spawn(const std::vector<std::string>& args, const fs::path& cwd,
-              const std::vector<std::string>& env) {
+Outcome spawn(const std::vector<std::string>& args, const fs::path& cwd, const std::vector<std::string>& env,
+              const std::vector<std::pair<int, rlim_t>>& limits = {}) {
   Outcome o;
   int out_pipe[2], err_pipe[2];
   if (::pipe2(out_pipe, O_CLOEXEC) != 0) return o;
@@ -79,6 +81,10 @@ Outcome spawn(const std::vector<std::string>& args, const fs::path& cwd,
     ::dup2(out_pipe[1], 1);
     ::dup2(err_pipe[1], 2);
     if (::chdir(cwd.c_str()) != 0) ::_exit(126);
+    for (const auto& [resource, value] : limits) {
+      const rlimit limit{value, value};
+      if (::setrlimit(resource, &limit) != 0) ::_exit(125);
+    }
     ::execve(CPATTN_EXE, argv.data(), envp.data());
     ::_exit(127);
   }
@@ -568,15 +574,13 @@ void run_cases(const std::vector<std::string>& commands) {
 }
 
 // A failure after some earlier outputs were given their second names (here: dk.npy became a directory after
-// the check) puts everything back: the directory holds what it held, and says nothing was replaced. Names an
-// earlier run or another process left (.o.npy.old.PID) are not overwritten.
+// the check) puts everything back: the directory holds what it held, and says nothing was replaced.
 TEST(OutputDir, AFailureBetweenFilesPutsTheEarlierOutputsBack) {
   const fs::path dir = fs::temp_directory_path() / ("cpattn_output_dir_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
   const char* names[] = {"o.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"};
   for (const char* f : names) write_text(dir / f, f);
-  write_text(dir / (".o.npy.old." + std::to_string(::getpid())), "someone else's");
   fs::remove(dir / "dk.npy");
   fs::create_directories(dir / "dk.npy" / "taken");
   const auto before = snapshot(dir);
@@ -596,10 +600,7 @@ TEST(OutputDir, AFailureBetweenFilesPutsTheEarlierOutputsBack) {
   cpattn::cli::write_outputs(dir.string(), files);
   std::size_t outputs = 0;
   for (const auto& e : fs::directory_iterator(dir)) {
-    if (e.path().filename().string()[0] == '.') {
-      EXPECT_EQ(e.path().filename().string(), ".o.npy.old." + std::to_string(::getpid()));
-      continue;
-    }
+    EXPECT_NE(e.path().filename().string()[0], '.') << e.path() << " left beside the outputs";
     ++outputs;
     EXPECT_EQ(cpattn::read_npy(e.path().string()).shape, (std::vector<std::int64_t>{8})) << e.path();
   }
@@ -639,6 +640,123 @@ TEST(Hostile, JsonValuesAreAsTyped) {
   EXPECT_EQ(value_of({"validate", "--seq", "64", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "8",
                       "--cp", "-3", "--json"}),
             -3);
+}
+
+// ---- Resources that run out, files of runs that were killed or ran side by side. ----
+
+// The outputs of one run, by name: each file's bytes.
+std::map<std::string, std::string> outputs_in(const fs::path& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    std::ifstream f(e.path(), std::ios::binary);
+    out[e.path().filename().string()] = std::string(std::istreambuf_iterator<char>(f), {});
+  }
+  return out;
+}
+
+const std::vector<std::string> kRun = {"run", "--cp",       "2", "--q-heads", "4", "--kv-heads",
+                                       "2",   "--head-dim", "8", "--seq",     "64"};
+
+std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& more) {
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
+
+// A file size limit: the write fails (EFBIG, not SIGXFSZ), exit 1 as the machine's limit (not bad input),
+// nothing left in the directory (made by the run, so removed), the error naming the file and the reason.
+TEST(Hostile, AFileSizeLimitIsAResourceErrorThatLeavesNothing) {
+  Fixtures fixtures;
+  const fs::path dir = fixtures.root() / "fsize_out";
+  for (const bool json : {false, true}) {
+    const Outcome o = spawn(with(kRun, {"--save", dir.string(), json ? "--json" : "--check"}),
+                            fixtures.root() / "cwd", {}, {{RLIMIT_FSIZE, 8192}});
+    EXPECT_EQ(o.exit_code, 1) << o.err;
+    EXPECT_NE(o.err.find("error (resource)"), std::string::npos) << o.err;
+    EXPECT_NE(o.err.find("File too large"), std::string::npos) << o.err;
+    EXPECT_FALSE(fs::exists(dir)) << "the run left " << dir;
+    if (json) {
+      EXPECT_NO_THROW(nlohmann::json::parse(o.out)) << o.out;
+    }
+  }
+}
+
+// Threads the process may not make (its address space too small for their stacks): an error naming the rank
+// whose thread could not start, exit 1, never std::terminate (exit 134).
+TEST(Hostile, AThreadThatCannotBeMadeIsAResourceError) {
+  Fixtures fixtures;
+  for (const char* strategy : {"all_gather", "ulysses", "ring"}) {
+    const Outcome o = spawn({"run", "--cp", "16", "--strategy", strategy, "--q-heads", "16", "--kv-heads",
+                             "16", "--head-dim", "8", "--seq", "256", "--threads", "1", "--json"},
+                            fixtures.root() / "cwd", {}, {{RLIMIT_AS, 100'000'000}});
+    EXPECT_EQ(o.exit_code, 1) << strategy << ": " << o.err;
+    EXPECT_NE(o.err.find("could not start a thread for rank"), std::string::npos) << o.err;
+    EXPECT_NO_THROW(nlohmann::json::parse(o.out)) << o.out;
+  }
+}
+
+// Two runs saving into one directory at once: one writer at a time, so the directory holds one run's five
+// outputs, never o and lse of one beside dq, dk, dv of the other; nothing else is left.
+TEST(Hostile, RunsSavingIntoOneDirectoryLeaveOneWholeSet) {
+  Fixtures fixtures;
+  std::map<std::string, std::string> alone[2];
+  for (int seed = 0; seed < 2; ++seed) {
+    const fs::path d = fixtures.root() / ("alone" + std::to_string(seed));
+    ASSERT_EQ(spawn(with(kRun, {"--seed", std::to_string(seed + 1), "--save", d.string()}),
+                    fixtures.root() / "cwd", {})
+                  .exit_code,
+              0);
+    alone[seed] = outputs_in(d);
+  }
+  ASSERT_NE(alone[0].at("o.npy"), alone[1].at("o.npy"));
+  const fs::path shared = fixtures.root() / "shared_out";
+  for (int round = 0; round < 4; ++round) {
+    Outcome outcomes[2];
+    std::thread side([&] {
+      outcomes[1] =
+          spawn(with(kRun, {"--seed", "2", "--save", shared.string()}), fixtures.root() / "cwd", {});
+    });
+    outcomes[0] = spawn(with(kRun, {"--seed", "1", "--save", shared.string()}), fixtures.root() / "cwd", {});
+    side.join();
+    EXPECT_EQ(outcomes[0].exit_code, 0) << outcomes[0].err;
+    EXPECT_EQ(outcomes[1].exit_code, 0) << outcomes[1].err;
+    const auto got = outputs_in(shared);
+    EXPECT_TRUE(got == alone[0] || got == alone[1])
+        << "round " << round << ": a mixed or partial set of " << got.size() << " files";
+  }
+}
+
+// What a run killed while saving leaves: with its journal (killed among the renames), the next run puts the
+// earlier outputs back before writing its own and says so; without one (killed while writing), its
+// temporaries are removed. Either way the directory then holds the new run's outputs alone.
+TEST(Hostile, TheNextRunCleansUpAfterARunKilledWhileSaving) {
+  Fixtures fixtures;
+  const fs::path dir = fixtures.root() / "killed_out";
+  ASSERT_EQ(spawn(with(kRun, {"--save", dir.string()}), fixtures.root() / "cwd", {}).exit_code, 0);
+  const auto earlier = outputs_in(dir);
+  // Killed mid-rename (pid 999999): o.npy replaced (the earlier one kept aside), the rest not yet.
+  fs::create_hard_link(dir / "o.npy", dir / ".o.npy.old.999999");
+  write_text(dir / "o.npy", "new, of the killed run");
+  write_text(dir / ".dq.npy.tmp.999999", "new, of the killed run");
+  write_text(dir / ".cpattn.journal",
+             "cpattn save journal 999999\no.npy\t.o.npy.tmp.999999\t.o.npy.old.999999\n"
+             "dq.npy\t.dq.npy.tmp.999999\t-\n");
+  // The journal's "-": dq.npy did not exist before that run: put back means removed, so the check below
+  // holds only where the next run writes it again (it does: not forward-only).
+  Outcome o = spawn(with(kRun, {"--save", dir.string(), "--seed", "3"}), fixtures.root() / "cwd", {});
+  EXPECT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.err.find("put back the outputs that a run killed while renaming its own (pid 999999)"),
+            std::string::npos)
+      << o.err;
+  auto now = outputs_in(dir);
+  EXPECT_EQ(now.size(), 5u);
+  for (const auto& [name, bytes] : now) EXPECT_NE(name[0], '.') << name << " left behind";
+  // Killed while writing: temporaries only, no journal.
+  write_text(dir / ".lse.npy.tmp.999998", "partial");
+  write_text(dir / ".dv.npy.old.999998", "kept");
+  o = spawn(with(kRun, {"--save", dir.string()}), fixtures.root() / "cwd", {});
+  EXPECT_EQ(o.exit_code, 0) << o.err;
+  EXPECT_NE(o.err.find("removed 2 temporary or kept file(s)"), std::string::npos) << o.err;
+  EXPECT_EQ(outputs_in(dir), earlier);  // seed 1 again: the same outputs as the first run's
 }
 
 TEST(Hostile, TheTableHasAtLeast120Cases) {

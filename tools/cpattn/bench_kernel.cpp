@@ -14,12 +14,12 @@
 #include <tuple>
 
 #include "bench_command.hpp"
+#include "cpattn/context_parallel.hpp"
 #include "cpattn/flash.hpp"
 #include "cpattn/reference.hpp"
 #include "cpattn/sequence_layout.hpp"
 #include "flag_parsing.hpp"
 #include "harness/whole_problem.hpp"
-#include "cpattn/context_parallel.hpp"
 #include "kernels/machine_peak.hpp"
 #include "problem_flags.hpp"
 

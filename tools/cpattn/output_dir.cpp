@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -48,16 +49,25 @@ const char* kind_of(fs::file_type t) {
 }
 
 // One writer at a time in a directory: an flock on DIR/.cpattn.lock, held until the outputs are in place, so
-// that runs saving into one directory leave one run's whole set (the later one), never a mix. The holder's
-// pid is in the file; a holder that keeps it past kLockWait (a stopped process) is named in the refusal.
+// that runs saving into one directory leave one run's whole set (the later one), never a mix. The holder
+// removes the file when it is done (the directory is left as it was): a waiter that then holds a lock on the
+// removed file sees that its path names another file, or none, and takes the lock anew. The holder's pid is
+// in the file; one that keeps it past kLockWaitSeconds (a stopped process) is named in the refusal.
 class DirLock {
  public:
   static constexpr int kLockWaitSeconds = 60;
   explicit DirLock(const fs::path& dir) : path_(dir / ".cpattn.lock") {
-    fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
-    if (fd_ < 0) refuse(path_.string(), std::string("cannot be opened (") + std::strerror(errno) + ")");
-    for (int waited = 0; ::flock(fd_, LOCK_EX | LOCK_NB) != 0; ++waited) {
-      if (errno != EWOULDBLOCK || waited == kLockWaitSeconds * 10) {
+    for (int waited = 0;; ++waited) {
+      fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+      if (fd_ < 0) refuse(path_.string(), std::string("cannot be opened (") + std::strerror(errno) + ")");
+      if (::flock(fd_, LOCK_EX | LOCK_NB) == 0) {
+        struct stat held {
+        }, named{};
+        if (::fstat(fd_, &held) == 0 && ::stat(path_.c_str(), &named) == 0 && held.st_ino == named.st_ino &&
+            held.st_dev == named.st_dev) {
+          break;  // the lock of the file the path names
+        }
+      } else if (errno != EWOULDBLOCK || waited >= kLockWaitSeconds * 10) {
         const std::string holder = holder_pid();
         ::close(fd_);
         throw Error(ErrorKind::resource, "--save", dir.string(),
@@ -65,6 +75,7 @@ class DirLock {
                         (holder.empty() ? "" : " (pid " + holder + ")") + " has been saving into it for " +
                         std::to_string(kLockWaitSeconds) + " s; save elsewhere or end that run");
       }
+      ::close(fd_);
       ::usleep(100'000);
     }
     const std::string pid = std::to_string(::getpid()) + "\n";
@@ -72,7 +83,13 @@ class DirLock {
       // The pid is only for the message of a run that waits; the lock holds without it.
     }
   }
-  ~DirLock() { ::close(fd_); }  // the lock goes with the descriptor; the empty file stays for the next run
+  ~DirLock() { release(); }
+  void release() {
+    if (fd_ < 0) return;
+    ::unlink(path_.c_str());  // still holding it: a waiter finds its file gone and starts again
+    ::close(fd_);
+    fd_ = -1;
+  }
   DirLock(const DirLock&) = delete;
   DirLock& operator=(const DirLock&) = delete;
 
@@ -234,7 +251,7 @@ void write_outputs(const std::string& dir, const std::vector<OutputFile>& files)
   const bool made_dir = !fs::exists(fs::status(base, ec));
   fs::create_directories(base, ec);
   if (ec) refuse(dir, "cannot be made (" + ec.message() + ")");
-  const DirLock lock(base);
+  DirLock lock(base);
   recover_killed_run(base);
   const std::string pid = std::to_string(::getpid());
   // A name in DIR that nothing holds: ".NAME.KIND.PID", with ".N" added until one is free. `take` claims it
@@ -270,8 +287,8 @@ void write_outputs(const std::string& dir, const std::vector<OutputFile>& files)
       if (!asides[i].empty()) fs::remove(asides[i], e);
     }
     for (const auto& t : temps) fs::remove(t, e);
-    if (made_dir) {  // with the lock's file this run made in it; only if nothing else is there
-      fs::remove(base / ".cpattn.lock", e);
+    if (made_dir) {  // only if empty, the lock's file too
+      lock.release();
       fs::remove(base, e);
     }
     return left;

@@ -263,8 +263,11 @@ WholeResult execute(const std::string& backend, const AttentionSpec& a, const Pa
     const auto* error = dynamic_cast<const Error*>(&e);
     const bool bad = error != nullptr && (error->kind() == ErrorKind::invalid_config ||
                                           error->kind() == ErrorKind::invalid_input);
-    std::cerr << "error (" << (error != nullptr ? to_string(error->kind()) : "internal") << "): rank "
-              << comm.rank() << ": " << e.what() << "\n";
+    // Named by rank once: an error that already says which rank it is (the strategies' own) keeps its words.
+    const std::string me = "rank " + std::to_string(comm.rank()) + ": ";
+    const std::string what = e.what();
+    std::cerr << "error (" << (error != nullptr ? to_string(error->kind()) : "internal")
+              << "): " << (what.rfind(me, 0) == 0 ? what : me + what) << "\n";
     end_job(bad ? 2 : 1);
   }
   return result;
