@@ -274,6 +274,31 @@ class Fixtures {
     yaml("strategy", "context_parallel_strategy: rings\n");
     yaml("huge", "# " + std::string(1 << 20, 'x') + "\nici_context_parallelism: 4\n");
     yaml("deep", std::string(5000, '[') + std::string(5000, ']') + "\n");
+    // More than one YAML document: the second would otherwise go unread, typos and all.
+    yaml("two_docs", seed + "---\nici_context_paralelism: 8\n");
+    yaml("three_docs", seed + "---\nhead_dim: 64\n---\nhead_dim: 128\n");
+    yaml("empty_second", seed + "---\n");
+    yaml("marked_docs", "---\n" + seed + "...\n---\nmax_target_length: 1024\n");
+    // .npy headers that give a key twice (numpy reads the last: a reader of the first would read other data),
+    // or hold a NUL or an escape in their text.
+    const std::string tail = "'shape': (1, 64, 4, 8), }";
+    write_raw_npy(inputs_with("fortran_twice", "q.npy"),
+                  "{'descr': '<f4', 'fortran_order': False, 'fortran_order': True, " + tail,
+                  kS * kHq * kD * 4);
+    write_raw_npy(inputs_with("fortran_twice_false", "q.npy"),
+                  "{'descr': '<f4', 'fortran_order': True, 'fortran_order': False, " + tail,
+                  kS * kHq * kD * 4);
+    write_raw_npy(inputs_with("descr_twice", "q.npy"),
+                  "{'descr': '<f4', 'descr': '<f8', 'fortran_order': False, " + tail, kS * kHq * kD * 4);
+    write_raw_npy(
+        inputs_with("shape_twice", "q.npy"),
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 64, 4, 8), 'shape': (1, 32, 4, 16), }",
+        kS * kHq * kD * 4);
+    write_raw_npy(inputs_with("nul_descr", "q.npy"),
+                  std::string("{'descr': '<f") + '\0' + "4', 'fortran_order': False, " + tail,
+                  kS * kHq * kD * 4);
+    write_raw_npy(inputs_with("escape_descr", "q.npy"),
+                  "{'descr': '<f\x1b[2J', 'fortran_order': False, " + tail, kS * kHq * kD * 4);
   }
   ~Fixtures() { fs::remove_all(root_); }
   const fs::path& root() const { return root_; }
@@ -292,6 +317,86 @@ struct Case {
 };
 
 const std::string kSizes = " --q-heads 4 --kv-heads 2 --head-dim 8 --seq 64";
+
+// The cases of the third hardening pass: flags that were accepted and ignored, the in-process group's bounds,
+// several YAML documents, .npy headers that repeat a key or hold control bytes.
+const std::vector<Case>& hardening_cases() {
+  static const std::vector<Case> table = [] {
+    std::vector<Case> t;
+    const std::string small = " --seq 256 --q-heads 4 --kv-heads 2 --head-dim 16";
+    // bench kernel runs one kernel: how a problem is split is no flag of it (refused, not ignored).
+    for (const char* flag : {"--cp 0", "--cp 2", "--strategy ring", "--strategy hybrid", "--ulysses-degree 0",
+                             "--ulysses-degree 2", "--tp 2", "--load-balance"}) {
+      const std::string name = std::string(flag).substr(0, std::string(flag).find(' '));
+      t.push_back({"bench kernel " + std::string(flag) + small, 2, {"unknown flag '" + name + "'"}});
+    }
+    // bench strategy runs what it is asked; what it cannot run is refused, naming the flag.
+    for (const char* strategy : {"rings", "bogus", "ULYSSES", "all-gather"}) {
+      t.push_back(
+          {"bench strategy --strategy " + std::string(strategy) + small, 2, {"--strategy", strategy}});
+    }
+    for (const char* tp : {"2", "0", "-1", "4"}) {
+      t.push_back({"bench strategy --tp " + std::string(tp) + small, 2, {"--tp", "use --tp 1"}});
+    }
+    for (const char* cp : {"0", "-1", "129", "1024"}) {
+      t.push_back({"bench strategy --cp " + std::string(cp) + small, 2, {"--cp", cp}});
+    }
+    t.push_back({"bench strategy --cp 2 --cps 2,4" + small, 2, {"--cp and --cps"}});
+    t.push_back({"bench strategy --strategy ulysses --load-balance" + small, 2, {"load_balance (true)"}});
+    t.push_back({"bench strategy --strategy hybrid --cp 2" + small, 2, {"nothing to run"}});
+    t.push_back(
+        {"bench strategy --strategy hybrid --cp 4 --ulysses-degree 3" + small, 2, {"ulysses_degree (3)"}});
+    t.push_back({"bench strategy --strategy ring --ulysses-degree 2" + small, 2, {"ulysses_degree (2)"}});
+    t.push_back({"bench strategy --ulysses-degree 2" + small, 2, {"ulysses_degree (2)"}});
+    t.push_back({"bench strategy --strategy all_gather --cp 3" + small, 2, {"seq_len (256)", "cp (3)"}});
+    t.push_back({"bench strategy --strategy ulysses --cp 8" + small, 2, {"cp (8)", "num_q_heads (4)"}});
+    for (const char* cps : {"129", "2,200", "1024"}) {
+      t.push_back({"bench strategy --cps " + std::string(cps) + small, 2, {"--cps", "128"}});
+    }
+    // plan plans every strategy: asking it for one is refused, naming it.
+    for (const char* strategy : {"all_gather", "ulysses", "ring", "hybrid", "bogus"}) {
+      t.push_back({"plan --preset llama3-70b --seq 4096 --cp 4 --strategy " + std::string(strategy),
+                   2,
+                   {"drop --strategy '" + std::string(strategy) + "'"}});
+    }
+    // Hosts that do not divide cp: a ulysses group of a host's size would span hosts.
+    for (const char* per_host : {"3", "5", "6", "7"}) {
+      t.push_back({"plan --preset llama3-70b --seq 4096 --cp 16 --ranks-per-host " + std::string(per_host),
+                   2,
+                   {"ranks_per_host (" + std::string(per_host) + ") must divide cp (16)"}});
+    }
+    // The in-process group's bounds (each answers within seconds up to them).
+    for (const int cp : {129, 256, 1024}) {
+      t.push_back({"run --cp " + std::to_string(cp) + " --seq " + std::to_string(8 * cp) +
+                       " --q-heads 2 --kv-heads 1 --head-dim 8",
+                   2,
+                   {"--cp (" + std::to_string(cp) + ")", "at most 128"}});
+    }
+    for (const char* ranks : {"129", "2,256"}) {
+      t.push_back({"bench comm --ranks " + std::string(ranks), 2, {"--ranks", "128"}});
+    }
+    // A YAML file of several documents, in every command that reads one.
+    const std::vector<std::pair<std::string, std::string>> documents = {
+        {"two_docs", "holds 2 YAML documents"},
+        {"three_docs", "holds 3 YAML documents"},
+        {"empty_second", "holds 2 YAML documents"},
+        {"marked_docs", "holds 2 YAML documents"}};
+    for (const auto& [file, phrase] : documents) {
+      for (const char* command :
+           {"validate", "run", "plan --preset llama3-70b", "bench strategy", "bench kernel"}) {
+        t.push_back({std::string(command) + " --config {R}/" + file + ".yml", 2, {file + ".yml", phrase}});
+      }
+    }
+    // .npy headers that repeat a key, or carry a NUL or an escape sequence (shown escaped, never raw).
+    for (const char* dir : {"fortran_twice", "fortran_twice_false", "descr_twice", "shape_twice"}) {
+      t.push_back({"run --cp 2 --load {R}/" + std::string(dir), 2, {std::string(dir) + "/q.npy", "twice"}});
+    }
+    t.push_back({"run --cp 2 --load {R}/nul_descr", 2, {"nul_descr/q.npy", "\\x00"}});
+    t.push_back({"run --cp 2 --load {R}/escape_descr", 2, {"escape_descr/q.npy", "\\x1B[2J"}});
+    return t;
+  }();
+  return table;
+}
 
 const std::vector<Case>& cases() {
   static const std::vector<Case> table = {
@@ -500,7 +605,12 @@ const std::vector<Case>& cases() {
       {"bench nosuch", 2, {"nosuch"}},
       {"bench", 2, {"subcommand"}},
   };
-  return table;
+  static const std::vector<Case> all = [] {
+    std::vector<Case> joined = table;
+    for (const Case& c : hardening_cases()) joined.push_back(c);
+    return joined;
+  }();
+  return all;
 }
 
 std::string with_root(std::string text, const std::string& root) {
@@ -761,6 +871,7 @@ TEST(Hostile, TheNextRunCleansUpAfterARunKilledWhileSaving) {
 
 TEST(Hostile, TheTableHasAtLeast120Cases) {
   EXPECT_GE(cases().size(), 120u);
+  EXPECT_GE(hardening_cases().size(), 70u);
 }
 TEST(Hostile, Run) {
   run_cases({"run"});
