@@ -234,3 +234,150 @@ def test_import_does_not_initialise_mpi():
     out = subprocess.run([os.environ.get("PYTHON", "/usr/bin/python3"), "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+# ---- Options read as the program reads its flags: the same types, ranges and limits; None refused where it
+# means nothing; every refusal a ConfigError naming the field, raised before anything is computed. ----
+
+BAD_OPTIONS = [
+    ("causal", None),
+    ("causal", 1),
+    ("causal", "yes"),
+    ("causal", 0.0),
+    ("causal", [True]),
+    ("scale", "0.5"),
+    ("scale", 1e300),
+    ("scale", -1.0),
+    ("scale", 0.0),
+    ("scale", float("nan")),
+    ("scale", float("inf")),
+    ("scale", 1e-31),
+    ("scale", 1e31),
+    ("scale", True),
+    ("scale", [0.5]),
+    ("scale", b"0.5"),
+    ("threads", 2**40),
+    ("threads", 2**31 - 1),
+    ("threads", 10**6),
+    ("threads", 1025),
+    ("threads", 0),
+    ("threads", -1),
+    ("threads", True),
+    ("threads", 4.0),
+    ("threads", "2"),
+    ("threads", 10**30),
+]
+
+
+@pytest.mark.parametrize("function", ["attention", "attention_backward"])
+@pytest.mark.parametrize("field, value", BAD_OPTIONS, ids=[f"{f}={v!r}" for f, v in BAD_OPTIONS])
+def test_a_bad_option_is_a_config_error_naming_it(function, field, value):
+    q = np.random.default_rng(0).standard_normal((1, 64, 4, 16)).astype(np.float32)
+    k = q[:, :, :2].copy()
+    start = time.monotonic()
+    with pytest.raises(cpattn.ConfigError) as e:
+        if function == "attention":
+            cpattn.attention(q, k, k, **{field: value})
+        else:
+            o, lse = cpattn.attention(q, k, k)
+            cpattn.attention_backward(q, k, k, o, lse, q, **{field: value})
+    assert time.monotonic() - start < 10
+    assert any(item["field"] == field for item in e.value.errors), e.value.errors
+    assert field in str(e.value)
+
+
+GOOD_OPTIONS = [
+    ("causal", np.bool_(False)),
+    ("scale", np.float32(0.25)),
+    ("scale", 1),
+    ("scale", np.float64(1e-30)),
+    ("threads", np.int64(2)),
+    ("threads", 1024),
+]
+
+
+@pytest.mark.parametrize("field, value", GOOD_OPTIONS, ids=[f"{f}={v!r}" for f, v in GOOD_OPTIONS])
+def test_numpy_scalars_and_the_range_ends_are_taken(field, value):
+    q = np.random.default_rng(1).standard_normal((1, 64, 4, 16)).astype(np.float32)
+    k = q[:, :, :2].copy()
+    o, _ = cpattn.attention(q, k, k, **{field: value})
+    want = dict(causal=True, scale=None, threads=None)
+    want[field] = {"causal": bool, "scale": float, "threads": int}[field](value)
+    assert np.array_equal(o, cpattn.attention(q, k, k, **want)[0])
+
+
+BAD_POSITIONS = [
+    ((2**31, 1, 0), "seq_len"),
+    ((2**62, 2, 0), "seq_len"),
+    ((2**30, 1, 0), "seq_len"),
+    ((0, 1, 0), "seq_len"),
+    ((64, 0, 0), "cp"),
+    ((64, 70000, 0), "cp"),
+    ((64, 2, 2), "rank"),
+    ((64, 2, -1), "rank"),
+    ((64, "2", 0), "cp"),
+    ((64.0, 2, 0), "seq_len"),
+    ((None, 2, 0), "seq_len"),
+    ((64, 2, 0, "zigzag"), "layout"),
+    ((64, 2, 0, 5), "layout"),
+    ((63, 2, 0), "seq_len"),
+    ((66, 2, 0, "dual_chunk_swap"), "seq_len"),
+]
+
+
+@pytest.mark.parametrize("args, field", BAD_POSITIONS, ids=[repr(a) for a, _ in BAD_POSITIONS])
+def test_local_positions_refuses_within_a_second(args, field):
+    start = time.monotonic()
+    with pytest.raises(cpattn.ConfigError) as e:
+        cpattn.local_positions(*args)
+    assert time.monotonic() - start < 1
+    assert any(item["field"] == field for item in e.value.errors), e.value.errors
+
+
+@pytest.mark.parametrize("field, value", [("causal", None), ("scale", "0.5"), ("threads", 2**40), ("threads", 0)])
+def test_the_torch_level_refuses_as_the_numpy_level(field, value):
+    q, k, v, _, _ = make(1, 64, 4, 2, 16, False)
+    with pytest.raises(cpattn.ConfigError) as e:
+        ct.attention(q, k, v, **{field: value})
+    assert any(item["field"] == field for item in e.value.errors), e.value.errors
+
+
+def test_a_copy_that_cannot_be_allocated_is_a_memory_error():
+    # A broadcast view (zero strides along seq) cannot be read in place: its C-order copy is 16 GiB, more than a
+    # 2 GiB address-space limit allows. MemoryError naming q, in a child process under that limit.
+    code = (
+        "import resource, numpy as np, cpattn\n"
+        "a = np.broadcast_to(np.float32(1), (1, 1 << 23, 8, 64))\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+        "try:\n"
+        "    cpattn.attention(a, a[:, :, :2], a[:, :, :2])\n"
+        "except MemoryError as e:\n"
+        "    print('MemoryError:', e)\n"
+    )
+    env = dict(os.environ)
+    out = subprocess.run([os.environ.get("PYTHON", "/usr/bin/python3"), "-c", code], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "MemoryError:" in out.stdout and "q" in out.stdout, out.stdout + out.stderr
+
+
+def test_ctrl_c_stops_a_long_call_between_kernel_tasks():
+    # SIGINT a second into a call that would take tens of seconds: the kernels stop at their next task (the
+    # KeyboardInterrupt is theirs, not Python's after the call) and the next call works.
+    code = (
+        "import os, signal, threading, numpy as np, cpattn\n"
+        "q = np.random.default_rng(0).standard_normal((1, 32768, 8, 128)).astype(np.float32)\n"
+        "threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\n"
+        "try:\n"
+        "    cpattn.attention(q, q, q, threads=1)\n"
+        "    print('finished')\n"
+        "except KeyboardInterrupt as e:\n"
+        "    print('KeyboardInterrupt:', e)\n"
+        "o, _ = cpattn.attention(q[:, :64], q[:, :64], q[:, :64])\n"
+        "print('next call', o.shape)\n"
+    )
+    out = subprocess.run([os.environ.get("PYTHON", "/usr/bin/python3"), "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "KeyboardInterrupt: interrupted (Ctrl-C) between kernel tasks" in out.stdout, out.stdout
+    assert "next call (1, 64, 8, 128)" in out.stdout, out.stdout
