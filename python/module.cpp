@@ -54,11 +54,23 @@ std::string dtype_text(const py::array& a) {
 }
 
 // Problems found while reading the arguments, all reported at once (Error(invalid_input)).
+// An allocation that failed joins them as the first problem and makes raise() an Error(out_of_memory) (a
+// MemoryError): under MPI a rank that could not copy its input must still take part in the agreement that
+// tells the others, rather than leave them waiting.
 struct Problems : ErrorList {
   void add(const std::string& field, const std::string& value, const std::string& message) {
     ErrorList::add({field}, value, message);
   }
-  void raise() const { ErrorList::raise(ErrorKind::invalid_input); }
+  void out_of_memory(std::size_t bytes, const std::string& what) {
+    try {
+      fail_allocation(bytes, what);
+    } catch (const Error& e) {
+      memory = true;
+      append(e.items());
+    }
+  }
+  void raise() const { ErrorList::raise(memory ? ErrorKind::out_of_memory : ErrorKind::invalid_input); }
+  bool memory = false;
 };
 
 // Ctrl-C while a call runs with the GIL released: Python's own handler would only act once the call returned
@@ -121,7 +133,10 @@ struct KernelCall {
 // int for a count (not a bool, not 4.0), a number for a real (not a str). A bad one joins `problems`.
 std::string repr_of(const py::handle& obj) {
   std::string text = py::repr(obj).cast<std::string>();
-  return text.size() > 60 ? text.substr(0, 57) + "..." : text;
+  if (text.size() <= 60) return text;
+  std::size_t cut = 57;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;  // a whole character
+  return text.substr(0, cut) + "...";
 }
 
 std::string type_of(const py::handle& obj) {
@@ -129,7 +144,9 @@ std::string type_of(const py::handle& obj) {
 }
 
 bool is_bool(const py::handle& obj) {
-  return py::isinstance<py::bool_>(obj) || type_of(obj) == "bool_";  // numpy's bool too
+  if (py::isinstance<py::bool_>(obj)) return true;
+  static const py::object numpy_bool = py::module_::import("numpy").attr("bool_");  // numpy 1 and 2 alike
+  return py::isinstance(obj, numpy_bool);
 }
 
 std::optional<bool> read_switch(const py::handle& obj, const std::string& field, Problems& problems) {
@@ -149,9 +166,14 @@ std::optional<std::int64_t> read_count(const py::handle& obj, const std::string&
                      ", got " + type_of(obj) + " " + repr_of(obj));
     return std::nullopt;
   }
+  const py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr()));
+  if (!index) {  // its __index__ raised
+    PyErr_Clear();
+    problems.add(field, repr_of(obj), field + ": " + repr_of(obj) + " cannot be read as an int");
+    return std::nullopt;
+  }
   try {
-    return parse_integer(py::str(py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr()))), field, min,
-                         max);
+    return parse_integer(py::str(index), field, min, max);
   } catch (const Error& e) {
     problems.append(e.items());
   }
@@ -218,12 +240,14 @@ std::optional<ArrayRef> read_tensor(const py::handle& obj, const std::string& na
   bool direct = a.shape(3) <= 1 || a.strides(3) == item;
   for (int i = 0; i < 4; ++i) direct = direct && a.strides(i) >= 0 && a.strides(i) % item == 0;
   if (!direct) {
-    // A copy numpy cannot allocate is a MemoryError naming the array (ensure returns null and sets one).
+    // A copy numpy cannot make (ensure returns null, whatever numpy's reason, and clears it): out of memory
+    // for the copy, named.
     a = py::array::ensure(a, py::array::c_style);
     if (!a) {
       PyErr_Clear();
-      fail_allocation(static_cast<std::size_t>(py::reinterpret_borrow<py::array>(obj).nbytes()),
-                      name + " (a C-order copy of a strided array)");
+      problems.out_of_memory(static_cast<std::size_t>(py::reinterpret_borrow<py::array>(obj).nbytes()),
+                             name + " (a C-order copy of a strided array)");
+      return std::nullopt;
     }
   }
   ArrayRef out{a, {}};
@@ -420,8 +444,8 @@ py::tuple attention_backward(const py::object& q_obj, const py::object& k_obj, c
     lse = py::array::ensure(lse_obj, py::array::c_style);
     if (!lse) {
       PyErr_Clear();
-      fail_allocation(static_cast<std::size_t>(py::reinterpret_borrow<py::array>(lse_obj).nbytes()),
-                      "lse (a C-order copy)");
+      problems.out_of_memory(static_cast<std::size_t>(py::reinterpret_borrow<py::array>(lse_obj).nbytes()),
+                             "lse (a C-order copy)");
     }
     if (q && !(lse.ndim() == 3 && lse.shape(0) == a.batch && lse.shape(1) == a.num_q_heads &&
                lse.shape(2) == a.seq_len)) {
@@ -459,17 +483,24 @@ py::array local_positions_of(const py::object& seq_obj, const py::object& cp_obj
                  "layout: expected 'contiguous' or 'dual_chunk_swap', got " + type_of(layout_obj) + " " +
                      repr_of(layout_obj));
   }
-  problems.raise();
-  if (!seq || !cp_read || !rank_read) {
-    problems.add("seq_len", "None", "seq_len, cp and rank: None is not a value; valid: ints");
-    problems.raise();
+  for (const auto& [obj, field] :
+       {std::pair{&seq_obj, "seq_len"}, std::pair{&cp_obj, "cp"}, std::pair{&rank_obj, "rank"}}) {
+    if (obj->is_none())
+      problems.add(field, "None", std::string(field) + ": None is not a value; valid: an int");
   }
+  problems.raise();
   const std::int64_t seq_len = *seq, cp = *cp_read, rank = *rank_read;
   if (rank >= cp) {
     problems.add("rank", std::to_string(rank),
                  "rank: " + std::to_string(rank) + " must be in [0, cp) = [0, " + std::to_string(cp) + ")");
   }
-  const ShardLayout l = parse_layout(layout_obj.cast<std::string>(), "layout");
+  ShardLayout l = ShardLayout::contiguous;
+  try {
+    l = parse_layout(layout_obj.cast<std::string>(), "layout");
+  } catch (const Error& e) {
+    problems.append(e.items());
+    problems.raise();  // with the rank's problem, if any
+  }
   const std::int64_t chunks = layout_chunks(l, cp);
   if (seq_len / cp > kMaxLocalPositions) {
     problems.add("seq_len", std::to_string(seq_len),
@@ -623,13 +654,27 @@ class ContextParallel {
     agree(a, local_seq, !segment_ids.is_none(), problems);
     // Every rank holds the same spec now: the rules are the same everywhere, and so is the error.
     const std::shared_ptr<ContextParallelAttention> cp = object_for(a);
-    Tensor qt = copy_in(q->ref), kt = copy_in(k->ref), vt = copy_in(v->ref);
+    // A copy that cannot be made on this rank alone: empty tensors go in, which the object's own check
+    // refuses on every rank; this rank then raises the allocation's error.
+    Tensor qt, kt, vt;
+    std::optional<Error> copy_failed;
+    try {
+      qt = copy_in(q->ref);
+      kt = copy_in(k->ref);
+      vt = copy_in(v->ref);
+    } catch (const Error& e) {
+      copy_failed = e;
+      qt = kt = vt = Tensor();
+    }
     AttentionOutput out;
     std::shared_ptr<ContextParallelAttention::Saved> saved;
-    {
+    try {
       const KernelCall call;  // the GIL released, Ctrl-C an interrupt
       out = cp->forward(qt, kt, vt, seg, forward_only);
       if (!forward_only) saved = cp->take_saved();
+    } catch (const Error&) {
+      if (copy_failed) throw *copy_failed;
+      throw;
     }
     const Shape4 os = out.o.shape();
     py::array o = to_numpy(std::move(out.o));

@@ -362,17 +362,17 @@ dtype: bfloat16
 // key otherwise.
 TEST(ConfigFile, TheAttentionLoadBalanceKeyDecidesWhereGiven) {
   auto v = parse_config_yaml("context_parallel_attention_load_balance: true\n", "a.yml");
-  EXPECT_TRUE(v.any_load_balance());
+  EXPECT_TRUE(v.attention_balanced());
   v = parse_config_yaml(
       "context_parallel_load_balance: false\ncontext_parallel_attention_load_balance: true\n", "a.yml");
-  EXPECT_TRUE(v.any_load_balance());
+  EXPECT_TRUE(v.attention_balanced());
   v = parse_config_yaml(
       "context_parallel_load_balance: true\ncontext_parallel_attention_load_balance: false\n", "a.yml");
-  EXPECT_FALSE(v.any_load_balance());
+  EXPECT_FALSE(v.attention_balanced());
   v = parse_config_yaml("context_parallel_load_balance: true\n", "a.yml");
-  EXPECT_TRUE(v.any_load_balance());
+  EXPECT_TRUE(v.attention_balanced());
   v = parse_config_yaml("context_parallel_load_balance: false\n", "a.yml");
-  EXPECT_FALSE(v.any_load_balance());
+  EXPECT_FALSE(v.attention_balanced());
 }
 
 TEST(ConfigFile, ASecondYamlDocumentIsRefused) {

@@ -32,10 +32,11 @@ struct ConfigValues {
 
   // Values set in `later` replace ours.
   void merge_from(const ConfigValues& later);
-  // Attention's load balance: context_parallel_attention_load_balance where it is given, else
-  // context_parallel_load_balance. Not an OR and not refused when they differ: the seed sets them apart on
-  // purpose (its GDN layers keep the contiguous layout, load_balance false, while attention balances).
-  bool any_load_balance() const { return attention_load_balance.value_or(load_balance.value_or(false)); }
+  // Attention's load balance: context_parallel_attention_load_balance where it is given (by any file or
+  // flag), else context_parallel_load_balance. Two settings, not one spelled twice: the seed sets them apart
+  // on purpose (its GDN layers keep the contiguous layout, load_balance false, while attention balances), so
+  // they are neither OR-ed nor refused when they differ, and each follows "later wins" on its own.
+  bool attention_balanced() const { return attention_load_balance.value_or(load_balance.value_or(false)); }
 };
 
 // Parses YAML text; unknown keys are ignored, a known key with the wrong type is an Error(invalid_input)

@@ -189,7 +189,12 @@ void agree(Communicator& comm, const Agreement& agreement) {
   std::string names;
   for (const auto& e : entries) names += e.field + ",";
   std::vector<std::int64_t> values = {static_cast<std::int64_t>(entries.size()), hash_text(names)};
-  std::vector<std::string> shown = {std::to_string(entries.size()), "'" + names + "'"};
+  // The names as shown: their count and hash first (64 bytes travel: lists that differ near their end still
+  // show differently), then the list.
+  char names_head[48];
+  std::snprintf(names_head, sizeof names_head, "%zu fields, hash %016llx: ", entries.size(),
+                static_cast<unsigned long long>(hash_text(names)));
+  std::vector<std::string> shown = {std::to_string(entries.size()), names_head + names};
   for (const auto& e : entries) {
     values.push_back(e.value);
     shown.push_back(e.shown);

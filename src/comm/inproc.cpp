@@ -636,9 +636,9 @@ void InProcessGroup::run(const std::function<void(Communicator&)>& fn) {
                                          std::to_string(state_->size) + " ranks)",
                                      body, r));
     }
-  } catch (const Error& e) {
+  } catch (...) {
     // The ranks already started meet the abort at their next collective and end; none is left joinable.
-    abort(static_cast<int>(threads.size()) + 1, e.what());
+    abort(static_cast<int>(threads.size()) + 1, "its thread could not be started");
     for (auto& t : threads) t.join();
     throw;
   }

@@ -227,7 +227,7 @@ Specs to_specs(const ConfigValues& v, std::vector<ErrorItem>& errors) {
   s.parallel.cp = v.cp.value_or(1);
   s.parallel.tp = v.tp.value_or(1);
   s.parallel.ulysses_degree = v.ulysses_degree.value_or(0);
-  s.parallel.load_balance = v.any_load_balance();
+  s.parallel.load_balance = v.attention_balanced();
   try {
     if (v.dtype) s.attention.dtype = parse_dtype(*v.dtype);
   } catch (const Error& e) {

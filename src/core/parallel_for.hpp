@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <exception>
 #include <mutex>
-#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -48,7 +47,7 @@ void parallel_for(std::int64_t n, int threads, Fn&& fn) {
   // the results are the same, only slower.
   try {
     for (int w = 1; w < workers; ++w) pool.emplace_back(work, w);
-  } catch (const std::system_error&) {
+  } catch (...) {  // std::system_error, or std::bad_alloc for a thread's state
   }
   work(0);
   for (auto& t : pool) t.join();

@@ -153,7 +153,7 @@ double peak_on_threads(int threads, Loop loop, std::int64_t iters = 4'000'000) {
   try {
     for (int t = 1; t < threads; ++t)
       pool.push_back(start_thread("the FMA peak's thread " + std::to_string(t), body, t));
-  } catch (const Error&) {
+  } catch (...) {
     // The threads that did start run their tries with the missing ones and this one dropped from the barrier,
     // and end.
     for (int t = static_cast<int>(pool.size()) + 1; t <= threads; ++t) sync.arrive_and_drop();

@@ -845,20 +845,40 @@ TEST(Hostile, TheNextRunCleansUpAfterARunKilledWhileSaving) {
   const auto earlier = outputs_in(dir);
   // Killed mid-rename (pid 999999): o.npy replaced (the earlier one kept aside), the rest not yet.
   fs::create_hard_link(dir / "o.npy", dir / ".o.npy.old.999999");
-  write_text(dir / "o.npy", "new, of the killed run");
+  write_text(dir / ".o.npy.tmp.999999", "new, of the killed run");
+  fs::rename(dir / ".o.npy.tmp.999999", dir / "o.npy");
   write_text(dir / ".dq.npy.tmp.999999", "new, of the killed run");
   write_text(dir / ".cpattn.journal",
              "cpattn save journal 999999\no.npy\t.o.npy.tmp.999999\t.o.npy.old.999999\n"
              "dq.npy\t.dq.npy.tmp.999999\t-\n");
-  // The journal's "-": dq.npy did not exist before that run: put back means removed, so the check below
-  // holds only where the next run writes it again (it does: not forward-only).
-  Outcome o = spawn(with(kRun, {"--save", dir.string(), "--seed", "3"}), fixtures.root() / "cwd", {});
-  EXPECT_EQ(o.exit_code, 0) << o.err;
+  // dq.npy is journalled as new ("-": it did not exist before that run), so putting back removes it; keep a
+  // copy of the earlier one to compare with.
+  const auto earlier_dq = earlier.at("dq.npy");
+  // The next run's own writing fails (a file size limit): what is left is the put-back state alone, the
+  // earlier outputs but dq.npy.
+  Outcome o = spawn(with(kRun, {"--save", dir.string(), "--seed", "3"}), fixtures.root() / "cwd", {},
+                    {{RLIMIT_FSIZE, 8192}});
+  EXPECT_EQ(o.exit_code, 1) << o.err;
   EXPECT_NE(o.err.find("put back the outputs that a run killed while renaming its own (pid 999999)"),
             std::string::npos)
       << o.err;
+  auto put_back = earlier;
+  put_back.erase("dq.npy");
+  EXPECT_EQ(outputs_in(dir), put_back) << "not the earlier outputs";
+  // A journal cpattn did not write (a name outside the outputs) is refused and kept, nothing removed.
+  write_text(dir / ".cpattn.journal", "cpattn save journal 5\nREADME\t.README.tmp.5\t-\n");
+  write_text(dir / "README", "mine");
+  o = spawn(with(kRun, {"--save", dir.string()}), fixtures.root() / "cwd", {});
+  EXPECT_EQ(o.exit_code, 1) << o.err;
+  EXPECT_NE(o.err.find("holds a line cpattn did not write"), std::string::npos) << o.err;
+  EXPECT_TRUE(fs::exists(dir / "README"));
+  fs::remove(dir / ".cpattn.journal");
+  fs::remove(dir / "README");
+  o = spawn(with(kRun, {"--save", dir.string(), "--seed", "3"}), fixtures.root() / "cwd", {});
+  EXPECT_EQ(o.exit_code, 0) << o.err;
   auto now = outputs_in(dir);
   EXPECT_EQ(now.size(), 5u);
+  EXPECT_NE(now.at("dq.npy"), earlier_dq);  // seed 3's
   for (const auto& [name, bytes] : now) EXPECT_NE(name[0], '.') << name << " left behind";
   // Killed while writing: temporaries only, no journal.
   write_text(dir / ".lse.npy.tmp.999998", "partial");

@@ -358,7 +358,8 @@ def test_a_copy_that_cannot_be_allocated_is_a_memory_error():
     out = subprocess.run([os.environ.get("PYTHON", "/usr/bin/python3"), "-c", code], capture_output=True, text=True,
                          env=env, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "MemoryError:" in out.stdout and "q" in out.stdout, out.stdout + out.stderr
+    assert "MemoryError: out of memory while allocating" in out.stdout, out.stdout + out.stderr
+    assert "for q (a C-order copy" in out.stdout, out.stdout + out.stderr
 
 
 def test_ctrl_c_stops_a_long_call_between_kernel_tasks():

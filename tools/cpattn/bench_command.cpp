@@ -20,6 +20,7 @@
 #include "harness/whole_problem.hpp"
 #include "problem_flags.hpp"
 
+#include "cpattn/agreement.hpp"
 #include "cpattn/communicators.hpp"
 
 namespace cpattn::cli {
@@ -36,6 +37,7 @@ double seconds_since(clock_type::time_point t0) {
 struct CommOptions {
   std::string backend = "inproc";
   std::vector<int> ranks{2, 4};
+  bool ranks_given = false;  // --ranks on the command line (refused with the MPI backend)
   std::int64_t min_bytes = 64 << 10, max_bytes = 64 << 20;
   bool json = false;
 };
@@ -122,6 +124,11 @@ Timing time_collective(Communicator& comm, const std::string& kind, std::int64_t
 // The sizes must make sense together, and fit: every rank holds about four buffers of the largest size (send,
 // receive, and the memcpy baseline's two).
 void check_comm_options(const CommOptions& opt) {
+  if (opt.backend != "inproc" && opt.ranks_given) {
+    throw Error(ErrorKind::invalid_input, "--ranks", "",
+                "--ranks sizes the in-process group; under --backend " + opt.backend +
+                    " the ranks are mpirun's processes (-np): drop --ranks");
+  }
   if (opt.min_bytes > opt.max_bytes) {
     throw Error(ErrorKind::invalid_input, "--min-bytes", std::to_string(opt.min_bytes),
                 "--min-bytes (" + std::to_string(opt.min_bytes) + ") is larger than --max-bytes (" +
@@ -208,6 +215,10 @@ int bench_comm(const CommOptions& opt) {
     const std::unique_ptr<Communicator> made =
         make_communicator(parse_backend(opt.backend, "--backend"), options);
     Communicator& comm = *made;
+    // Every process must make the same calls with the same sizes: its flags agreed first.
+    Agreement agreement;
+    agreement.add("--min-bytes", opt.min_bytes).add("--max-bytes", opt.max_bytes).add("--json", opt.json);
+    agree(comm, agreement);
     print = comm.rank() == 0;
     for (const std::string kind : {"all_to_all", "raw_MPI_Alltoall", "all_to_all_strided", "all_to_all_v",
                                    "all_gather", "reduce_scatter"}) {
@@ -285,20 +296,22 @@ std::vector<StrategyConfig> strategy_configs(const CLI::App& app, const Strategy
   const bool only = asked.strategy.has_value();
   const Strategy only_strategy = only ? parse_strategy(*asked.strategy, "--strategy") : Strategy::all_gather;
   const bool lb_asked = asked.load_balance.has_value() || asked.attention_load_balance.has_value();
-  const bool lb_value = asked.any_load_balance();
+  const bool lb_value = asked.attention_balanced();
   std::vector<StrategyConfig> configs = {{"single_device", Strategy::all_gather, false, 1}};
   for (const std::int64_t cp : cps) {
     for (const Strategy strategy : kStrategies) {
       if (only && strategy != only_strategy) continue;
       const StrategyTraits traits = strategy_traits(strategy);
       if (traits.sub_groups) {
+        const bool balanced = !lb_asked || lb_value;
+        const std::size_t before = configs.size();
         for (std::int64_t u = 2; u < cp; ++u) {
           if (cp % u == 0 && (!asked.ulysses_degree || *asked.ulysses_degree == u)) {
-            configs.push_back({hybrid_name(u, cp / u, true), strategy, (!lb_asked || lb_value), cp, u});
+            configs.push_back({hybrid_name(u, cp / u, balanced), strategy, balanced, cp, u});
           }
         }
-        if (asked.ulysses_degree && configs.back().strategy != strategy) {
-          configs.push_back({"hybrid", strategy, (!lb_asked || lb_value), cp, *asked.ulysses_degree});
+        if (asked.ulysses_degree && configs.size() == before) {  // not a factorisation: the rules say why
+          configs.push_back({"hybrid", strategy, balanced, cp, *asked.ulysses_degree});
         }
         continue;
       }
@@ -450,7 +463,10 @@ void add_bench_command(CLI::App& app, int& exit_code) {
               "smallest per-rank size (at least 4 bytes per rank)");
   add_integer(*comm, "--max-bytes", comm_opt->max_bytes, 4, kMaxCommBytes, "largest per-rank size");
   comm->add_flag("--json", comm_opt->json, "print JSON");
-  comm->callback([comm_opt, &exit_code] { exit_code = bench_comm(*comm_opt); });
+  comm->callback([comm, comm_opt, &exit_code] {
+    comm_opt->ranks_given = comm->count("--ranks") > 0;
+    exit_code = bench_comm(*comm_opt);
+  });
 
   auto st_opt = std::make_shared<StrategyOptions>();
   CLI::App* st = bench->add_subcommand("strategy", "every strategy against the single-device kernel");

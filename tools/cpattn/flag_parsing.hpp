@@ -19,9 +19,8 @@
 namespace cpattn::cli {
 
 // The in-process group's largest size (one thread per rank): run --cp, bench comm --ranks and bench strategy
-// --cp/--cps above it exit 2. Every command answers within seconds up to it: a tiny ring at 128 ranks took 5 s
-// on the 2-core EPYC, at 256 ranks 20 s (each shift wakes every rank; the ring makes cp of them), at 1024 past
-// two minutes. More ranks than that are MPI's (--backend mpi).
+// --cp/--cps above it exit 2. Chosen so that every command answers within seconds (docs/errors.md: a ring's
+// time grows faster than cp squared in-process, each shift waking every rank); more ranks are MPI's.
 inline constexpr std::int64_t kMaxInProcessRanks = 128;
 
 namespace detail {

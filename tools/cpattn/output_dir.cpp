@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -145,6 +146,28 @@ void write_journal(const fs::path& dir, const std::vector<JournalEntry>& entries
 // earlier output put back, each output that did not exist before removed); then every temporary and kept
 // earlier file of an output name removed (no live run has any: they exist only under the lock). Says what it
 // did on stderr.
+// A name the writer below gives: ".NAME.KIND.PID" or ".NAME.KIND.PID.N", NAME an output.
+bool written_name(const std::string& file, const std::string& name, const char* kind) {
+  const std::string prefix = "." + name + "." + kind + ".";
+  if (file.rfind(prefix, 0) != 0 || file.size() == prefix.size()) return false;
+  const std::string rest = file.substr(prefix.size());
+  return rest.find_first_not_of("0123456789.") == std::string::npos && rest.front() != '.' &&
+         rest.back() != '.';
+}
+
+[[noreturn]] void refuse_journal(const fs::path& dir, const std::string& why) {
+  throw Error(
+      ErrorKind::resource, "--save", journal_path(dir).string(),
+      "--save: " + quoted(journal_path(dir).string()) + ": " + why +
+          "; the earlier outputs may be the .NAME.old.PID files beside it: put them back by hand, then "
+          "remove the journal");
+}
+
+// Under the lock, what an earlier run that was killed left behind: with a journal, its renames undone (each
+// earlier output put back, each output that did not exist before removed); then every temporary and kept
+// earlier file of an output name removed (no live run has any: they exist only under the lock). Says what it
+// did on stderr. A journal this program did not write, or a file it cannot put back, is refused with the
+// journal kept: the kept earlier outputs may be the only copies.
 void recover_killed_run(const fs::path& dir) {
   std::error_code ec;
   std::string done;
@@ -152,22 +175,35 @@ void recover_killed_run(const fs::path& dir) {
   if (journal) {
     std::string line, pid;
     std::getline(journal, line);
+    if (line.rfind("cpattn save journal ", 0) != 0) refuse_journal(dir, "is not a journal cpattn wrote");
     pid = line.substr(line.rfind(' ') + 1);
+    std::vector<JournalEntry> entries;
     while (std::getline(journal, line)) {
       std::istringstream fields(line);
       JournalEntry e;
       std::getline(fields, e.name, '\t');
       std::getline(fields, e.temp, '\t');
       std::getline(fields, e.aside, '\t');
-      if (e.name.empty() || e.name.find('/') != std::string::npos) continue;
-      const fs::path target = dir / e.name;
-      if (e.aside != "-" && fs::exists(fs::symlink_status(dir / e.aside, ec))) {
-        fs::rename(dir / e.aside, target, ec);
-      } else if (e.aside == "-") {
-        fs::remove(target, ec);
+      const auto names = output_names(false);
+      const bool known = std::find(names.begin(), names.end(), e.name) != names.end();
+      if (!known || !written_name(e.temp, e.name, "tmp") ||
+          (e.aside != "-" && !written_name(e.aside, e.name, "old"))) {
+        refuse_journal(dir, "holds a line cpattn did not write ('" + cpattn::quoted(line) + "')");
       }
+      entries.push_back(e);
     }
     journal.close();
+    for (const JournalEntry& e : entries) {
+      const fs::path target = dir / e.name;
+      if (e.aside == "-") {
+        fs::remove(target, ec);  // did not exist before that run
+      } else if (fs::exists(fs::symlink_status(dir / e.aside, ec))) {
+        fs::rename(dir / e.aside, target, ec);
+      } else {
+        continue;  // its renames had not reached it: the earlier file is still in place
+      }
+      if (ec) refuse_journal(dir, "cannot put back " + e.name + " (" + ec.message() + ")");
+    }
     fs::remove(journal_path(dir), ec);
     done = "put back the outputs that a run killed while renaming its own (pid " + pid + ") had replaced";
   }
@@ -175,7 +211,7 @@ void recover_killed_run(const fs::path& dir) {
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string file = entry.path().filename().string();
     for (const auto& name : output_names(false)) {
-      if (file.rfind("." + name + ".tmp.", 0) == 0 || file.rfind("." + name + ".old.", 0) == 0) {
+      if (written_name(file, name, "tmp") || written_name(file, name, "old")) {
         if (fs::remove(entry.path(), ec)) ++removed;
       }
     }
@@ -294,8 +330,10 @@ void write_outputs(const std::string& dir, const std::vector<OutputFile>& files)
     return left;
   };
   // Past the checks, what fails is the machine's (a full disk, a file size limit): exit 1, not bad input.
+  bool journalled = false;  // the journal is in place: removed only once undo() has put everything back
   auto fail = [&](const fs::path& target, const std::string& why) {
     const std::string left = undo();
+    if (journalled && left.empty()) fs::remove(journal_path(base), ec);
     throw Error(ErrorKind::resource, "--save", target.string(),
                 "--save: " + quoted(target.string()) + ": " + why +
                     (left.empty() ? "; nothing was replaced" : "; not everything could be put back:" + left));
@@ -348,12 +386,10 @@ void write_outputs(const std::string& dir, const std::vector<OutputFile>& files)
   } catch (const Error& e) {
     fail(journal_path(base), e.items().front().message);
   }
+  journalled = true;
   for (; placed < files.size(); ++placed) {
     fs::rename(temps[placed], targets[placed], ec);
-    if (ec) {
-      fs::remove(journal_path(base), ec);
-      fail(targets[placed], "cannot rename into it (" + ec.message() + ")");
-    }
+    if (ec) fail(targets[placed], "cannot rename into it (" + ec.message() + ")");
   }
   fs::remove(journal_path(base), ec);  // every new output in place: nothing to undo from here on
   for (const auto& a : asides) {
