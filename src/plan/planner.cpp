@@ -545,11 +545,12 @@ Plan make_plan(const PlanRequest& req) {
   if (req.hardware.ranks_per_host > 0 && req.parallel.cp > req.hardware.ranks_per_host &&
       req.parallel.cp % req.hardware.ranks_per_host != 0) {
     // Hosts of unequal rank counts: no ulysses group of a host's size would stay inside a host.
-    throw Error(ErrorKind::invalid_config, "ranks_per_host", std::to_string(req.hardware.ranks_per_host),
-                "ranks_per_host (" + std::to_string(req.hardware.ranks_per_host) + ") must divide cp (" +
-                    std::to_string(req.parallel.cp) +
-                    ") when the ranks span hosts: every host holds as many ranks (or give ranks_per_host >= cp: "
-                    "one host)");
+    throw Error(
+        ErrorKind::invalid_config, "ranks_per_host", std::to_string(req.hardware.ranks_per_host),
+        "ranks_per_host (" + std::to_string(req.hardware.ranks_per_host) + ") must divide cp (" +
+            std::to_string(req.parallel.cp) +
+            ") when the ranks span hosts: every host holds as many ranks (or give ranks_per_host >= cp: "
+            "one host)");
   }
   Plan plan;
   // Each strategy on the whole group; those of sub-groups (hybrid) for every factorisation U x R of cp with
