@@ -2,10 +2,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <tuple>
 
 #include "cp_harness.hpp"
 #include "cpattn/placement.hpp"
 #include "cpattn/planner.hpp"
+#include "harness/whole_problem.hpp"
 
 namespace cpattn {
 namespace {
@@ -300,6 +302,96 @@ TEST(Planner, ReorderPredictionEqualsWhatReorderCounted) {
     if (c.phase == "forward") forward.push_back(c);
   }
   for (const auto& c : counted) EXPECT_EQ(c, forward);
+}
+
+// ---- Prefill: a forward-only plan. ----
+
+// What a forward-only run counts is what a forward-only plan predicts: the forward's calls alone, for every
+// strategy, balanced or not, packed or not.
+TEST(Planner, ForwardOnlyPredictionsEqualWhatAForwardOnlyRunCounted) {
+  auto sorted = [](std::vector<CollectiveRecord> v) {
+    std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) {
+      return std::tie(a.kind, a.phase, a.group) < std::tie(b.kind, b.phase, b.group);
+    });
+    return v;
+  };
+  int cases = 0;
+  for (Strategy strategy : kStrategies) {
+    for (bool load_balance : {false, true}) {
+      for (bool packed : {false, true}) {
+        testing::CpCase c;
+        c.strategy = strategy;
+        c.load_balance = load_balance;
+        if (strategy_traits(strategy).sub_groups) c.ulysses_degree = 2;
+        c.hq = 8;
+        c.hkv = 2;
+        c.dim = 16;
+        c.seq = 128;
+        if (packed) c.segments = {100, 28};
+        if (!validation_errors(c.attention(), c.parallel()).empty()) continue;
+        SCOPED_TRACE(c.name());
+        harness::RunSettings settings;
+        settings.forward_only = true;
+        const auto run = harness::run_in_process(c.attention(), c.parallel(), settings,
+                                                 harness::random_problem(c.attention(), 5, c.segments));
+        const auto predicted = attention_collectives(c.attention(), c.parallel(), false, packed, true);
+        for (const auto& p : predicted) EXPECT_EQ(p.phase, "forward");
+        for (const auto& rank : run.ranks) EXPECT_EQ(sorted(rank.collectives), sorted(predicted));
+        const auto full = attention_collectives(c.attention(), c.parallel(), false, packed);
+        EXPECT_LT(predicted.size(), full.size());  // the backward's calls are gone, and only they
+        ++cases;
+      }
+    }
+  }
+  EXPECT_EQ(cases, 14) << "all_gather, ring, hybrid 4 each (balanced or not, packed or not), ulysses 2";
+}
+
+// The plan of a prefill is the forward's share of the full one: compute without the backward's 2.5 passes,
+// only the forward's bytes, nothing kept for a backward; the ring's steps against their K/V hops alone.
+TEST(Planner, AForwardOnlyPlanIsTheForwardsShare) {
+  PlanRequest full = seed_request(8);
+  full.attention.seq_len = 16384;
+  PlanRequest prefill = full;
+  prefill.forward_only = true;
+  const Plan a = make_plan(full), b = make_plan(prefill);
+  ASSERT_EQ(a.strategies.size(), b.strategies.size());
+  for (std::size_t i = 0; i < a.strategies.size(); ++i) {
+    const StrategyPlan &f = a.strategies[i], &p = b.strategies[i];
+    SCOPED_TRACE(f.name);
+    if (!f.possible) continue;
+    for (std::size_t r = 0; r < f.compute_seconds_per_rank.size(); ++r) {
+      EXPECT_NEAR(p.compute_seconds_per_rank[r] * (1 + kBackwardFlopsPerForward),
+                  f.compute_seconds_per_rank[r], 1e-12 * f.compute_seconds_per_rank[r]);
+    }
+    for (const auto& c : p.collectives) EXPECT_EQ(c.phase, "forward");
+    for (const auto& c : p.reorder) EXPECT_EQ(c.phase, "forward");
+    EXPECT_EQ(p.memory_bytes_per_rank, 0);
+    EXPECT_EQ(p.kv_buffer_bytes_per_rank, f.kv_buffer_bytes_per_rank);
+    EXPECT_LT(p.layer_seconds, f.layer_seconds);
+    EXPECT_LE(p.communication_seconds, f.communication_seconds);
+    EXPECT_EQ(p.tiles_per_rank, f.tiles_per_rank);
+  }
+  // The ring's forward: each step but the last against its K/V hop, the last alone. With a free network the
+  // layer is the busiest rank's forward compute.
+  PlanRequest free = prefill;
+  free.hardware.bandwidth = 1e30;
+  const StrategyPlan& ring = by_name(make_plan(free), "ring_load_balanced");
+  const double busiest =
+      *std::max_element(ring.compute_seconds_per_rank.begin(), ring.compute_seconds_per_rank.end());
+  EXPECT_NEAR(ring.layer_seconds, busiest, 1e-9 * busiest);
+}
+
+TEST(Planner, ForwardOnlyWithRematIsRefused) {
+  PlanRequest r = seed_request(4);
+  r.forward_only = true;
+  r.remat = true;
+  try {
+    make_plan(r);
+    FAIL() << "a forward-only plan with remat was made";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::invalid_config);
+    EXPECT_NE(std::string(e.what()).find("forward-only"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -53,6 +53,7 @@ struct PlanInputs {
   std::optional<std::int64_t> emb_dim, layers, attention_every, ranks_per_host;
   std::int64_t block = 512;
   bool remat = false;
+  bool forward_only = false;                                // prefill: the forward alone
   std::optional<double> flops, bandwidth, inter_bandwidth;  // the hardware's, overridden
 };
 // plan: every strategy's bytes, balance, memory and time, and the recommended one. Error(invalid_input) for

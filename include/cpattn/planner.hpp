@@ -53,6 +53,8 @@ struct PlanRequest {
   std::int64_t block = 512;            // square tiles Bq = Bk
   std::vector<std::int64_t> segments;  // packed document lengths (sum S), empty: one document
   bool remat = false;
+  // Prefill: the forward alone (its collectives and compute; nothing kept for a backward). Not with remat.
+  bool forward_only = false;
   HardwareProfile hardware;
 };
 
@@ -100,10 +102,12 @@ struct Plan {
   std::size_t recommended = 0;  // the index in strategies of the shortest estimated layer
 };
 
-// The collectives one attention layer issues (forward, remat, backward), aggregated by (kind, phase, group)
-// in issue order, each field the largest over ranks; `packed`: segment ids are exchanged too.
+// The collectives one attention layer issues (forward, remat, backward; `forward_only`: the forward's alone),
+// aggregated by (kind, phase, group) in issue order, each field the largest over ranks; `packed`: segment ids
+// are exchanged too.
 std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& attention,
-                                                    const ParallelSpec& parallel, bool remat, bool packed);
+                                                    const ParallelSpec& parallel, bool remat, bool packed,
+                                                    bool forward_only = false);
 
 // Validates the request's general rules first (Error(invalid_config), as validate does); a strategy whose own
 // rules fail is planned as not possible, with the reasons.

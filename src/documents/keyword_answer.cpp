@@ -102,6 +102,7 @@ std::vector<Keyword> plan_keywords() {
       integer("block", 1, kMaxPlanSeq, [](Request& r, Int v) { r.plan.block = v; }),
       text("segments", [](Request& r, const std::string& v) { r.plan.segments = v; }),
       flag("remat", [](Request& r, bool v) { r.plan.remat = v; }),
+      flag("forward_only", [](Request& r, bool v) { r.plan.forward_only = v; }),
       text("hardware", [](Request& r, const std::string& v) { r.plan.hardware = v; }),
       real("flops", 1, kMaxPlanRate, [](Request& r, double v) { r.plan.flops = v; }),
       real("bandwidth", 1, kMaxPlanRate, [](Request& r, double v) { r.plan.bandwidth = v; }),

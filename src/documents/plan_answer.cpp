@@ -67,6 +67,12 @@ void plan_bounds(const ConfigValues& values, const PlanInputs& opt, const Hardwa
   positive(values.num_layers, "--layers");
   positive(values.attention_every, "--attention-every");
   positive(values.emb_dim, "--emb-dim");
+  if (opt.forward_only && opt.remat) {
+    errors.push_back(
+        {{"remat", "forward_only"},
+         "true",
+         "remat recomputes in a backward, and a forward-only plan (prefill) has none; drop one of them"});
+  }
   if (opt.strategy) {
     errors.push_back({{"strategy"},
                       *opt.strategy,
@@ -113,6 +119,7 @@ PlanRequest plan_request(const ConfigValues& values, const Specs& specs, const P
   req.block = opt.block;
   if (!opt.segments.empty()) req.segments = parse_document_lengths(opt.segments, "--segments");
   req.remat = opt.remat;
+  req.forward_only = opt.forward_only;
   req.hardware = hw;
   if (opt.flops) req.hardware.flops = *opt.flops;
   if (opt.bandwidth) req.hardware.bandwidth = *opt.bandwidth;
@@ -135,6 +142,7 @@ nlohmann::ordered_json plan_document(const PlanRequest& req, const Plan& plan) {
                                                {"block", req.block},
                                                {"segments", req.segments},
                                                {"remat", req.remat},
+                                               {"forward_only", req.forward_only},
                                                {"emb_dim", req.model.emb_dim},
                                                {"layers", req.model.num_layers},
                                                {"attention_layers", req.model.attention_layers()}});
@@ -204,8 +212,8 @@ void print_plan(const PlanRequest& req, const Plan& plan, const std::string& seg
               ? std::to_string(req.hardware.ranks_per_host) + " ranks per host, "
               : std::string())
       << (req.segments.empty() ? "one document" : "segments " + segments) << (req.remat ? ", remat" : "")
-      << "; " << req.model.attention_layers() << " attention layers of " << req.model.num_layers << "; "
-      << req.hardware.name << "\n";
+      << (req.forward_only ? ", forward only (prefill)" : "") << "; " << req.model.attention_layers()
+      << " attention layers of " << req.model.num_layers << "; " << req.hardware.name << "\n";
   for (const auto& s : plan.strategies) {
     out << "\n== " << s.name << "\n";
     if (!s.possible) {

@@ -89,12 +89,14 @@ std::int64_t count_tiles(const std::vector<std::int32_t>& q_positions,
 }  // namespace
 
 std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, const ParallelSpec& p, bool remat,
-                                                    bool packed) {
+                                                    bool packed, bool forward_only) {
   // The calls differ between ranks only in hybrid's ring (by ulysses rank); each field's largest.
   const std::int64_t ranks = p.traits().sub_groups ? p.head_group_size() : 1;
   std::vector<CollectiveRecord> out;
   for (std::int64_t r = 0; r < ranks; ++r) {
-    const auto records = scheduled_records(strategy_schedule(a, p, {remat, packed, r}), p.cp);
+    StrategySchedule schedule = strategy_schedule(a, p, {remat, packed, r});
+    if (forward_only) schedule.backward.clear();
+    const auto records = scheduled_records(schedule, p.cp);
     if (out.empty()) {
       out = records;
       continue;
@@ -173,6 +175,7 @@ double plan_reorder(const PlanContext& c, StrategyPlan& s, std::vector<std::int6
     }
   };
   both("forward");
+  if (c.req.forward_only) return seconds;
   if (c.req.remat) both("remat");
   both("backward");  // the transposes: exit's gradient enters, entry's leaves
   return seconds;
@@ -268,7 +271,7 @@ void plan_tiles(const PlanContext& c, StrategyPlan& s) {
   s.tiles_skew = *mn > 0 ? static_cast<double>(*mx) / static_cast<double>(*mn) : 1.0;
 }
 
-// Memory: what forward keeps for backward, and the K/V the kernel reads.
+// Memory: what forward keeps for backward (nothing in a prefill), and the K/V the kernel reads.
 void plan_memory(const PlanContext& c, StrategyPlan& s) {
   const std::int64_t B = c.B, S = c.S, D = c.D, E = c.E, sl = c.sl, hq = c.hq, hkv = c.hkv;
   const std::int64_t seg_bytes = c.packed ? B * sl * 4 + B * S * 4 : 0;
@@ -299,6 +302,7 @@ void plan_memory(const PlanContext& c, StrategyPlan& s) {
                               (c.req.remat ? 2 * B * sl * hkv * D * E : kv_full) + seg_bytes;
     s.kv_buffer_bytes_per_rank = kv_full;
   }
+  if (c.req.forward_only) s.memory_bytes_per_rank = 0;  // prefill keeps nothing for a backward
 }
 
 // Communication by link, from the schedule each rank runs: every call's time on its slowest rank, each rank's
@@ -314,8 +318,10 @@ struct CommModel {
 CommModel plan_communication(const PlanContext& c) {
   const std::int64_t U = c.U;
   std::vector<StrategySchedule> by_u;
-  for (std::int64_t u = 0; u < U; ++u)
+  for (std::int64_t u = 0; u < U; ++u) {
     by_u.push_back(strategy_schedule(c.a, c.p, {c.req.remat, c.packed, u}));
+    if (c.req.forward_only) by_u.back().backward.clear();
+  }
   const std::size_t calls = by_u[0].forward.size() + by_u[0].backward.size();
   std::vector<double> call_seconds(calls, 0.0);
   CommModel m;
@@ -400,7 +406,9 @@ double ring_layer_seconds(const PlanContext& c, const StrategyPlan& s, double ti
       const double bwd = fwd * kBackwardFlopsPerForward;
       const bool first = step == 0, last = step + 1 == c.R;
       t += last ? fwd : std::max(fwd, kv_hop);
-      if (c.R == 1) {
+      if (c.req.forward_only) {
+        continue;
+      } else if (c.R == 1) {
         t += bwd;
       } else if (last) {
         t += std::max(bwd, dkv_hop) + dkv_hop;
@@ -417,7 +425,7 @@ double ring_layer_seconds(const PlanContext& c, const StrategyPlan& s, double ti
 // by link, not overlapped except the ring's hops.
 void plan_time(const PlanContext& c, StrategyPlan& s, const CommModel& m, double reorder_seconds) {
   const double tile_flops = attention_forward_flops(1, c.req.block, 1, c.D, false);
-  const double passes = 1.0 + kBackwardFlopsPerForward + (c.req.remat ? 1.0 : 0.0);
+  const double passes = c.req.forward_only ? 1.0 : 1.0 + kBackwardFlopsPerForward + (c.req.remat ? 1.0 : 0.0);
   std::int64_t sent = 0;
   for (const auto& x : s.collectives) sent += x.bytes_sent_per_rank;
   for (const auto& x : s.reorder) sent += x.bytes_sent_per_rank;
@@ -476,7 +484,7 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   c.R = c.p.ring_degree();
   if (c.heads_split()) c.heads = ulysses_heads(c.hq, c.hkv, c.p.head_group_size());
   c.links = {req.hardware.ranks_per_host, req.hardware.bandwidth, req.hardware.inter_bandwidth};
-  s.collectives = attention_collectives(c.a, c.p, req.remat, c.packed);
+  s.collectives = attention_collectives(c.a, c.p, req.remat, c.packed, req.forward_only);
   CommModel m = plan_communication(c);
   const double reorder_seconds = plan_reorder(c, s, m.inter_bytes);
   s.inter_host_bytes_sent_per_rank = *std::max_element(m.inter_bytes.begin(), m.inter_bytes.end());
@@ -535,6 +543,11 @@ Plan make_plan(const PlanRequest& req) {
   if (!(req.hardware.flops > 0) || !(req.hardware.bandwidth > 0)) {
     throw Error(ErrorKind::invalid_config, "hardware", req.hardware.name,
                 "flops and bandwidth must be positive");
+  }
+  if (req.forward_only && req.remat) {
+    throw Error(
+        ErrorKind::invalid_config, "remat", "true",
+        "remat recomputes in a backward, and a forward-only plan (prefill) has none; drop one of them");
   }
   if (req.hardware.ranks_per_host < 0 ||
       (req.hardware.ranks_per_host > 0 && !(req.hardware.inter_bandwidth > 0))) {

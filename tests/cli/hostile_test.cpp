@@ -359,6 +359,13 @@ const std::vector<Case>& hardening_cases() {
                    2,
                    {"drop --strategy '" + std::string(strategy) + "'"}});
     }
+    // A prefill plan recomputes nothing: --remat with --forward-only is refused (either order).
+    t.push_back({"plan --preset llama3-70b --seq 4096 --cp 4 --forward-only --remat",
+                 2,
+                 {"--remat", "--forward-only"}});
+    t.push_back({"plan --preset llama3-70b --seq 4096 --cp 4 --remat --forward-only",
+                 2,
+                 {"--forward-only", "--remat"}});
     // Hosts that do not divide cp: a ulysses group of a host's size would span hosts.
     for (const char* per_host : {"3", "5", "6", "7"}) {
       t.push_back({"plan --preset llama3-70b --seq 4096 --cp 16 --ranks-per-host " + std::string(per_host),
@@ -891,7 +898,7 @@ TEST(Hostile, TheNextRunCleansUpAfterARunKilledWhileSaving) {
 
 TEST(Hostile, TheTableHasAtLeast120Cases) {
   EXPECT_GE(cases().size(), 120u);
-  EXPECT_GE(hardening_cases().size(), 70u);
+  EXPECT_GE(hardening_cases().size(), 73u);
 }
 TEST(Hostile, Run) {
   run_cases({"run"});

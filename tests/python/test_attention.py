@@ -382,3 +382,14 @@ def test_ctrl_c_stops_a_long_call_between_kernel_tasks():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "KeyboardInterrupt: interrupted (Ctrl-C) between kernel tasks" in out.stdout, out.stdout
     assert "next call (1, 64, 8, 128)" in out.stdout, out.stdout
+
+
+def test_plan_takes_forward_only_and_refuses_it_with_remat():
+    doc = cpattn.plan(preset="llama3-70b", seq=4096, cp=4, forward_only=True)
+    assert doc["valid"] is True and doc["problem"]["forward_only"] is True
+    for s in doc["strategies"]:
+        for c in s.get("collectives", []):
+            assert c["phase"] == "forward", c
+    doc = cpattn.plan(preset="llama3-70b", seq=4096, cp=4, forward_only=True, remat=True)
+    assert doc["valid"] is False
+    assert any("forward-only" in e["message"] for e in doc["errors"]), doc["errors"]

@@ -32,7 +32,11 @@ void add_plan_command(CLI::App& app, int& exit_code, std::ostream& out, std::ost
               "full attention on every N-th layer");
   add_integer(*sub, "--block", in.block, 1, kMaxPlanSeq, "square tile size (default 512)");
   add_text(*sub, "--segments", in.segments, "packed document lengths, e.g. 61440,4096");
-  sub->add_flag("--remat", in.remat, "recompute attention's forward in backward");
+  CLI::Option* remat = sub->add_flag("--remat", in.remat, "recompute attention's forward in backward");
+  CLI::Option* forward_only =
+      sub->add_flag("--forward-only", in.forward_only, "prefill: the forward alone (collectives, compute)");
+  remat->excludes(forward_only);  // nothing to recompute without a backward
+  forward_only->excludes(remat);
   add_text(*sub, "--hardware", in.hardware, hardware_profile_names());
   add_real(*sub, "--flops", in.flops, 1, kMaxPlanRate, "override the FLOP rate (FLOP/s)");
   add_real(*sub, "--bandwidth", in.bandwidth, 1, kMaxPlanRate,
