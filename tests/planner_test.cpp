@@ -1,7 +1,11 @@
 // The planner against the seed's figures, hand formulas, and what the strategies really do.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
+#include <fstream>
 #include <tuple>
 
 #include "cp_harness.hpp"
@@ -375,7 +379,8 @@ TEST(Planner, AForwardOnlyPlanIsTheForwardsShare) {
   // layer is the busiest rank's forward compute.
   PlanRequest free = prefill;
   free.hardware.bandwidth = 1e30;
-  const StrategyPlan& ring = by_name(make_plan(free), "ring_load_balanced");
+  const Plan free_plan = make_plan(free);
+  const StrategyPlan& ring = by_name(free_plan, "ring_load_balanced");
   const double busiest =
       *std::max_element(ring.compute_seconds_per_rank.begin(), ring.compute_seconds_per_rank.end());
   EXPECT_NEAR(ring.layer_seconds, busiest, 1e-9 * busiest);
@@ -391,6 +396,82 @@ TEST(Planner, ForwardOnlyWithRematIsRefused) {
   } catch (const Error& e) {
     EXPECT_EQ(e.kind(), ErrorKind::invalid_config);
     EXPECT_NE(std::string(e.what()).find("forward-only"), std::string::npos) << e.what();
+  }
+}
+
+// ---- Hardware profiles as data. ----
+
+TEST(HardwareProfiles, EveryCompiledInFileParsesWithItsSource) {
+  std::vector<std::string> names;
+  for (const HardwareProfile& h : hardware_profiles()) {
+    names.push_back(h.name);
+    EXPECT_GT(h.flops, 0) << h.name;
+    EXPECT_GT(h.bandwidth, 0) << h.name;
+    EXPECT_FALSE(h.source.empty()) << h.name;
+    if (h.ranks_per_host > 0) {
+      EXPECT_GT(h.inter_bandwidth, 0) << h.name;
+    }
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"a100", "h100", "h200", "h800", "l20-pcie", "tpu-v7x"}));
+  const HardwareProfile* h200 = find_hardware("h200");
+  ASSERT_NE(h200, nullptr);
+  EXPECT_EQ(h200->flops, 989e12);
+  EXPECT_EQ(h200->bandwidth, 450e9);
+  EXPECT_EQ(h200->ranks_per_host, 8);
+  EXPECT_EQ(h200->inter_bandwidth, 50e9);
+  EXPECT_EQ(find_hardware("h2000"), nullptr);
+}
+
+// A profile file read by `plan --profile` is the compiled-in one when it holds the same text: the same plan.
+TEST(HardwareProfiles, AFileWithACompiledInProfilesFiguresPlansTheSame) {
+  const std::string text =
+      "name: mine\nflops: 989e12\nbandwidth: 450e9\nranks_per_host: 8\ninter_bandwidth: 50e9\n"
+      "source: copied from h200\n";
+  const std::string path = ::testing::TempDir() + "/cpattn_profile_" + std::to_string(::getpid()) + ".yaml";
+  {
+    std::ofstream f(path);
+    f << text;
+  }
+  const HardwareProfile mine = read_hardware_profile(path);
+  std::remove(path.c_str());
+  EXPECT_EQ(mine.name, "mine");
+  PlanRequest a = seed_request(8), b = seed_request(8);
+  b.hardware = mine;
+  const Plan pa = make_plan(a), pb = make_plan(b);
+  ASSERT_EQ(pa.strategies.size(), pb.strategies.size());
+  for (std::size_t i = 0; i < pa.strategies.size(); ++i) {
+    EXPECT_EQ(pa.strategies[i].layer_seconds, pb.strategies[i].layer_seconds) << pa.strategies[i].name;
+  }
+  EXPECT_EQ(pa.recommendation, pb.recommendation);
+}
+
+TEST(HardwareProfiles, ABadProfileNamesItsFileAndKey) {
+  const std::string good = "name: x\nflops: 1e12\nbandwidth: 1e9\nsource: a test\n";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"name: x\nbandwidth: 1e9\nsource: s\n", "key 'flops' is missing"},
+      {good + "flop: 3\n", "did you mean 'flops'?"},
+      {"name: x\nflops: fast\nbandwidth: 1e9\nsource: s\n", "flops"},
+      {"name: x\nflops: -1\nbandwidth: 1e9\nsource: s\n", "flops"},
+      {"name: x\nflops: 1e12\nbandwidth: 0x10\nsource: s\n", "bandwidth"},
+      {good + "ranks_per_host: 8\n", "give inter_bandwidth"},
+      {good + "ranks_per_host: -2\n", "ranks_per_host"},
+      {good + "flops: 2e12\n", "given twice"},
+      {"name: X Y\nflops: 1e12\nbandwidth: 1e9\nsource: s\n", "not a profile name"},
+      {"name: x\nflops: 1e12\nbandwidth: 1e9\nsource: ''\n", "source is empty"},
+      {good + "---\nname: y\n", "one YAML mapping"},
+      {"- a\n- b\n", "one YAML mapping"},
+      {"name: [x]\n", "plain word or number"},
+      {"name: x\nflops: [1\n", "not valid YAML"},
+  };
+  for (const auto& [text, phrase] : cases) {
+    try {
+      parse_hardware_profile(text, "p.yaml");
+      ADD_FAILURE() << "accepted:\n" << text;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::invalid_input) << e.what();
+      EXPECT_NE(std::string(e.what()).find("p.yaml: "), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(phrase), std::string::npos) << phrase << " in: " << e.what();
+    }
   }
 }
 

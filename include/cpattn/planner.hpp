@@ -42,9 +42,16 @@ struct HardwareProfile {
   std::int64_t ranks_per_host = 0;  // 0: every rank on one host
   double inter_bandwidth = 0;       // bytes/s one device sends to other hosts (each way)
 };
+// The profiles compiled in: the YAML files of src/plan/profiles (a100, h100, h200, h800, l20-pcie, tpu-v7x),
+// each figure with its source.
 const std::vector<HardwareProfile>& hardware_profiles();
 const HardwareProfile* find_hardware(const std::string& name);
-std::string hardware_profile_names();  // "h100, h200, tpu-v7x"
+std::string hardware_profile_names();  // "a100, h100, ..."
+// A profile from YAML text (`where` names it in errors) or a file (`plan --profile FILE`): keys name, flops,
+// bandwidth, source (required), ranks_per_host, inter_bandwidth (required where ranks_per_host > 0); unknown
+// or repeated keys and values out of range are Error(invalid_input) naming the file and the key.
+HardwareProfile parse_hardware_profile(const std::string& text, const std::string& where);
+HardwareProfile read_hardware_profile(const std::string& path);
 
 struct PlanRequest {
   AttentionSpec attention;

@@ -104,6 +104,7 @@ std::vector<Keyword> plan_keywords() {
       flag("remat", [](Request& r, bool v) { r.plan.remat = v; }),
       flag("forward_only", [](Request& r, bool v) { r.plan.forward_only = v; }),
       text("hardware", [](Request& r, const std::string& v) { r.plan.hardware = v; }),
+      text("profile", [](Request& r, const std::string& v) { r.plan.profile = v; }),
       real("flops", 1, kMaxPlanRate, [](Request& r, double v) { r.plan.flops = v; }),
       real("bandwidth", 1, kMaxPlanRate, [](Request& r, double v) { r.plan.bandwidth = v; }),
       integer("ranks_per_host", 0, std::numeric_limits<std::int32_t>::max(),

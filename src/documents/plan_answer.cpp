@@ -2,6 +2,7 @@
 // "plan"; docs/planner.md).
 #include <iomanip>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "cpattn/documents.hpp"
@@ -256,7 +257,16 @@ DocumentAnswer plan_answer(const PlanInputs& inputs) {
   DocumentAnswer answer;
   const ConfigValues values = plan_values(inputs);
   Specs specs = to_specs(values, answer.errors);
-  const HardwareProfile* hw = find_hardware(inputs.hardware);
+  std::optional<HardwareProfile> from_file;
+  if (!inputs.profile.empty()) {
+    if (inputs.hardware != PlanInputs().hardware) {
+      answer.errors.push_back({{"--profile", "--hardware"},
+                               inputs.profile,
+                               "--profile and --hardware both name the hardware; give one of them"});
+    }
+    from_file = read_hardware_profile(inputs.profile);
+  }
+  const HardwareProfile* hw = from_file ? &*from_file : find_hardware(inputs.hardware);
   plan_bounds(values, inputs, hw, answer.errors);
   if (answer.errors.empty()) {
     ParallelSpec general = specs.parallel;

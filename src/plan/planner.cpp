@@ -36,27 +36,6 @@ const ModelPreset* find_preset(const std::string& name) {
   return nullptr;
 }
 
-const std::vector<HardwareProfile>& hardware_profiles() {
-  static const std::vector<HardwareProfile> profiles = {
-      {"h100", 989e12, 450e9,
-       "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense BF16; NVLink 900 GB/s total, 450 GB/s each way; HGX "
-       "hosts "
-       "of 8 GPUs, one 400 Gb/s NDR InfiniBand port per GPU between hosts (50 GB/s each way)",
-       8, 50e9},
-      {"h200", 989e12, 450e9,
-       "NVIDIA H200 SXM datasheet: 989 TFLOP/s dense BF16; NVLink 900 GB/s total, 450 GB/s each way; HGX "
-       "hosts "
-       "of 8 GPUs, one 400 Gb/s NDR InfiniBand port per GPU between hosts (50 GB/s each way)",
-       8, 50e9},
-      {"tpu-v7x", 2307e12, 600e9,
-       "Google Ironwood (TPU v7) announcement, April 2025: 4,614 TFLOP/s FP8 per chip (BF16 taken as half), "
-       "ICI 1.2 TB/s bidirectional (600 GB/s each way) between every chip of a slice; a TPU v7x-like "
-       "approximation",
-       0, 600e9},
-  };
-  return profiles;
-}
-
 const HardwareProfile* find_hardware(const std::string& name) {
   for (const auto& h : hardware_profiles()) {
     if (h.name == name) return &h;

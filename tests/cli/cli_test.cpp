@@ -1,6 +1,7 @@
 // The program as a user runs it: exit codes, messages on stderr, and the JSON that scripts read.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -640,6 +641,40 @@ TEST(CliPlan, UnevenHeadPresetsPlanUlyssesWithItsSkew) {
     EXPECT_TRUE(u["possible"].get<bool>()) << c.preset << " cp " << c.cp;
     EXPECT_DOUBLE_EQ(u["tiles_skew"].get<double>(), c.skew) << c.preset << " cp " << c.cp;
   }
+}
+
+// A profile file in place of a named one: its figures and source in the document; the same figures as a
+// named profile's give the same estimates. A prefill plan says so and has the forward's calls alone.
+TEST(CliPlan, AProfileFileAndAPrefillAreWhatTheDocumentSays) {
+  const std::string path =
+      ::testing::TempDir() + "/cpattn_cli_profile_" + std::to_string(::getpid()) + ".yaml";
+  {
+    std::ofstream f(path);
+    f << "name: mine\nflops: 989e12\nbandwidth: 450e9\nranks_per_host: 8\ninter_bandwidth: 50e9\n"
+         "source: the h200 figures, copied\n";
+  }
+  const std::string problem = "plan --json --preset qwen3.5-397b-a17b --seq 65536 --dtype bf16 --cp 8";
+  const Result named = run(problem), file = run(problem + " --profile " + path);
+  std::remove(path.c_str());
+  ASSERT_EQ(named.exit_code, 0) << named.err;
+  ASSERT_EQ(file.exit_code, 0) << file.err;
+  const auto a = nlohmann::json::parse(named.out), b = nlohmann::json::parse(file.out);
+  EXPECT_EQ(b["hardware"]["name"], "mine");
+  EXPECT_EQ(b["hardware"]["source"], "the h200 figures, copied");
+  EXPECT_EQ(a["recommended"], b["recommended"]);
+  for (std::size_t i = 0; i < a["strategies"].size(); ++i) {
+    EXPECT_EQ(a["strategies"][i]["estimated_seconds"], b["strategies"][i]["estimated_seconds"]);
+  }
+  const Result prefill = run(problem + " --forward-only");
+  ASSERT_EQ(prefill.exit_code, 0) << prefill.err;
+  const auto p = nlohmann::json::parse(prefill.out);
+  EXPECT_EQ(p["problem"]["forward_only"], true);
+  EXPECT_EQ(a["problem"]["forward_only"], false);
+  for (const auto& s : p["strategies"]) {
+    for (const auto& c : s["collectives"]) EXPECT_EQ(c["phase"], "forward") << s["name"];
+  }
+  EXPECT_LT(p["strategies"][0]["estimated_seconds"]["layer"].get<double>(),
+            a["strategies"][0]["estimated_seconds"]["layer"].get<double>());
 }
 
 TEST(CliPlan, BadInputExits2) {

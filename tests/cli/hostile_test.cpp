@@ -279,6 +279,10 @@ class Fixtures {
     yaml("three_docs", seed + "---\nhead_dim: 64\n---\nhead_dim: 128\n");
     yaml("empty_second", seed + "---\n");
     yaml("marked_docs", "---\n" + seed + "...\n---\nmax_target_length: 1024\n");
+    // Hardware profiles (plan --profile): one good, two that break a key.
+    yaml("profile_good", "name: mine\nflops: 1e15\nbandwidth: 4e11\nsource: a test\n");
+    yaml("profile_typo", "name: mine\nflop: 1e15\nbandwidth: 4e11\nsource: a test\n");
+    yaml("profile_fast", "name: mine\nflops: fast\nbandwidth: 4e11\nsource: a test\n");
     // .npy headers that give a key twice (numpy reads the last: a reader of the first would read other data),
     // or hold a NUL or an escape in their text.
     const std::string tail = "'shape': (1, 64, 4, 8), }";
@@ -366,6 +370,14 @@ const std::vector<Case>& hardening_cases() {
     t.push_back({"plan --preset llama3-70b --seq 4096 --cp 4 --remat --forward-only",
                  2,
                  {"--forward-only", "--remat"}});
+    // A hardware profile file: its keys checked, its path a regular file, not given with --hardware.
+    const std::string plan4 = "plan --preset llama3-70b --seq 4096 --cp 4 --profile {R}/";
+    t.push_back({plan4 + "profile_typo.yml", 2, {"profile_typo.yml", "did you mean 'flops'?"}});
+    t.push_back({plan4 + "profile_fast.yml", 2, {"profile_fast.yml: flops", "fast"}});
+    t.push_back({plan4 + "no_such.yml", 2, {"no_such.yml"}});
+    t.push_back({plan4 + "fifo.yml", 2, {"fifo.yml", "FIFO"}});
+    t.push_back({plan4 + "dir.yml", 2, {"dir.yml", "directory"}});
+    t.push_back({plan4 + "profile_good.yml --hardware h100", 2, {"--profile and --hardware"}});
     // Hosts that do not divide cp: a ulysses group of a host's size would span hosts.
     for (const char* per_host : {"3", "5", "6", "7"}) {
       t.push_back({"plan --preset llama3-70b --seq 4096 --cp 16 --ranks-per-host " + std::string(per_host),
@@ -898,7 +910,7 @@ TEST(Hostile, TheNextRunCleansUpAfterARunKilledWhileSaving) {
 
 TEST(Hostile, TheTableHasAtLeast120Cases) {
   EXPECT_GE(cases().size(), 120u);
-  EXPECT_GE(hardening_cases().size(), 73u);
+  EXPECT_GE(hardening_cases().size(), 79u);
 }
 TEST(Hostile, Run) {
   run_cases({"run"});

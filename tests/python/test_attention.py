@@ -393,3 +393,14 @@ def test_plan_takes_forward_only_and_refuses_it_with_remat():
     doc = cpattn.plan(preset="llama3-70b", seq=4096, cp=4, forward_only=True, remat=True)
     assert doc["valid"] is False
     assert any("forward-only" in e["message"] for e in doc["errors"]), doc["errors"]
+
+
+def test_plan_takes_a_profile_file(tmp_path):
+    profile = tmp_path / "mine.yaml"
+    profile.write_text("name: mine\nflops: 1e15\nbandwidth: 4e11\nsource: a test\n")
+    doc = cpattn.plan(preset="llama3-70b", seq=4096, cp=4, profile=str(profile))
+    assert doc["valid"] is True and doc["hardware"]["name"] == "mine", doc.get("errors")
+    assert doc["hardware"]["flops"] == 1e15
+    profile.write_text("name: mine\nflop: 1e15\nbandwidth: 4e11\nsource: a test\n")
+    with pytest.raises(cpattn.ConfigError, match="did you mean 'flops'"):
+        cpattn.plan(preset="llama3-70b", seq=4096, cp=4, profile=str(profile))
