@@ -48,9 +48,9 @@ struct PlanInputs {
   std::optional<std::int64_t> ulysses_degree;  // given by the caller: refused
   std::optional<std::string> strategy;         // given by the caller: refused (every strategy is planned)
   std::string preset;                          // a model preset's heads and sizes, under `values`
-  std::string hardware = "h200";
-  std::string profile;   // a profile file (YAML) in place of a named hardware profile
-  std::string segments;  // packed document lengths as typed ("61440,4096"), or empty
+  std::optional<std::string> hardware;         // a compiled-in profile's name; unset: h200
+  std::string profile;                         // a profile file (YAML) in place of a named one
+  std::string segments;                        // packed document lengths as typed ("61440,4096"), or empty
   std::optional<std::int64_t> emb_dim, layers, attention_every, ranks_per_host;
   std::int64_t block = 512;
   bool remat = false;

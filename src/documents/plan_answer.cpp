@@ -56,10 +56,10 @@ ConfigValues plan_values(const PlanInputs& opt) {
 void plan_bounds(const ConfigValues& values, const PlanInputs& opt, const HardwareProfile* hw,
                  std::vector<ErrorItem>& errors) {
   if (hw == nullptr) {
-    errors.push_back(
-        {{"--hardware"},
-         opt.hardware,
-         "--hardware '" + quoted(opt.hardware) + "' is unknown; valid: " + hardware_profile_names()});
+    errors.push_back({{"--hardware"},
+                      opt.hardware.value_or(""),
+                      "--hardware '" + quoted(opt.hardware.value_or("")) +
+                          "' is unknown; valid: " + hardware_profile_names()});
   }
   auto positive = [&](const std::optional<std::int64_t>& v, const char* field) {
     if (v && *v < 1)
@@ -259,14 +259,19 @@ DocumentAnswer plan_answer(const PlanInputs& inputs) {
   Specs specs = to_specs(values, answer.errors);
   std::optional<HardwareProfile> from_file;
   if (!inputs.profile.empty()) {
-    if (inputs.hardware != PlanInputs().hardware) {
+    if (inputs.hardware) {
       answer.errors.push_back({{"--profile", "--hardware"},
                                inputs.profile,
                                "--profile and --hardware both name the hardware; give one of them"});
     }
-    from_file = read_hardware_profile(inputs.profile);
+    try {
+      from_file = read_hardware_profile(inputs.profile);
+    } catch (const Error& e) {  // in the document with the other errors
+      answer.errors.insert(answer.errors.end(), e.items().begin(), e.items().end());
+      from_file = HardwareProfile{"(unread)", 1, 1, "", 0, 0};
+    }
   }
-  const HardwareProfile* hw = from_file ? &*from_file : find_hardware(inputs.hardware);
+  const HardwareProfile* hw = from_file ? &*from_file : find_hardware(inputs.hardware.value_or("h200"));
   plan_bounds(values, inputs, hw, answer.errors);
   if (answer.errors.empty()) {
     ParallelSpec general = specs.parallel;

@@ -42,10 +42,15 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
   std::vector<std::string> seen;
   const std::vector<std::string> keys(std::begin(kProfileKeys), std::end(kProfileKeys));
   for (const auto& entry : root) {
-    if (!entry.first.IsScalar() || !entry.second.IsScalar()) {
-      bad_profile(where, "", "", "every key and value is a plain word or number");
+    if (!entry.first.IsScalar()) bad_profile(where, "", "", "a key is not a plain word");
+    const std::string key = entry.first.Scalar();
+    if (!entry.second.IsScalar()) {
+      bad_profile(where, key, "",
+                  "key '" + quoted(key) + "' has " +
+                      (entry.second.IsNull() ? "no value" : "a list or a mapping") +
+                      "; valid: a plain word or number");
     }
-    const std::string key = entry.first.Scalar(), value = entry.second.Scalar();
+    const std::string value = entry.second.Scalar();
     if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
       const std::string near = nearest(key, keys);
       bad_profile(where, key, value,

@@ -673,8 +673,12 @@ TEST(CliPlan, AProfileFileAndAPrefillAreWhatTheDocumentSays) {
   for (const auto& s : p["strategies"]) {
     for (const auto& c : s["collectives"]) EXPECT_EQ(c["phase"], "forward") << s["name"];
   }
-  EXPECT_LT(p["strategies"][0]["estimated_seconds"]["layer"].get<double>(),
-            a["strategies"][0]["estimated_seconds"]["layer"].get<double>());
+  ASSERT_EQ(p["strategies"].size(), a["strategies"].size());
+  for (std::size_t i = 0; i < a["strategies"].size(); ++i) {
+    EXPECT_LT(p["strategies"][i]["estimated_seconds"]["layer"].get<double>(),
+              a["strategies"][i]["estimated_seconds"]["layer"].get<double>())
+        << a["strategies"][i]["name"];
+  }
 }
 
 TEST(CliPlan, BadInputExits2) {

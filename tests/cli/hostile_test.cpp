@@ -377,7 +377,8 @@ const std::vector<Case>& hardening_cases() {
     t.push_back({plan4 + "no_such.yml", 2, {"no_such.yml"}});
     t.push_back({plan4 + "fifo.yml", 2, {"fifo.yml", "FIFO"}});
     t.push_back({plan4 + "dir.yml", 2, {"dir.yml", "directory"}});
-    t.push_back({plan4 + "profile_good.yml --hardware h100", 2, {"--profile and --hardware"}});
+    t.push_back({plan4 + "profile_good.yml --hardware h100", 2, {"--profile", "--hardware"}});
+    t.push_back({plan4 + "profile_good.yml --hardware h200", 2, {"--profile", "--hardware"}});
     // Hosts that do not divide cp: a ulysses group of a host's size would span hosts.
     for (const char* per_host : {"3", "5", "6", "7"}) {
       t.push_back({"plan --preset llama3-70b --seq 4096 --cp 16 --ranks-per-host " + std::string(per_host),
@@ -910,7 +911,7 @@ TEST(Hostile, TheNextRunCleansUpAfterARunKilledWhileSaving) {
 
 TEST(Hostile, TheTableHasAtLeast120Cases) {
   EXPECT_GE(cases().size(), 120u);
-  EXPECT_GE(hardening_cases().size(), 79u);
+  EXPECT_GE(hardening_cases().size(), 80u);
 }
 TEST(Hostile, Run) {
   run_cases({"run"});

@@ -402,5 +402,9 @@ def test_plan_takes_a_profile_file(tmp_path):
     assert doc["valid"] is True and doc["hardware"]["name"] == "mine", doc.get("errors")
     assert doc["hardware"]["flops"] == 1e15
     profile.write_text("name: mine\nflop: 1e15\nbandwidth: 4e11\nsource: a test\n")
-    with pytest.raises(cpattn.ConfigError, match="did you mean 'flops'"):
-        cpattn.plan(preset="llama3-70b", seq=4096, cp=4, profile=str(profile))
+    doc = cpattn.plan(preset="llama3-70b", seq=4096, cp=4, profile=str(profile))
+    assert doc["valid"] is False and any("did you mean 'flops'" in e["message"] for e in doc["errors"]), doc
+    # A file and a named profile (even the default's name) are one too many.
+    profile.write_text("name: mine\nflops: 1e15\nbandwidth: 4e11\nsource: a test\n")
+    doc = cpattn.plan(preset="llama3-70b", seq=4096, cp=4, profile=str(profile), hardware="h200")
+    assert doc["valid"] is False and any("--profile and --hardware" in e["message"] for e in doc["errors"]), doc

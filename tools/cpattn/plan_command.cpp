@@ -37,9 +37,13 @@ void add_plan_command(CLI::App& app, int& exit_code, std::ostream& out, std::ost
       sub->add_flag("--forward-only", in.forward_only, "prefill: the forward alone (collectives, compute)");
   remat->excludes(forward_only);  // nothing to recompute without a backward
   forward_only->excludes(remat);
-  add_text(*sub, "--hardware", in.hardware, hardware_profile_names());
-  add_text(*sub, "--profile", in.profile,
-           "a hardware profile file (YAML: name, flops, bandwidth, ranks_per_host, inter_bandwidth, source)");
+  CLI::Option* hardware =
+      add_text(*sub, "--hardware", in.hardware, hardware_profile_names() + " (default h200)");
+  CLI::Option* profile = add_text(
+      *sub, "--profile", in.profile,
+      "a hardware profile file (YAML: name, flops, bandwidth, ranks_per_host, inter_bandwidth, source)");
+  hardware->excludes(profile);
+  profile->excludes(hardware);
   add_real(*sub, "--flops", in.flops, 1, kMaxPlanRate, "override the FLOP rate (FLOP/s)");
   add_real(*sub, "--bandwidth", in.bandwidth, 1, kMaxPlanRate,
            "override the bandwidth inside a host (bytes/s each way per device)");
