@@ -34,6 +34,7 @@ struct DocumentAnswer {
   int exit_code = 0;              // 0, or 2 for a configuration that breaks a rule
   std::string document;           // the JSON document; {"valid": false, "errors": [...]} on exit 2
   std::string text;               // the answer as text (empty on exit 2)
+  std::string svg;                // plan: one layer per strategy and rank as an SVG image (empty otherwise)
   std::vector<ErrorItem> errors;  // every broken rule (exit 2)
 };
 

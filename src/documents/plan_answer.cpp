@@ -9,6 +9,7 @@
 #include "cpattn/parse.hpp"
 #include "cpattn/planner.hpp"
 #include "documents/json_document.hpp"
+#include "documents/plan_svg.hpp"
 
 namespace cpattn {
 namespace {
@@ -287,6 +288,7 @@ DocumentAnswer plan_answer(const PlanInputs& inputs) {
   const PlanRequest req = plan_request(values, specs, inputs, *hw);
   const Plan plan = make_plan(req);
   answer.document = json_text(plan_document(req, plan), 2);
+  answer.svg = plan_svg(req, plan);
   std::ostringstream text;
   print_plan(req, plan, inputs.segments, text);
   answer.text = text.str();

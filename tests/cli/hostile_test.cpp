@@ -379,6 +379,10 @@ const std::vector<Case>& hardening_cases() {
     t.push_back({plan4 + "dir.yml", 2, {"dir.yml", "directory"}});
     t.push_back({plan4 + "profile_good.yml --hardware h100", 2, {"--profile", "--hardware"}});
     t.push_back({plan4 + "profile_good.yml --hardware h200", 2, {"--profile", "--hardware"}});
+    // plan --svg into a folder that does not exist: the file named, nothing written.
+    t.push_back({"plan --preset llama3-70b --seq 4096 --cp 4 --svg {R}/no_such_dir/plan.svg",
+                 2,
+                 {"--svg", "no_such_dir/plan.svg", "cannot be written"}});
     // Hosts that do not divide cp: a ulysses group of a host's size would span hosts.
     for (const char* per_host : {"3", "5", "6", "7"}) {
       t.push_back({"plan --preset llama3-70b --seq 4096 --cp 16 --ranks-per-host " + std::string(per_host),
@@ -911,7 +915,7 @@ TEST(Hostile, TheNextRunCleansUpAfterARunKilledWhileSaving) {
 
 TEST(Hostile, TheTableHasAtLeast120Cases) {
   EXPECT_GE(cases().size(), 120u);
-  EXPECT_GE(hardening_cases().size(), 80u);
+  EXPECT_GE(hardening_cases().size(), 81u);
 }
 TEST(Hostile, Run) {
   run_cases({"run"});

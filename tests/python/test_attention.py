@@ -408,3 +408,31 @@ def test_plan_takes_a_profile_file(tmp_path):
     profile.write_text("name: mine\nflops: 1e15\nbandwidth: 4e11\nsource: a test\n")
     doc = cpattn.plan(preset="llama3-70b", seq=4096, cp=4, profile=str(profile), hardware="h200")
     assert doc["valid"] is False and any("--profile and --hardware" in e["message"] for e in doc["errors"]), doc
+
+
+def test_plan_svg_draws_each_strategy_on_one_scale(tmp_path):
+    # One group per possible strategy, named and timed as the JSON says, the recommended one marked; every
+    # rank's compute bar on one seconds-to-pixels scale across strategies; ring and hybrid drawn with their
+    # exposed time, the others with waiting and communication.
+    import xml.etree.ElementTree as ET
+
+    svg = tmp_path / "plan.svg"
+    code, doc = cli("plan", "--preset", "qwen3.5-397b-a17b", "--seq", "65536", "--cp", "8", "--svg", str(svg))
+    assert code == 0, doc
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    groups = ET.parse(svg).getroot().findall("s:g", ns)
+    possible = [s for s in doc["strategies"] if s["possible"]]
+    assert [g.get("data-name") for g in groups] == [s["name"] for s in possible]
+    scales = []
+    for g, s in zip(groups, possible):
+        layer = s["estimated_seconds"]["layer"]
+        assert abs(float(g.get("data-layer-seconds")) - layer) <= 1e-3 * layer
+        assert (g.get("data-recommended") == "true") == (s["name"] == doc["recommended"]["name"])
+        compute = g.findall("s:rect[@class='compute']", ns)
+        assert len(compute) == len(s["estimated_seconds"]["compute_per_rank"])
+        for rect, seconds in zip(compute, s["estimated_seconds"]["compute_per_rank"]):
+            scales.append(float(rect.get("width")) / seconds)
+        ring = s["strategy"] in ("ring", "hybrid")
+        assert bool(g.findall("s:rect[@class='exposed']", ns)) == ring, s["name"]
+        assert bool(g.findall("s:rect[@class='communication']", ns)) == (not ring), s["name"]
+    assert max(scales) <= min(scales) * (1 + 1e-3), "one scale for every bar"

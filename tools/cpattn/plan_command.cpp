@@ -1,5 +1,8 @@
 #include "plan_command.hpp"
 
+#include <cerrno>
+#include <cstring>
+#include <fstream>
 #include <limits>
 #include <memory>
 
@@ -15,7 +18,19 @@ struct PlanOptions {
   ProblemFlags problem;
   PlanInputs inputs;
   bool json = false;
+  std::string svg;  // --svg FILE
 };
+
+// --svg FILE: the plan drawn (a file written whole, or an error naming it).
+void write_svg(const std::string& path, const std::string& svg) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << svg;
+  out.close();
+  if (!out) {
+    throw Error(ErrorKind::invalid_input, "--svg", path,
+                "--svg: '" + quoted(path) + "' cannot be written (" + std::strerror(errno) + ")");
+  }
+}
 
 }  // namespace
 
@@ -51,6 +66,7 @@ void add_plan_command(CLI::App& app, int& exit_code, std::ostream& out, std::ost
               "override the devices per host (rank r on host r / this; 0: one host)");
   add_real(*sub, "--inter-bandwidth", in.inter_bandwidth, 1, kMaxPlanRate,
            "override the bandwidth between hosts (bytes/s each way per device)");
+  add_text(*sub, "--svg", opt->svg, "also draw one layer per strategy and rank into FILE (SVG)");
   sub->add_flag("--json", opt->json, "print JSON");
   sub->callback([sub, opt, &exit_code, &out, &err] {
     // The problem from the config files and flags; --ulysses-degree as a flag is refused (plan plans every
@@ -58,7 +74,9 @@ void add_plan_command(CLI::App& app, int& exit_code, std::ostream& out, std::ost
     opt->inputs.values = opt->problem.resolve(*sub);
     opt->inputs.ulysses_degree = opt->problem.values.ulysses_degree;
     opt->inputs.strategy = opt->problem.values.strategy;
-    exit_code = print_answer(plan_answer(opt->inputs), opt->json, out, err);
+    const DocumentAnswer answer = plan_answer(opt->inputs);
+    if (answer.exit_code == 0 && !opt->svg.empty()) write_svg(opt->svg, answer.svg);
+    exit_code = print_answer(answer, opt->json, out, err);
   });
 }
 
