@@ -2,6 +2,7 @@
 // Several sources merge, later wins; each value is optional until the specs are built from them.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -41,6 +42,9 @@ struct ConfigValues {
 
 // Parses YAML text; unknown keys are ignored, a known key with the wrong type is an Error(invalid_input)
 // naming the key and the file. `name` is used in messages.
+// How many YAML documents `text` holds, counting no further than two (a config or profile holds one).
+std::size_t yaml_documents_up_to_two(const std::string& text);
+
 ConfigValues parse_config_yaml(const std::string& text, const std::string& name);
 ConfigValues read_config_file(const std::string& path);
 

@@ -7,6 +7,7 @@
 #include <iterator>
 #include <vector>
 
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <fstream>
@@ -132,17 +133,48 @@ void ConfigValues::merge_from(const ConfigValues& o) {
   take(attention_every, o.attention_every);
 }
 
+namespace {
+
+// Ignores every event: the parser alone, to count documents.
+class IgnoreEvents final : public YAML::EventHandler {
+ public:
+  void OnDocumentStart(const YAML::Mark&) override {}
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                       YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {
+  }
+  void OnMapEnd() override {}
+};
+
+}  // namespace
+
+std::size_t yaml_documents_up_to_two(const std::string& text) {
+  std::istringstream in(text);
+  YAML::Parser parser(in);
+  IgnoreEvents ignore;
+  std::size_t n = 0;
+  while (n < 2 && parser.HandleNextDocument(ignore)) ++n;
+  return n;
+}
+
 ConfigValues parse_config_yaml(const std::string& text, const std::string& name) {
   YAML::Node root;
   try {
-    // Every document of the stream: a second one (after ---) would otherwise go unread, typos and all.
-    const std::vector<YAML::Node> documents = YAML::LoadAll(text);
-    if (documents.size() > 1) {
-      throw Error(ErrorKind::invalid_input, name, std::to_string(documents.size()) + " documents",
-                  name + ": holds " + std::to_string(documents.size()) +
-                      " YAML documents (separated by ---); valid: one mapping of keys to values");
+    // A second document (after ---) would otherwise go unread, typos and all: refused. Counted by the
+    // parser's events, at most two documents parsed (LoadAll would build every one of thousands of empty
+    // ones).
+    const std::size_t documents = yaml_documents_up_to_two(text);
+    if (documents > 1) {
+      throw Error(
+          ErrorKind::invalid_input, name, "2 or more documents",
+          name + ": holds 2 YAML documents or more (separated by ---); valid: one mapping of keys to values");
     }
-    if (!documents.empty()) root = documents.front();
+    root = YAML::Load(text);
   } catch (const YAML::Exception& e) {
     throw Error(ErrorKind::invalid_input, name, "", name + ": not valid YAML: " + e.what());
   }

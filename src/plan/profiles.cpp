@@ -8,6 +8,7 @@
 #include <limits>
 #include <sstream>
 
+#include "cpattn/config_file.hpp"
 #include "cpattn/parse.hpp"
 #include "cpattn/planner.hpp"
 #include "plan/profiles_data.hpp"
@@ -28,13 +29,12 @@ constexpr const char* kProfileKeys[] = {"name",           "flops",           "ba
 HardwareProfile parse_hardware_profile(const std::string& text, const std::string& where) {
   YAML::Node root;
   try {
-    const std::vector<YAML::Node> documents = YAML::LoadAll(text);
-    if (documents.size() != 1 || !documents.front().IsMap()) {
+    if (yaml_documents_up_to_two(text) == 1) root = YAML::Load(text);
+    if (!root.IsMap()) {
       bad_profile(where, "", "",
                   "a profile is one YAML mapping of keys to values; valid keys: name, flops, "
                   "bandwidth, ranks_per_host, inter_bandwidth, source");
     }
-    root = documents.front();
   } catch (const YAML::Exception& e) {
     bad_profile(where, "", "", std::string("not valid YAML: ") + e.what());
   }
