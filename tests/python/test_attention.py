@@ -326,11 +326,11 @@ BAD_POSITIONS = [
 
 
 @pytest.mark.parametrize("args, field", BAD_POSITIONS, ids=[repr(a) for a, _ in BAD_POSITIONS])
-def test_local_positions_refuses_within_a_second(args, field):
+def test_local_positions_refuses_at_once(args, field):
     start = time.monotonic()
     with pytest.raises(cpattn.ConfigError) as e:
         cpattn.local_positions(*args)
-    assert time.monotonic() - start < 1
+    assert time.monotonic() - start < 10  # a refusal, not minutes of work (the bound is the hang, not the speed)
     assert any(item["field"] == field for item in e.value.errors), e.value.errors
 
 
