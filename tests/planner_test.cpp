@@ -478,6 +478,25 @@ TEST(HardwareProfiles, ABadProfileNamesItsFileAndKey) {
       {"name: x\nflops:\nbandwidth: 1e9\nsource: s\n", "key 'flops' has no value"},
       {"name: x\nflops: .inf\nbandwidth: 1e9\nsource: s\n", "flops"},
       {"name: x\nflops: 1e31\nbandwidth: 1e9\nsource: s\n", "flops"},
+      {good + "ranks_per_switch: 2\n", "give switch_bandwidth"},
+      {good + "ranks_per_host: 8\ninter_bandwidth: 1e9\nranks_per_switch: 3\nswitch_bandwidth: 1e9\n",
+       "must divide ranks_per_host"},
+      {good + "latency: -1e-6\n", "latency"},
+      {good + "kernel: 3\n", "kernel is a list"},
+      {good + "kernel:\n  - {dtype: fp32, head_dim: 64, q: 256, kv: 256, causal: false, forward: 1e9}\n",
+       "key 'backward' is missing"},
+      {good + "kernel:\n  - {dtype: fp16, head_dim: 64, q: 256, kv: 256, causal: false, forward: 1e9, "
+              "backward: 1e9}\n",
+       "kernel[0]"},
+      {good + "kernel:\n  - {dtype: fp32, head_dim: 64, q: 256, kv: 256, causal: maybe, forward: 1e9, "
+              "backward: 1e9}\n",
+       "not true or false"},
+      {good + "kernel:\n  - {dtype: fp32, head_dim: 0, q: 256, kv: 256, causal: false, forward: 1e9, "
+              "backward: 1e9}\n",
+       "head_dim"},
+      {good + "kernel:\n  - {dtype: fp32, head_dim: 64, q: 256, kv: 256, causal: false, forward: 0, "
+              "backward: 1e9}\n",
+       "forward"},
   };
   for (const auto& [text, phrase] : cases) {
     try {
@@ -490,6 +509,189 @@ TEST(HardwareProfiles, ABadProfileNamesItsFileAndKey) {
       EXPECT_EQ(e.items().front().fields.front().rfind("p.yaml", 0), 0u) << e.items().front().fields.front();
     }
   }
+}
+
+// ---- The cost model's terms, each against a hand computation. ----
+
+// One rank pair, ulysses at cp = 2 on a profile whose every term is off but the one under test.
+PlanRequest small_request() {
+  PlanRequest r;
+  r.attention.seq_len = 4096;
+  r.attention.num_q_heads = 4;
+  r.attention.num_kv_heads = 4;
+  r.attention.head_dim = 64;
+  r.attention.dtype = DType::f32;
+  r.attention.causal = false;
+  r.parallel.cp = 2;
+  r.block = 64;
+  r.hardware.name = "test";
+  r.hardware.flops = 1e11;
+  r.hardware.bandwidth = 1e30;  // communication free unless a test prices it
+  r.hardware.source = "a test";
+  return r;
+}
+
+TEST(CostModel, ProfileRoundTripsThroughItsYaml) {
+  HardwareProfile p;
+  p.name = "calibrated";
+  p.flops = 2.5e11;
+  p.bandwidth = 1.5e10;
+  p.latency = 2.25e-5;
+  p.ranks_per_host = 4;
+  p.inter_bandwidth = 1e9;
+  p.inter_latency = 1e-4;
+  p.ranks_per_switch = 2;
+  p.switch_bandwidth = 3e9;
+  p.ring_step_seconds = 1e-5;
+  p.call_seconds = 2e-6;
+  p.cores = 2;
+  p.block = 64;
+  p.kernel = {{DType::f32, 64, 256, 1024, true, 1.25e11, 1.5e11},
+              {DType::bf16, 128, 4096, 4096, false, 3e11, 2e11}};
+  p.source = "measured: here, \"quoted\" and a: colon";
+  const HardwareProfile q = parse_hardware_profile(profile_yaml(p), "round trip");
+  EXPECT_EQ(q.name, p.name);
+  EXPECT_EQ(q.flops, p.flops);
+  EXPECT_EQ(q.bandwidth, p.bandwidth);
+  EXPECT_EQ(q.latency, p.latency);
+  EXPECT_EQ(q.ranks_per_host, p.ranks_per_host);
+  EXPECT_EQ(q.inter_bandwidth, p.inter_bandwidth);
+  EXPECT_EQ(q.inter_latency, p.inter_latency);
+  EXPECT_EQ(q.ranks_per_switch, p.ranks_per_switch);
+  EXPECT_EQ(q.switch_bandwidth, p.switch_bandwidth);
+  EXPECT_EQ(q.ring_step_seconds, p.ring_step_seconds);
+  EXPECT_EQ(q.call_seconds, p.call_seconds);
+  EXPECT_EQ(q.cores, p.cores);
+  EXPECT_EQ(q.block, p.block);
+  EXPECT_EQ(q.source, p.source);
+  ASSERT_EQ(q.kernel.size(), 2u);
+  EXPECT_EQ(q.kernel[0].dtype, DType::f32);
+  EXPECT_EQ(q.kernel[0].q, 256);
+  EXPECT_EQ(q.kernel[0].kv, 1024);
+  EXPECT_TRUE(q.kernel[0].causal);
+  EXPECT_EQ(q.kernel[0].forward, 1.25e11);
+  EXPECT_EQ(q.kernel[1].backward, 2e11);
+}
+
+TEST(CostModel, KernelRateIsTheEntryAtItsShapeAndBetweenEntriesInBetween) {
+  HardwareProfile p;
+  p.flops = 7e10;
+  p.kernel = {{DType::f32, 64, 256, 256, false, 1e11, 2e11},
+              {DType::f32, 64, 4096, 4096, false, 3e11, 4e11},
+              {DType::f32, 64, 4096, 4096, true, 5e11, 6e11}};
+  EXPECT_EQ(p.kernel_rate(DType::f32, 64, 256, 256, false, false), 1e11);
+  EXPECT_EQ(p.kernel_rate(DType::f32, 64, 4096, 4096, false, true), 4e11);
+  EXPECT_EQ(p.kernel_rate(DType::f32, 64, 4096, 4096, true, false), 5e11);
+  // Half way in log2 between the two non-causal entries: their mean.
+  EXPECT_NEAR(p.kernel_rate(DType::f32, 64, 1024, 1024, false, false), 2e11, 1e3);
+  // Causal calls read the causal entries where there are any.
+  EXPECT_EQ(p.kernel_rate(DType::f32, 64, 256, 256, true, false), 5e11);
+  // No entry of the dtype: the profile's flops.
+  EXPECT_EQ(p.kernel_rate(DType::bf16, 64, 256, 256, false, false), 7e10);
+}
+
+// The per-call rate: ulysses at cp = 2 is one call of 4096 x 4096 per rank over its 2 heads.
+TEST(CostModel, KernelTimeIsTilesOverTheCallsRate) {
+  PlanRequest r = small_request();
+  r.forward_only = true;
+  const double flops = 4.0 * 4096 * 4096 * 64 * 2;  // one rank's two heads, every tile computed
+  const double before = by_name(make_plan(r), "ulysses").layer_seconds;
+  EXPECT_NEAR(before, flops / 1e11, 1e-9);
+  r.hardware.kernel = {{DType::f32, 64, 4096, 4096, false, 4e11, 1e11}};
+  const double after = by_name(make_plan(r), "ulysses").layer_seconds;
+  EXPECT_NEAR(after, flops / 4e11, 1e-9);
+  r.hardware.call_seconds = 1e-3;  // one call per rank
+  EXPECT_NEAR(by_name(make_plan(r), "ulysses").layer_seconds, flops / 4e11 + 1e-3, 1e-9);
+  // The backward: 2.5x the FLOPs at the backward's rate.
+  r.forward_only = false;
+  r.hardware.call_seconds = 0;
+  EXPECT_NEAR(by_name(make_plan(r), "ulysses").layer_seconds, flops / 4e11 + 2.5 * flops / 1e11, 1e-9);
+}
+
+// The latency: each all-to-all of ulysses at cp = 2 is one message per rank.
+TEST(CostModel, EveryMessageCostsTheLatency) {
+  PlanRequest r = small_request();
+  r.forward_only = true;
+  const StrategyPlan base = by_name(make_plan(r), "ulysses");
+  r.hardware.latency = 1e-3;
+  const StrategyPlan with = by_name(make_plan(r), "ulysses");
+  std::int64_t calls = 0;
+  for (const auto& c : with.collectives) calls += c.count;
+  EXPECT_EQ(calls, 5);  // Q, K, V in; O and LSE back
+  EXPECT_NEAR(with.communication_seconds - base.communication_seconds, 5e-3, 1e-12);
+  // At cp = 4 every all-to-all is three messages per rank.
+  r.parallel.cp = 4;
+  const double base4 = [&] {
+    PlanRequest z = r;
+    z.hardware.latency = 0;
+    return by_name(make_plan(z), "ulysses").communication_seconds;
+  }();
+  EXPECT_NEAR(by_name(make_plan(r), "ulysses").communication_seconds - base4, 15e-3, 1e-12);
+}
+
+// The overlap rule: a ring step costs max(compute, hop) plus the step's synchronisation.
+TEST(CostModel, RingStepIsTheLongerOfComputeAndHopPlusItsSync) {
+  PlanRequest r = small_request();
+  r.forward_only = true;
+  const double step_flops = 4.0 * 2048 * 2048 * 64 * 4;  // cp = 2: each step 2048 x 2048 over 4 heads
+  const double compute = step_flops / 1e11;
+  // Free links: two steps of compute.
+  EXPECT_NEAR(by_name(make_plan(r), "ring").layer_seconds, 2 * compute, 1e-9);
+  // A hop longer than a step's compute: step 0 waits for it, the last step does not hop.
+  const double kv_bytes = 2.0 * 2048 * 4 * 64 * 4;  // K||V of one rank's rows, fp32
+  r.hardware.bandwidth = kv_bytes / (3 * compute);
+  EXPECT_NEAR(by_name(make_plan(r), "ring").layer_seconds, 3 * compute + compute, 1e-9);
+  r.hardware.ring_step_seconds = 1e-3;
+  EXPECT_NEAR(by_name(make_plan(r), "ring").layer_seconds, 3 * compute + compute + 2e-3, 1e-9);
+}
+
+// The topology: four ranks behind two switches of two; ulysses's all-to-all sends half of each rank's bytes
+// out of its switch, and both ranks of a switch share its uplink.
+TEST(CostModel, ASharedSwitchSlowsWhatCrossesIt) {
+  PlanRequest r = small_request();
+  r.parallel.cp = 4;
+  r.forward_only = true;
+  r.hardware.bandwidth = 1e9;
+  const StrategyPlan flat = by_name(make_plan(r), "ulysses");
+  // Every rank sends 3/4 of each operand at 1 GB/s on its own link.
+  double sent = 0;
+  for (const auto& c : flat.collectives) sent += static_cast<double>(c.bytes_sent_per_rank);
+  EXPECT_NEAR(flat.communication_seconds, sent / 1e9, 1e-9);
+  r.hardware.ranks_per_switch = 2;
+  r.hardware.switch_bandwidth = 1e9;
+  const StrategyPlan shared = by_name(make_plan(r), "ulysses");
+  // Out of each switch: 2 ranks x 2/3 of what each sends, over one 1 GB/s uplink.
+  EXPECT_NEAR(shared.communication_seconds, 2 * (2.0 / 3.0) * sent / 1e9, 1e-9);
+  // A fast uplink: the device links bound it again.
+  r.hardware.switch_bandwidth = 1e12;
+  EXPECT_NEAR(by_name(make_plan(r), "ulysses").communication_seconds, sent / 1e9, 1e-9);
+}
+
+// Ranks whose threads fill the cores they share copy on those cores: a ring's hop adds to its step.
+TEST(CostModel, OnSaturatedSharedCoresARingHopAddsToItsStep) {
+  PlanRequest r = small_request();
+  r.forward_only = true;
+  r.hardware.cores = 2;  // cp = 2, one thread each: saturated
+  const double compute = 4.0 * 2048 * 2048 * 64 * 4 / 1e11;
+  const double kv_bytes = 2.0 * 2048 * 4 * 64 * 4;
+  r.hardware.bandwidth = kv_bytes / (compute / 2);  // a hop of half a step
+  EXPECT_NEAR(by_name(make_plan(r), "ring").layer_seconds, compute + compute / 2 + compute, 1e-9);
+  r.hardware.cores = 4;  // two threads per rank: still saturated, the compute halves
+  EXPECT_NEAR(by_name(make_plan(r), "ring").layer_seconds, compute / 2 + compute / 2 + compute / 2, 1e-9);
+  r.hardware.cores = 0;  // a device per rank: the hop hides behind the step
+  EXPECT_NEAR(by_name(make_plan(r), "ring").layer_seconds, 2 * compute, 1e-9);
+}
+
+// Ranks sharing cores: 4 ranks on 2 cores run at most 2 at a time; one rank alone still runs at one core.
+TEST(CostModel, RanksSharingCoresShareTheirWork) {
+  PlanRequest r = small_request();
+  r.parallel.cp = 4;
+  r.forward_only = true;
+  const double one_core = by_name(make_plan(r), "ulysses").layer_seconds;  // a device per rank
+  r.hardware.cores = 2;
+  EXPECT_NEAR(by_name(make_plan(r), "ulysses").layer_seconds, 2 * one_core, 1e-9);
+  r.hardware.cores = 8;  // 2 threads per rank: twice as fast as a device of one core
+  EXPECT_NEAR(by_name(make_plan(r), "ulysses").layer_seconds, one_core / 2, 1e-9);
 }
 
 }  // namespace

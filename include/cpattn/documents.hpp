@@ -53,7 +53,7 @@ struct PlanInputs {
   std::string profile;                         // a profile file (YAML) in place of a named one
   std::string segments;                        // packed document lengths as typed ("61440,4096"), or empty
   std::optional<std::int64_t> emb_dim, layers, attention_every, ranks_per_host;
-  std::int64_t block = 512;
+  std::optional<std::int64_t> block;  // unset: the profile's block, else 512
   bool remat = false;
   bool forward_only = false;                                // prefill: the forward alone
   std::optional<double> flops, bandwidth, inter_bandwidth;  // the hardware's, overridden

@@ -32,15 +32,43 @@ const std::vector<ModelPreset>& model_presets();
 const ModelPreset* find_preset(const std::string& name);
 std::string model_preset_names();  // "llama3-8b, ...", for messages and --help
 
+// One measured kernel rate: what the flash kernel achieves on calls of one shape, in FLOP/s counted as the
+// planner counts them (computed tiles x 4·block²·D per q head, the profile's block), forward and backward
+// (the backward's 2.5x FLOPs over its time). Per device, or per core where the profile's `cores` is set.
+struct KernelRate {
+  DType dtype = DType::bf16;
+  std::int64_t head_dim = 0, q = 0, kv = 0;  // the call's extents: query rows, key rows
+  bool causal = false;
+  double forward = 0, backward = 0;
+};
+
 // Ranks sit on hosts of ranks_per_host consecutive ranks (rank r on host r / ranks_per_host): a rank sends to
 // a rank of its own host at `bandwidth` and to another host's at `inter_bandwidth`, both links at once.
+// Inside a host, devices may sit behind switches of ranks_per_switch consecutive ranks (PCIe): what leaves a
+// switch for the rest of the host shares its uplink (`switch_bandwidth`) with the switch's other devices.
+// Every message costs a latency (`latency`, `inter_latency` across hosts) on top of its bytes.
 struct HardwareProfile {
   std::string name;
-  double flops = 0;      // dense bf16 FLOP/s per device
+  double flops = 0;  // dense FLOP/s per device: the kernel's rate where `kernel` has no entry for the dtype
   double bandwidth = 0;  // bytes/s one device sends to its peers inside its host (each way)
   std::string source;
-  std::int64_t ranks_per_host = 0;  // 0: every rank on one host
-  double inter_bandwidth = 0;       // bytes/s one device sends to other hosts (each way)
+  std::int64_t ranks_per_host = 0;    // 0: every rank on one host
+  double inter_bandwidth = 0;         // bytes/s one device sends to other hosts (each way)
+  double latency = 0;                 // seconds per message inside a host
+  double inter_latency = 0;           // seconds per message between hosts (0: `latency`)
+  std::int64_t ranks_per_switch = 0;  // 0: every pair inside a host at `bandwidth` at once (NVLink switch)
+  double switch_bandwidth = 0;        // bytes/s a switch's uplink carries each way, shared by its devices
+  double ring_step_seconds = 0;       // a ring step's synchronisation: the wait for the hop, the next call
+  double call_seconds = 0;            // a kernel call's fixed cost (launch, setup)
+  std::int64_t cores = 0;          // ranks share this many cores (CPU; rates per core); 0: a device per rank
+  std::int64_t block = 0;          // the tile size the rates count in (0: the request's)
+  std::vector<KernelRate> kernel;  // measured rates by call shape (interpolated); empty: `flops`
+
+  // The kernel's rate (FLOP/s, forward or backward) on a call of `dtype`, head dim, query and key extents:
+  // the entries of the dtype (and of the call's causality where there are both), weighted by inverse squared
+  // distance in log2(head_dim, q, kv) (an entry's own shape gets its rate); `flops` where there is none.
+  double kernel_rate(DType dtype, std::int64_t head_dim, std::int64_t q, std::int64_t kv, bool causal,
+                     bool backward) const;
 };
 // The profiles compiled in: the YAML files of src/plan/profiles (a100, h100, h200, h800, l20-pcie, tpu-v7x),
 // each figure with its source.
@@ -48,10 +76,14 @@ const std::vector<HardwareProfile>& hardware_profiles();
 const HardwareProfile* find_hardware(const std::string& name);
 std::string hardware_profile_names();  // "a100, h100, ..."
 // A profile from YAML text (`where` names it in errors) or a file (`plan --profile FILE`): keys name, flops,
-// bandwidth, source (required), ranks_per_host, inter_bandwidth (required where ranks_per_host > 0); unknown
+// bandwidth, source (required), ranks_per_host, inter_bandwidth (required where ranks_per_host > 0), latency,
+// inter_latency, ranks_per_switch, switch_bandwidth (required with ranks_per_switch), ring_step_seconds,
+// call_seconds, cores, block, kernel (a list of {dtype, head_dim, q, kv, causal, forward, backward}); unknown
 // or repeated keys and values out of range are Error(invalid_input) naming the file and the key.
+// `profile_yaml` writes a profile that parse_hardware_profile reads back to the same figures.
 HardwareProfile parse_hardware_profile(const std::string& text, const std::string& where);
 HardwareProfile read_hardware_profile(const std::string& path);
+std::string profile_yaml(const HardwareProfile& profile);
 
 struct PlanRequest {
   AttentionSpec attention;

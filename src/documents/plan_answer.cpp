@@ -54,8 +54,14 @@ ConfigValues plan_values(const PlanInputs& opt) {
 }
 
 // plan's own rules and bounds on top of validation's: every one broken, all at once.
+// The tile size: the caller's, else the profile's (the one its kernel rates count in), else 512.
+std::int64_t plan_block(const PlanInputs& opt, const HardwareProfile* hw) {
+  return opt.block.value_or(hw != nullptr && hw->block > 0 ? hw->block : 512);
+}
+
 void plan_bounds(const ConfigValues& values, const PlanInputs& opt, const HardwareProfile* hw,
                  std::vector<ErrorItem>& errors) {
+  const std::int64_t block = plan_block(opt, hw);
   if (hw == nullptr) {
     errors.push_back({{"--hardware"},
                       opt.hardware.value_or(""),
@@ -93,11 +99,11 @@ void plan_bounds(const ConfigValues& values, const PlanInputs& opt, const Hardwa
                       std::to_string(*values.seq_len),
                       "--seq (" + std::to_string(*values.seq_len) + ") is longer than plan models (at most " +
                           std::to_string(kMaxPlanSeq) + " tokens)"});
-  } else if (values.seq_len && (*values.seq_len + opt.block - 1) / opt.block > kMaxPlanBlocks) {
+  } else if (values.seq_len && (*values.seq_len + block - 1) / block > kMaxPlanBlocks) {
     errors.push_back({{"--block"},
-                      std::to_string(opt.block),
-                      "--block " + std::to_string(opt.block) + " makes " +
-                          std::to_string((*values.seq_len + opt.block - 1) / opt.block) +
+                      std::to_string(block),
+                      "--block " + std::to_string(block) + " makes " +
+                          std::to_string((*values.seq_len + block - 1) / block) +
                           " blocks per row at --seq " + std::to_string(*values.seq_len) +
                           "; plan takes at most " + std::to_string(kMaxPlanBlocks) + "; valid: --block >= " +
                           std::to_string((*values.seq_len + kMaxPlanBlocks - 1) / kMaxPlanBlocks)});
@@ -118,7 +124,7 @@ PlanRequest plan_request(const ConfigValues& values, const Specs& specs, const P
   req.parallel = specs.parallel;
   req.model = {opt.preset.empty() ? "custom" : opt.preset, values.emb_dim.value_or(0),
                values.num_layers.value_or(1), values.attention_every.value_or(1)};
-  req.block = opt.block;
+  req.block = plan_block(opt, &hw);
   if (!opt.segments.empty()) req.segments = parse_document_lengths(opt.segments, "--segments");
   req.remat = opt.remat;
   req.forward_only = opt.forward_only;
@@ -269,7 +275,9 @@ DocumentAnswer plan_answer(const PlanInputs& inputs) {
       from_file = read_hardware_profile(inputs.profile);
     } catch (const Error& e) {  // in the document with the other errors
       answer.errors.insert(answer.errors.end(), e.items().begin(), e.items().end());
-      from_file = HardwareProfile{"(unread)", 1, 1, "", 0, 0};
+      from_file = HardwareProfile{};
+      from_file->name = "(unread)";
+      from_file->flops = from_file->bandwidth = 1;
     }
   }
   const HardwareProfile* hw = from_file ? &*from_file : find_hardware(inputs.hardware.value_or("h200"));

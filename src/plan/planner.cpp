@@ -90,14 +90,53 @@ std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, cons
 
 namespace {
 
-// Where ranks sit (HardwareProfile): rank r on host r / per_host; a collective's time on one rank is the
-// slower of its two links.
+// What one rank sends in one collective: bytes and messages by link (inside its host, to other hosts) and the
+// bytes that leave its switch for the rest of its host.
+struct Traffic {
+  double intra = 0, inter = 0, out_of_switch = 0;
+  std::int64_t intra_messages = 0, inter_messages = 0;
+};
+
+// Where ranks sit (HardwareProfile): rank r on host r / per_host, behind switch r / per_switch. A rank's time
+// in a collective is the slowest of its links, each latency x messages + bytes / bandwidth, both links at
+// once; a switch's uplink carries what all its ranks send out of it. Where ranks share cores (`share` ranks
+// per core beyond one), every transfer is that much slower: the copies take turns on the cores.
 struct Links {
-  std::int64_t per_host = 0;  // 0: one host
-  double intra = 1, inter = 1;
+  std::int64_t per_host = 0, per_switch = 0;  // 0: one host, no switches
+  double intra = 1, inter = 1, uplink = 1, latency = 0, inter_latency = 0, share = 1;
   bool crosses(std::int64_t a, std::int64_t b) const { return per_host > 0 && a / per_host != b / per_host; }
-  double seconds(double intra_bytes, double inter_bytes) const {
-    return std::max(intra_bytes / intra, inter_bytes > 0 ? inter_bytes / inter : 0.0);
+  bool leaves_switch(std::int64_t a, std::int64_t b) const {
+    return per_switch > 0 && !crosses(a, b) && a / per_switch != b / per_switch;
+  }
+  void add(Traffic& t, std::int64_t from, std::int64_t to, double bytes) const {
+    if (crosses(from, to)) {
+      t.inter += bytes;
+      ++t.inter_messages;
+    } else {
+      t.intra += bytes;
+      ++t.intra_messages;
+      if (leaves_switch(from, to)) t.out_of_switch += bytes;
+    }
+  }
+  double seconds(const Traffic& t, double switch_total) const {
+    const double host = static_cast<double>(t.intra_messages) * latency + t.intra / intra;
+    const double uplink_s = per_switch > 0 ? switch_total / uplink : 0.0;
+    const double across =
+        t.inter_messages > 0 ? static_cast<double>(t.inter_messages) * inter_latency + t.inter / inter : 0.0;
+    return share * std::max({host, uplink_s, across});
+  }
+  // One call's time per rank from every rank's traffic (the switches' totals summed first).
+  std::vector<double> call_seconds(const std::vector<Traffic>& traffic) const {
+    std::vector<double> by_switch(traffic.size(), 0.0), out(traffic.size(), 0.0);
+    const std::int64_t n = static_cast<std::int64_t>(traffic.size());
+    for (std::int64_t r = 0; r < n; ++r) {
+      if (per_switch > 0) by_switch[static_cast<std::size_t>(r / per_switch)] += traffic[r].out_of_switch;
+    }
+    for (std::int64_t r = 0; r < n; ++r) {
+      out[r] =
+          seconds(traffic[r], per_switch > 0 ? by_switch[static_cast<std::size_t>(r / per_switch)] : 0.0);
+    }
+    return out;
   }
 };
 
@@ -112,6 +151,9 @@ struct PlanContext {
   bool packed = false;
   UlyssesHeads heads;  // ulysses: over cp; hybrid: over U
   Links links;
+  std::int64_t threads = 1;  // kernel threads per rank where ranks share cores (run's default), else 1
+  // Ranks sharing cores whose kernel threads occupy every one of them.
+  bool cores_saturated() const { return req.hardware.cores > 0 && cp * threads >= req.hardware.cores; }
 
   bool ring_like() const { return p.traits().ring; }
   // The rank's place among the U ulysses ranks a ring's schedule differs by (0 but for hybrid).
@@ -140,16 +182,14 @@ double plan_reorder(const PlanContext& c, StrategyPlan& s, std::vector<std::int6
       for (const auto& dest : *dests) {
         add_call(s.reorder, CollectiveKind::collective_permute, phase, chunk, c.E, static_cast<int>(c.cp),
                  &dest);
-        bool any_moves = false, any_crosses = false;
+        std::vector<Traffic> traffic(static_cast<std::size_t>(c.cp));
         for (std::int64_t r = 0; r < c.cp; ++r) {
           if (dest[r] < 0 || dest[r] == r) continue;
-          any_moves = true;
-          if (c.links.crosses(r, dest[r])) {
-            any_crosses = true;
-            inter_bytes[r] += chunk * c.E;
-          }
+          c.links.add(traffic[r], r, dest[r], bytes);
+          if (c.links.crosses(r, dest[r])) inter_bytes[r] += chunk * c.E;
         }
-        if (any_moves) seconds += any_crosses ? c.links.seconds(0, bytes) : c.links.seconds(bytes, 0);
+        const auto t = c.links.call_seconds(traffic);
+        seconds += *std::max_element(t.begin(), t.end());
       }
     }
   };
@@ -160,10 +200,20 @@ double plan_reorder(const PlanContext& c, StrategyPlan& s, std::vector<std::int6
   return seconds;
 }
 
+// One kernel call of a rank: its tiles per q head and its shape as the rate table reads it (query and key
+// rows; `diagonal`: the causal mask cuts some of its tiles).
+struct KernelCall {
+  std::int64_t tiles = 0, q = 0, kv = 0;
+  bool diagonal = false;
+};
+// Per rank, per ring step (one step for the strategies without a ring), its calls.
+using CallPlan = std::vector<std::vector<std::vector<KernelCall>>>;
+
 // Tiles on the block grid, with the kernel's classification: per rank and q head (ulysses: over the whole
 // sequence for each of its n_r heads; ring and hybrid: per step against the visiting ring rank's rows, chunk
 // by chunk on each chunk's own grid; all_gather: the rank's queries against the whole sequence).
-void plan_tiles(const PlanContext& c, StrategyPlan& s) {
+CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
+  CallPlan calls;
   const std::vector<std::int32_t> natural = natural_positions(1, c.S);
   const std::vector<std::int32_t> segments = segment_ids_from_lengths(1, c.req.segments);
   // The rows of rank r of `ranks` in `layout`: positions and (packed) segment ids.
@@ -188,7 +238,7 @@ void plan_tiles(const PlanContext& c, StrategyPlan& s) {
     std::int32_t pos_min = 0, pos_max = 0;
   };
   std::vector<std::vector<Piece>> ring_pieces;
-  std::vector<std::optional<std::vector<std::int64_t>>> ring_steps;
+  std::vector<std::optional<std::vector<std::vector<KernelCall>>>> ring_steps;
   if (c.ring_like()) {
     const std::int64_t parts = c.p.ring_parts(), n = c.S / c.R / parts;
     for (std::int64_t rr = 0; rr < c.R; ++rr) {
@@ -217,6 +267,7 @@ void plan_tiles(const PlanContext& c, StrategyPlan& s) {
             kernels::count_nonempty_tiles(natural_blocks, natural_blocks, c.a.causal, !segments.empty());
       }
       per_head = *ulysses_per_head;
+      calls.push_back({{{per_head, c.S, c.S, c.a.causal}}});
     } else if (c.ring_like()) {
       // The kernel's calls of a step (ring_strategy.cpp): the ring rank's rows whole, or chunk by chunk with
       // load balance, each on a grid of its own; calls the causal mask hides whole are skipped.
@@ -227,27 +278,41 @@ void plan_tiles(const PlanContext& c, StrategyPlan& s) {
         const auto& mine = ring_pieces[static_cast<std::size_t>(ring_rank)];
         for (std::int64_t step = 0; step < c.R; ++step) {
           const auto& theirs = ring_pieces[static_cast<std::size_t>((ring_rank - step + c.R) % c.R)];
-          std::int64_t tiles = 0;
+          std::vector<KernelCall> step_calls;
           for (const Piece& qp : mine) {
             for (const Piece& kp : theirs) {
               if (c.a.causal && qp.pos_max < kp.pos_min) continue;
-              tiles += kernels::count_nonempty_tiles(qp.blocks, kp.blocks, c.a.causal, c.packed);
+              const std::int64_t tiles =
+                  kernels::count_nonempty_tiles(qp.blocks, kp.blocks, c.a.causal, c.packed);
+              if (tiles == 0) continue;
+              const bool diagonal = c.a.causal && kp.pos_max > qp.pos_min;
+              step_calls.push_back(
+                  {tiles, c.S / c.R / c.p.ring_parts(), c.S / c.R / c.p.ring_parts(), diagonal});
             }
           }
-          steps->push_back(tiles);
+          steps->push_back(std::move(step_calls));
         }
       }
-      s.tiles_per_rank_per_step.push_back(*steps);
-      for (const std::int64_t t : *steps) per_head += t;
+      std::vector<std::int64_t> per_step;
+      for (const auto& step : *steps) {
+        std::int64_t tiles = 0;
+        for (const KernelCall& k : step) tiles += k.tiles;
+        per_step.push_back(tiles);
+        per_head += tiles;
+      }
+      s.tiles_per_rank_per_step.push_back(per_step);
+      calls.push_back(*steps);
     } else {
       const auto [q_pos, q_seg] = tokens(layout, c.cp, r);
       per_head = count_tiles(q_pos, q_seg, natural_blocks, c.a.causal, c.req.block);
+      calls.push_back({{{per_head, c.sl, c.S, c.a.causal}}});
     }
     s.tiles_per_rank_per_q_head.push_back(per_head);
     s.tiles_per_rank.push_back(per_head * c.local_q_heads(r) * c.B);
   }
   const auto [mn, mx] = std::minmax_element(s.tiles_per_rank.begin(), s.tiles_per_rank.end());
   s.tiles_skew = *mn > 0 ? static_cast<double>(*mx) / static_cast<double>(*mn) : 1.0;
+  return calls;
 }
 
 // Memory: what forward keeps for backward (nothing in a prefill), and the K/V the kernel reads.
@@ -302,12 +367,13 @@ CommModel plan_communication(const PlanContext& c) {
     if (c.req.forward_only) by_u.back().backward.clear();
   }
   const std::size_t calls = by_u[0].forward.size() + by_u[0].backward.size();
-  std::vector<double> call_seconds(calls, 0.0);
+  // traffic[k][rank]: what the rank sends in the k-th call of its schedule.
+  std::vector<std::vector<Traffic>> traffic(calls, std::vector<Traffic>(static_cast<std::size_t>(c.cp)));
+  std::vector<bool> hop(calls, false), kv(calls, false);
   CommModel m;
   m.kv_hop.assign(static_cast<std::size_t>(c.cp), 0.0);
   m.dkv_hop.assign(static_cast<std::size_t>(c.cp), 0.0);
   m.inter_bytes.assign(static_cast<std::size_t>(c.cp), 0);
-  std::vector<double> kv_send(static_cast<std::size_t>(c.cp), 0.0), dkv_send(kv_send);
   for (std::int64_t rank = 0; rank < c.cp; ++rank) {
     const StrategySchedule& sch = by_u[static_cast<std::size_t>(c.u_of(rank))];
     std::size_t k = 0;
@@ -326,37 +392,28 @@ CommModel plan_communication(const PlanContext& c) {
           stride = U;
         }
         const std::int64_t e = static_cast<std::int64_t>(comm_dtype_size(call.dtype));
-        double intra = 0, inter = 0;
         // A permute sends to the next rank alone: one peer, not n (a ring of 1024 ranks has 2046 of them).
         const bool permute = call.kind == CollectiveKind::collective_permute;
+        hop[k] = c.ring_like() && permute;
+        kv[k] = call.tensor == "kv";
         for (std::int64_t i = permute ? (me + 1) % n : 0; i < n; ++i) {
           if (i == me) continue;
           std::int64_t elements = call.count;
           if (!call.blocks.empty()) elements = call.blocks[me][i];
           const std::int64_t peer = base + i * stride, bytes = elements * e;
-          if (c.links.crosses(rank, peer)) {
-            inter += static_cast<double>(bytes);
-            m.inter_bytes[rank] += bytes;
-          } else {
-            intra += static_cast<double>(bytes);
-          }
+          c.links.add(traffic[k][rank], rank, peer, static_cast<double>(bytes));
+          if (c.links.crosses(rank, peer)) m.inter_bytes[rank] += bytes;
           if (permute) break;
-        }
-        const double t = c.links.seconds(intra, inter);
-        call_seconds[k] = std::max(call_seconds[k], t);
-        if (c.ring_like() && call.kind == CollectiveKind::collective_permute) {
-          (call.tensor == "kv" ? kv_send : dkv_send)[rank] = t;
         }
         ++k;
       }
     }
   }
-  std::size_t k = 0;
-  for (const auto* list : {&by_u[0].forward, &by_u[0].backward}) {
-    for (const ScheduledCollective& call : *list) {
-      const bool hop = c.ring_like() && call.kind == CollectiveKind::collective_permute;
-      (hop ? m.hops : m.collectives) += call_seconds[k++];
-    }
+  std::vector<double> kv_send(static_cast<std::size_t>(c.cp), 0.0), dkv_send(kv_send);
+  for (std::size_t k = 0; k < calls; ++k) {
+    const auto t = c.links.call_seconds(traffic[k]);
+    (hop[k] ? m.hops : m.collectives) += *std::max_element(t.begin(), t.end());
+    if (hop[k]) (kv[k] ? kv_send : dkv_send) = t;
   }
   // A ring moves at its slowest link.
   for (std::int64_t rank = 0; rank < c.cp; ++rank) {
@@ -369,49 +426,95 @@ CommModel plan_communication(const PlanContext& c) {
   return m;
 }
 
-// The ring's layer time (ring, hybrid), crediting the overlap the code has: step 0 computes while the K/V hop
-// flies; a middle step while its K/V hop and the previous step's dK/dV hop fly; the last step while the
-// previous dK/dV hop flies, then its own dK/dV hop home is exposed. The forward: each step but the last
-// against its K/V hop. `fixed`: what does not overlap (hybrid's all-to-alls, the segment ids, the reorder).
-double ring_layer_seconds(const PlanContext& c, const StrategyPlan& s, double tile_flops, double fixed,
-                          const CommModel& m) {
-  double longest = 0;
-  for (std::int64_t r = 0; r < c.cp; ++r) {
-    const double per_tile = static_cast<double>(c.local_q_heads(r) * c.B) * tile_flops / c.req.hardware.flops;
-    const double kv_hop = m.kv_hop[r], dkv_hop = m.dkv_hop[r];
-    double t = fixed;
-    for (std::int64_t step = 0; step < c.R; ++step) {
-      const double fwd = static_cast<double>(s.tiles_per_rank_per_step[r][step]) * per_tile;
-      const double bwd = fwd * kBackwardFlopsPerForward;
-      const bool first = step == 0, last = step + 1 == c.R;
-      t += last ? fwd : std::max(fwd, kv_hop);
-      if (c.req.forward_only) {
-        continue;
-      } else if (c.R == 1) {
-        t += bwd;
-      } else if (last) {
-        t += std::max(bwd, dkv_hop) + dkv_hop;
-      } else {
-        t += std::max(bwd, first ? kv_hop : kv_hop + dkv_hop);
-      }
-    }
-    longest = std::max(longest, t);
+// A rank's kernel seconds for `calls` (its heads and batch rows): each call's tiles x a full tile's FLOPs at
+// the profile's rate for the call's shape (the backward: 2.5x the FLOPs at the backward's rate), plus the
+// call's fixed cost. Where ranks share cores the rate is per core, times the rank's threads.
+double kernel_seconds(const PlanContext& c, std::int64_t rank, const std::vector<KernelCall>& calls,
+                      bool backward) {
+  const HardwareProfile& hw = c.req.hardware;
+  const double tile_flops = attention_forward_flops(1, c.req.block, 1, c.D, false) *
+                            static_cast<double>(c.local_q_heads(rank) * c.B) *
+                            (backward ? kBackwardFlopsPerForward : 1.0);
+  double t = 0;
+  for (const KernelCall& k : calls) {
+    if (k.tiles == 0) continue;
+    const double rate = hw.kernel_rate(c.a.dtype, c.D, k.q, k.kv, k.diagonal, backward) *
+                        static_cast<double>(hw.cores > 0 ? c.threads : 1);
+    t += static_cast<double>(k.tiles) * tile_flops / rate + hw.call_seconds;
   }
-  return longest;
+  return t;
 }
 
-// Time: tiles x a full tile's FLOPs, forward and backward (and the forward again under remat); communication
-// by link, not overlapped except the ring's hops.
-void plan_time(const PlanContext& c, StrategyPlan& s, const CommModel& m, double reorder_seconds) {
-  const double tile_flops = attention_forward_flops(1, c.req.block, 1, c.D, false);
-  const double passes = c.req.forward_only ? 1.0 : 1.0 + kBackwardFlopsPerForward + (c.req.remat ? 1.0 : 0.0);
+// A compute phase's seconds from each rank's own: the slowest rank's; where ranks share cores, at least all
+// their work spread over the cores (ranks that finish early free theirs).
+double phase_seconds(const PlanContext& c, const std::vector<double>& per_rank) {
+  double slowest = 0, sum = 0;
+  for (const double t : per_rank) {
+    slowest = std::max(slowest, t);
+    sum += t;
+  }
+  const std::int64_t cores = c.req.hardware.cores;
+  return cores > 0 ? std::max(slowest, sum * static_cast<double>(c.threads) / static_cast<double>(cores))
+                   : slowest;
+}
+
+// The ring's layer time (ring, hybrid), crediting the overlap the code has, step by step (the ranks of a ring
+// move in step: each step waits for its slowest rank and its slowest hop): step 0 computes while the K/V hop
+// flies; a middle step while its K/V hop and the previous step's dK/dV hop fly; the last step while the
+// previous dK/dV hop flies, then its own dK/dV hop home is exposed. The forward: each step but the last
+// against its K/V hop. Every step of a ring of more than one rank adds the profile's ring_step_seconds (its
+// synchronisation). `fixed`: what does not overlap (hybrid's all-to-alls, the segment ids, the reorder).
+double ring_layer_seconds(const PlanContext& c, const CallPlan& calls, double fixed, const CommModel& m) {
+  const double kv_hop = *std::max_element(m.kv_hop.begin(), m.kv_hop.end());
+  const double dkv_hop = *std::max_element(m.dkv_hop.begin(), m.dkv_hop.end());
+  const double sync = c.R > 1 ? c.req.hardware.ring_step_seconds : 0.0;
+  double t = fixed;
+  std::vector<double> fwd_r(static_cast<std::size_t>(c.cp)), bwd_r(fwd_r);
+  for (std::int64_t step = 0; step < c.R; ++step) {
+    for (std::int64_t r = 0; r < c.cp; ++r) {
+      fwd_r[r] = kernel_seconds(c, r, calls[r][step], false);
+      bwd_r[r] = c.req.forward_only ? 0.0 : kernel_seconds(c, r, calls[r][step], true);
+    }
+    const double fwd = phase_seconds(c, fwd_r), bwd = phase_seconds(c, bwd_r);
+    const bool first = step == 0, last = step + 1 == c.R;
+    // Compute and a hop overlap where each has hardware of its own; ranks whose threads fill the cores they
+    // share copy on those cores too, so there a hop adds to its step.
+    auto both = [&](double compute, double hop) {
+      return c.cores_saturated() ? compute + hop : std::max(compute, hop);
+    };
+    t += (last ? fwd : both(fwd, kv_hop)) + sync;
+    if (c.req.forward_only) {
+      continue;
+    } else if (c.R == 1) {
+      t += bwd;
+    } else if (last) {
+      t += both(bwd, dkv_hop) + dkv_hop + sync;
+    } else {
+      t += both(bwd, first ? kv_hop : kv_hop + dkv_hop) + sync;
+    }
+  }
+  return t;
+}
+
+// Time: each rank's kernel calls at the profile's rates (forward, backward, and the forward again under
+// remat); communication by link, not overlapped except the ring's hops.
+void plan_time(const PlanContext& c, StrategyPlan& s, const CallPlan& calls, const CommModel& m,
+               double reorder_seconds) {
   std::int64_t sent = 0;
   for (const auto& x : s.collectives) sent += x.bytes_sent_per_rank;
   for (const auto& x : s.reorder) sent += x.bytes_sent_per_rank;
   s.communication_seconds = m.collectives + m.hops + reorder_seconds;
+  std::vector<double> fwd_r, bwd_r;
   double fastest = 1e300, slowest = 0;
   for (std::int64_t r = 0; r < c.cp; ++r) {
-    const double t = static_cast<double>(s.tiles_per_rank[r]) * tile_flops * passes / c.req.hardware.flops;
+    double fwd = 0, bwd = 0;
+    for (const auto& step : calls[r]) {
+      fwd += kernel_seconds(c, r, step, false);
+      bwd += c.req.forward_only ? 0.0 : kernel_seconds(c, r, step, true);
+    }
+    fwd_r.push_back(fwd);
+    bwd_r.push_back(bwd);
+    const double t = fwd * (c.req.remat ? 2.0 : 1.0) + bwd;
     s.compute_seconds_per_rank.push_back(t);
     if (t > slowest) {
       slowest = t;
@@ -419,19 +522,20 @@ void plan_time(const PlanContext& c, StrategyPlan& s, const CommModel& m, double
     }
     fastest = std::min(fastest, t);
   }
-  s.exposed_seconds = s.communication_seconds + (slowest - fastest);
-  s.layer_seconds = slowest + s.communication_seconds;
   if (c.ring_like()) {
-    s.layer_seconds = ring_layer_seconds(c, s, tile_flops, m.collectives + reorder_seconds, m);
-    s.exposed_seconds = s.layer_seconds - fastest;
+    s.layer_seconds = ring_layer_seconds(c, calls, m.collectives + reorder_seconds, m);
+  } else {
+    s.layer_seconds = s.communication_seconds + phase_seconds(c, fwd_r) * (c.req.remat ? 2.0 : 1.0) +
+                      phase_seconds(c, bwd_r);
   }
+  s.exposed_seconds = s.layer_seconds - fastest;
   s.model_seconds = s.layer_seconds * static_cast<double>(c.req.model.attention_layers());
   s.model_bytes_sent_per_rank = sent * c.req.model.attention_layers();
 }
 
 StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Strategy strategy,
                            bool load_balance, std::int64_t ulysses_degree = 0) {
-  PlanContext c{req, req.attention, req.parallel, 1, 1, 1, 1, 1, 1, 1, 4, 1, 1, false, {}, {}};
+  PlanContext c{req, req.attention, req.parallel, 1, 1, 1, 1, 1, 1, 1, 4, 1, 1, false, {}, {}, 1};
   c.p.strategy = strategy;
   c.p.load_balance = load_balance;
   c.p.layout.reset();
@@ -462,14 +566,23 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   c.U = c.ring_like() ? c.p.head_group_size() : 1;
   c.R = c.p.ring_degree();
   if (c.heads_split()) c.heads = ulysses_heads(c.hq, c.hkv, c.p.head_group_size());
-  c.links = {req.hardware.ranks_per_host, req.hardware.bandwidth, req.hardware.inter_bandwidth};
+  const HardwareProfile& hw = req.hardware;
+  c.threads = hw.cores > 0 ? std::max<std::int64_t>(1, hw.cores / c.cp) : 1;
+  c.links = {hw.ranks_per_host,
+             hw.ranks_per_switch,
+             hw.bandwidth,
+             hw.inter_bandwidth > 0 ? hw.inter_bandwidth : hw.bandwidth,
+             hw.switch_bandwidth > 0 ? hw.switch_bandwidth : hw.bandwidth,
+             hw.latency,
+             hw.inter_latency > 0 ? hw.inter_latency : hw.latency,
+             hw.cores > 0 ? std::max(1.0, static_cast<double>(c.cp) / static_cast<double>(hw.cores)) : 1.0};
   s.collectives = attention_collectives(c.a, c.p, req.remat, c.packed, req.forward_only);
   CommModel m = plan_communication(c);
   const double reorder_seconds = plan_reorder(c, s, m.inter_bytes);
   s.inter_host_bytes_sent_per_rank = *std::max_element(m.inter_bytes.begin(), m.inter_bytes.end());
-  plan_tiles(c, s);
+  const CallPlan calls = plan_tiles(c, s);
   plan_memory(c, s);
-  plan_time(c, s, m, reorder_seconds);
+  plan_time(c, s, calls, m, reorder_seconds);
   return s;
 }
 

@@ -3,6 +3,8 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <fstream>
 #include <iterator>
 #include <limits>
@@ -16,84 +18,189 @@
 namespace cpattn {
 namespace {
 
-constexpr const char* kProfileKeys[] = {"name",           "flops",           "bandwidth",
-                                        "ranks_per_host", "inter_bandwidth", "source"};
+constexpr const char* kProfileKeys[] = {"name",
+                                        "flops",
+                                        "bandwidth",
+                                        "ranks_per_host",
+                                        "inter_bandwidth",
+                                        "latency",
+                                        "inter_latency",
+                                        "ranks_per_switch",
+                                        "switch_bandwidth",
+                                        "ring_step_seconds",
+                                        "call_seconds",
+                                        "cores",
+                                        "block",
+                                        "kernel",
+                                        "source"};
+constexpr std::int64_t kMaxExtent = std::int64_t{1} << 30;
+constexpr const char* kKernelKeys[] = {"dtype", "head_dim", "q", "kv", "causal", "forward", "backward"};
+
+std::string key_list(const std::vector<std::string>& keys) {
+  std::string out;
+  for (const auto& k : keys) out += (out.empty() ? "" : ", ") + k;
+  return out;
+}
 
 [[noreturn]] void bad_profile(const std::string& where, const std::string& key, const std::string& value,
                               const std::string& why) {
   throw Error(ErrorKind::invalid_input, key.empty() ? where : where + ": " + key, value, where + ": " + why);
 }
 
-}  // namespace
-
-HardwareProfile parse_hardware_profile(const std::string& text, const std::string& where) {
-  YAML::Node root;
-  try {
-    if (yaml_documents_up_to_two(text) == 1) root = YAML::Load(text);
-    if (!root.IsMap()) {
-      bad_profile(where, "", "",
-                  "a profile is one YAML mapping of keys to values; valid keys: name, flops, "
-                  "bandwidth, ranks_per_host, inter_bandwidth, source");
-    }
-  } catch (const YAML::Exception& e) {
-    bad_profile(where, "", "", std::string("not valid YAML: ") + e.what());
-  }
-  HardwareProfile p;
+// The mapping's keys checked (known, once each, each a plain value); `on_value(key, value)` reads each.
+template <class Fn>
+std::vector<std::string> read_mapping(const YAML::Node& map, const std::string& where,
+                                      const std::vector<std::string>& keys, const std::string& list_key,
+                                      Fn&& on_value) {
   std::vector<std::string> seen;
-  const std::vector<std::string> keys(std::begin(kProfileKeys), std::end(kProfileKeys));
-  for (const auto& entry : root) {
+  for (const auto& entry : map) {
     if (!entry.first.IsScalar()) bad_profile(where, "", "", "a key is not a plain word");
     const std::string key = entry.first.Scalar();
+    if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
+      const std::string near = nearest(key, keys);
+      bad_profile(where, key, entry.second.IsScalar() ? entry.second.Scalar() : "",
+                  "unknown key '" + quoted(key) + "'" +
+                      (near.empty() ? "" : "; did you mean '" + near + "'?") +
+                      " valid keys: " + key_list(keys));
+    }
+    if (std::find(seen.begin(), seen.end(), key) != seen.end()) {
+      bad_profile(where, key, "", "key '" + key + "' is given twice");
+    }
+    seen.push_back(key);
+    if (key == list_key) {
+      on_value(key, entry.second);
+      continue;
+    }
     if (!entry.second.IsScalar()) {
       bad_profile(where, key, "",
                   "key '" + quoted(key) + "' has " +
                       (entry.second.IsNull() ? "no value" : "a list or a mapping") +
                       "; valid: a plain word or number");
     }
-    const std::string value = entry.second.Scalar();
-    if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
-      const std::string near = nearest(key, keys);
-      bad_profile(where, key, value,
-                  "unknown key '" + quoted(key) + "'" +
-                      (near.empty() ? "" : "; did you mean '" + near + "'?") +
-                      " valid keys: name, flops, bandwidth, ranks_per_host, inter_bandwidth, source");
+    on_value(key, entry.second);
+  }
+  return seen;
+}
+
+void require(const std::vector<std::string>& seen, const std::string& where,
+             std::initializer_list<const char*> keys) {
+  for (const char* key : keys) {
+    if (std::find(seen.begin(), seen.end(), key) == seen.end()) {
+      bad_profile(where, key, "", std::string("key '") + key + "' is missing");
     }
-    if (std::find(seen.begin(), seen.end(), key) != seen.end()) {
-      bad_profile(where, key, value, "key '" + key + "' is given twice");
-    }
-    seen.push_back(key);
-    const std::string field = where + ": " + key;
-    if (key == "name") {
-      if (value.empty() ||
-          value.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789.-") != std::string::npos) {
-        bad_profile(where, key, value,
-                    "name '" + quoted(value) +
-                        "' is not a profile name; valid: lower-case letters, digits, '.', '-'");
+  }
+}
+
+KernelRate parse_kernel_rate(const YAML::Node& node, const std::string& where) {
+  if (!node.IsMap()) {
+    bad_profile(
+        where, "", "",
+        "a kernel entry is a mapping of " + key_list({std::begin(kKernelKeys), std::end(kKernelKeys)}));
+  }
+  KernelRate k;
+  const std::vector<std::string> keys(std::begin(kKernelKeys), std::end(kKernelKeys));
+  const auto seen = read_mapping(node, where, keys, "", [&](const std::string& key, const YAML::Node& v) {
+    const std::string value = v.Scalar(), field = where + ": " + key;
+    if (key == "dtype") {
+      try {
+        k.dtype = parse_dtype(value, field);
+      } catch (const Error& e) {
+        bad_profile(where, key, value, e.what());
       }
-      p.name = value;
-    } else if (key == "flops") {
-      p.flops = parse_real(value, field, 1, 1e30, "FLOP/s, a number");
-    } else if (key == "bandwidth") {
-      p.bandwidth = parse_real(value, field, 1, 1e30, "bytes/s, a number");
-    } else if (key == "inter_bandwidth") {
-      p.inter_bandwidth = parse_real(value, field, 1, 1e30, "bytes/s, a number");
-    } else if (key == "ranks_per_host") {
-      p.ranks_per_host = parse_integer(value, field, 0, std::numeric_limits<std::int32_t>::max(),
-                                       "devices per host, 0: one host");
+    } else if (key == "head_dim" || key == "q" || key == "kv") {
+      (key == "head_dim" ? k.head_dim
+       : key == "q"      ? k.q
+                         : k.kv) = parse_integer(value, field, 1, kMaxExtent, "a positive extent");
+    } else if (key == "causal") {
+      if (value != "true" && value != "false") {
+        bad_profile(where, key, value, "causal '" + quoted(value) + "' is not true or false");
+      }
+      k.causal = value == "true";
     } else {
-      if (value.empty()) bad_profile(where, key, value, "source is empty; say where each figure comes from");
-      p.source = value;
+      (key == "forward" ? k.forward : k.backward) = parse_real(value, field, 1, 1e30, "FLOP/s, a number");
     }
-  }
-  for (const char* required : {"name", "flops", "bandwidth", "source"}) {
-    if (std::find(seen.begin(), seen.end(), required) == seen.end()) {
-      bad_profile(where, required, "", std::string("key '") + required + "' is missing");
+  });
+  require(seen, where, {"dtype", "head_dim", "q", "kv", "causal", "forward", "backward"});
+  return k;
+}
+
+}  // namespace
+
+HardwareProfile parse_hardware_profile(const std::string& text, const std::string& where) {
+  const std::vector<std::string> keys(std::begin(kProfileKeys), std::end(kProfileKeys));
+  YAML::Node root;
+  try {
+    if (yaml_documents_up_to_two(text) == 1) root = YAML::Load(text);
+    if (!root.IsMap()) {
+      bad_profile(where, "", "",
+                  "a profile is one YAML mapping of keys to values; valid keys: " + key_list(keys));
     }
+  } catch (const YAML::Exception& e) {
+    bad_profile(where, "", "", std::string("not valid YAML: ") + e.what());
   }
+  HardwareProfile p;
+  const auto seen =
+      read_mapping(root, where, keys, "kernel", [&](const std::string& key, const YAML::Node& v) {
+        const std::string field = where + ": " + key;
+        if (key == "kernel") {
+          if (!v.IsSequence()) bad_profile(where, key, "", "kernel is a list of measured rates");
+          for (std::size_t i = 0; i < v.size(); ++i) {
+            p.kernel.push_back(parse_kernel_rate(v[i], where + ": kernel[" + std::to_string(i) + "]"));
+          }
+          return;
+        }
+        const std::string value = v.Scalar();
+        if (key == "name") {
+          if (value.empty() ||
+              value.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789.-") != std::string::npos) {
+            bad_profile(where, key, value,
+                        "name '" + quoted(value) +
+                            "' is not a profile name; valid: lower-case letters, digits, '.', '-'");
+          }
+          p.name = value;
+        } else if (key == "flops") {
+          p.flops = parse_real(value, field, 1, 1e30, "FLOP/s, a number");
+        } else if (key == "bandwidth" || key == "inter_bandwidth" || key == "switch_bandwidth") {
+          (key == "bandwidth"         ? p.bandwidth
+           : key == "inter_bandwidth" ? p.inter_bandwidth
+                                      : p.switch_bandwidth) =
+              parse_real(value, field, 1, 1e30, "bytes/s, a number");
+        } else if (key == "latency" || key == "inter_latency" || key == "ring_step_seconds" ||
+                   key == "call_seconds") {
+          double& x = key == "latency"         ? p.latency
+                      : key == "inter_latency" ? p.inter_latency
+                      : key == "call_seconds"  ? p.call_seconds
+                                               : p.ring_step_seconds;
+          x = parse_real(value, field, 0, 10, "seconds, 0 to 10");
+        } else if (key == "ranks_per_host" || key == "ranks_per_switch") {
+          (key == "ranks_per_host" ? p.ranks_per_host : p.ranks_per_switch) =
+              parse_integer(value, field, 0, std::numeric_limits<std::int32_t>::max(), "devices, 0: none");
+        } else if (key == "cores" || key == "block") {
+          (key == "cores" ? p.cores : p.block) = parse_integer(
+              value, field, 0, key == "cores" ? 1 << 20 : kMaxExtent,
+              key == "cores" ? "cores the ranks share, 0: a device per rank" : "a tile size, 0: none");
+        } else {
+          if (value.empty())
+            bad_profile(where, key, value, "source is empty; say where each figure comes from");
+          p.source = value;
+        }
+      });
+  require(seen, where, {"name", "flops", "bandwidth", "source"});
   if (p.ranks_per_host > 0 && !(p.inter_bandwidth > 0)) {
     bad_profile(where, "inter_bandwidth", "",
                 "ranks_per_host (" + std::to_string(p.ranks_per_host) +
                     ") puts ranks on several hosts: give inter_bandwidth, the bytes/s between them");
+  }
+  if (p.ranks_per_switch > 0 && !(p.switch_bandwidth > 0)) {
+    bad_profile(
+        where, "switch_bandwidth", "",
+        "ranks_per_switch (" + std::to_string(p.ranks_per_switch) +
+            ") puts devices behind switches: give switch_bandwidth, the bytes/s a switch's uplink carries");
+  }
+  if (p.ranks_per_switch > 0 && p.ranks_per_host > 0 && p.ranks_per_host % p.ranks_per_switch != 0) {
+    bad_profile(where, "ranks_per_switch", std::to_string(p.ranks_per_switch),
+                "ranks_per_switch (" + std::to_string(p.ranks_per_switch) + ") must divide ranks_per_host (" +
+                    std::to_string(p.ranks_per_host) + "): a switch sits inside one host");
   }
   return p;
 }
@@ -116,6 +223,75 @@ const std::vector<HardwareProfile>& hardware_profiles() {
     return out;
   }();
   return profiles;
+}
+
+}  // namespace cpattn
+
+namespace cpattn {
+
+double HardwareProfile::kernel_rate(DType dtype, std::int64_t head_dim, std::int64_t q, std::int64_t kv,
+                                    bool causal, bool backward) const {
+  bool same_dtype = false, same_causal = false;
+  for (const KernelRate& k : kernel) {
+    if (k.dtype != dtype) continue;
+    same_dtype = true;
+    same_causal = same_causal || k.causal == causal;
+  }
+  if (!same_dtype) return flops;
+  auto l = [](std::int64_t x) { return std::log2(static_cast<double>(std::max<std::int64_t>(x, 1))); };
+  double weights = 0, sum = 0;
+  for (const KernelRate& k : kernel) {
+    if (k.dtype != dtype || (same_causal && k.causal != causal)) continue;
+    const double dd = l(k.head_dim) - l(head_dim), dq = l(k.q) - l(q), dk = l(k.kv) - l(kv);
+    const double d2 = dd * dd + dq * dq + dk * dk;
+    const double rate = backward ? k.backward : k.forward;
+    if (d2 == 0) return rate;
+    weights += 1 / d2;
+    sum += rate / d2;
+  }
+  return sum / weights;
+}
+
+namespace {
+
+std::string number(double x) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, x);
+  return std::string(buf, r.ptr);
+}
+
+}  // namespace
+
+std::string profile_yaml(const HardwareProfile& p) {
+  std::ostringstream o;
+  o << "name: " << p.name << "\n";
+  o << "flops: " << number(p.flops) << "\n";
+  o << "bandwidth: " << number(p.bandwidth) << "\n";
+  if (p.ranks_per_host > 0) {
+    o << "ranks_per_host: " << p.ranks_per_host << "\n";
+    o << "inter_bandwidth: " << number(p.inter_bandwidth) << "\n";
+  }
+  o << "latency: " << number(p.latency) << "\n";
+  if (p.inter_latency > 0) o << "inter_latency: " << number(p.inter_latency) << "\n";
+  if (p.ranks_per_switch > 0) {
+    o << "ranks_per_switch: " << p.ranks_per_switch << "\n";
+    o << "switch_bandwidth: " << number(p.switch_bandwidth) << "\n";
+  }
+  o << "ring_step_seconds: " << number(p.ring_step_seconds) << "\n";
+  o << "call_seconds: " << number(p.call_seconds) << "\n";
+  if (p.cores > 0) o << "cores: " << p.cores << "\n";
+  if (p.block > 0) o << "block: " << p.block << "\n";
+  if (!p.kernel.empty()) {
+    o << "kernel:\n";
+    for (const KernelRate& k : p.kernel) {
+      o << "  - {dtype: " << to_string(k.dtype) << ", head_dim: " << k.head_dim << ", q: " << k.q
+        << ", kv: " << k.kv << ", causal: " << (k.causal ? "true" : "false")
+        << ", forward: " << number(k.forward) << ", backward: " << number(k.backward) << "}\n";
+    }
+  }
+  // A folded scalar: the source's own line breaks kept out, quotes and colons safe.
+  o << "source: " << YAML::Dump(YAML::Node(p.source)) << "\n";
+  return o.str();
 }
 
 }  // namespace cpattn

@@ -45,7 +45,8 @@ void add_plan_command(CLI::App& app, int& exit_code, std::ostream& out, std::ost
   add_integer(*sub, "--layers", in.layers, 1, kMaxPlanLayers, "decoder layers");
   add_integer(*sub, "--attention-every", in.attention_every, 1, kMaxPlanLayers,
               "full attention on every N-th layer");
-  add_integer(*sub, "--block", in.block, 1, kMaxPlanSeq, "square tile size (default 512)");
+  add_integer(*sub, "--block", in.block, 1, kMaxPlanSeq,
+              "square tile size (default: the profile's block, else 512)");
   add_text(*sub, "--segments", in.segments, "packed document lengths, e.g. 61440,4096");
   CLI::Option* remat = sub->add_flag("--remat", in.remat, "recompute attention's forward in backward");
   CLI::Option* forward_only =
@@ -56,7 +57,7 @@ void add_plan_command(CLI::App& app, int& exit_code, std::ostream& out, std::ost
       add_text(*sub, "--hardware", in.hardware, hardware_profile_names() + " (default h200)");
   CLI::Option* profile = add_text(
       *sub, "--profile", in.profile,
-      "a hardware profile file (YAML: name, flops, bandwidth, ranks_per_host, inter_bandwidth, source)");
+      "a hardware profile file (YAML; docs/planner.md lists its keys; cpattn bench calibrate writes one)");
   hardware->excludes(profile);
   profile->excludes(hardware);
   add_real(*sub, "--flops", in.flops, 1, kMaxPlanRate, "override the FLOP rate (FLOP/s)");
