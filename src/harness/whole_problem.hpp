@@ -42,6 +42,9 @@ struct WholeResult {
 struct RunSettings {
   ContextParallelOptions options;
   bool forward_only = false;
+  // Forward (and backward) this many times: the timings are the best iteration's (the first pays for memory
+  // the process touches for the first time), the counted collectives the first's.
+  int repeat = 1;
   // How long a rank waits on its peers before it gives up naming them (the in-process group's timeout, the
   // MPI shifts' deadline).
   std::chrono::milliseconds comm_timeout{std::chrono::seconds(600)};

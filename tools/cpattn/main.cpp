@@ -4,6 +4,7 @@
 // validate and plan) whatever failed.
 #include <CLI/CLI.hpp>
 
+#include <malloc.h>
 #include <algorithm>
 #include <csignal>
 #include <exception>
@@ -82,6 +83,12 @@ int main(int argc, char** argv) {
   // A file size limit (ulimit -f) makes a write fail with EFBIG, which --save reports and cleans up after,
   // instead of killing the process with SIGXFSZ half-way through its files.
   std::signal(SIGXFSZ, SIG_IGN);
+  // Freed memory kept for the next layer, as a training process's caching allocator keeps it: glibc would
+  // otherwise give every large tensor back to the kernel when freed (mmap'd above a threshold, the heap's top
+  // trimmed) and fault it in again, zeroed, on the next call; on a virtual machine that costs as much as a
+  // third of a layer (docs/performance.md). The thresholds set here also stop glibc's own adjusting.
+  mallopt(M_MMAP_MAX, 0);  // no large block in a mapping of its own: all from the heaps, kept for reuse
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
   CLI::App app{
       "cpattn: context-parallel attention (all_gather, ulysses with KV-head replication, ring, hybrid)"};
   app.require_subcommand(1);

@@ -41,6 +41,7 @@ struct RunOptions {
   bool remat = false, forward_only = false, check = false, json = false;
   std::string backend = "inproc";
   int threads = 0;
+  int repeat = 1;             // iterations; the best one's seconds
   double comm_timeout = 600;  // seconds
   std::uint32_t seed = 1;
   std::string load_dir, save_dir;
@@ -217,6 +218,7 @@ Agreement run_agreement(const RunOptions& opt, const AttentionSpec& a, const Par
       .add("--json", opt.json)
       .add_text("--backend", opt.backend)
       .add("--threads", static_cast<std::int64_t>(opt.threads))
+      .add("--repeat", static_cast<std::int64_t>(opt.repeat))
       .add("--comm-timeout", opt.comm_timeout)
       .add("--seed", static_cast<std::int64_t>(opt.seed))
       .add_text("--load", opt.load_dir)
@@ -296,6 +298,7 @@ nlohmann::ordered_json run_report(const RunOptions& opt, const AttentionSpec& a,
                                                {"forward_only", opt.forward_only},
                                                {"backend", opt.backend},
                                                {"threads_per_rank", threads_per_rank},
+                                               {"repeat", opt.repeat},
                                                {"segments", opt.segments}});
   double fwd_s = 0, bwd_s = 0, wait_s = 0;
   std::vector<std::int64_t> tiles;
@@ -478,6 +481,7 @@ int run(const CLI::App& app, RunOptions& opt) {
   settings.options.remat = opt.remat;
   settings.options.threads = opt.threads;
   settings.forward_only = opt.forward_only;
+  settings.repeat = opt.repeat;
   settings.comm_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(opt.comm_timeout * 1000));
   const int rank_threads = threads_per_rank(opt.threads, p.cp);
 
@@ -524,6 +528,8 @@ void add_run_command(CLI::App& app, int& exit_code) {
              "the in-process group, or one process per rank under mpirun");
   add_integer(*sub, "--threads", opt->threads, 1, kMaxThreads,
               "kernel threads per rank (default max(1, cores / cp))");
+  add_integer(*sub, "--repeat", opt->repeat, 1, 1000,
+              "run the layer this many times and report the best iteration's seconds (default 1)");
   add_integer(*sub, "--seed", opt->seed, 0, 4294967295, "seed of the random inputs");
   add_real(*sub, "--comm-timeout", opt->comm_timeout, 0.001, 86400,
            "seconds a rank waits on its peers before it fails naming them (default 600)");
