@@ -121,6 +121,14 @@ Timing time_collective(Communicator& comm, const std::string& kind, std::int64_t
   return {best_try_seconds(comm, iters, once), iters};
 }
 
+}  // namespace
+
+double collective_seconds(Communicator& comm, const std::string& kind, std::int64_t bytes) {
+  return time_collective(comm, kind, bytes, false).seconds;
+}
+
+namespace {
+
 // The sizes must make sense together, and fit: every rank holds about four buffers of the largest size (send,
 // receive, and the memcpy baseline's two).
 void check_comm_options(const CommOptions& opt) {
@@ -476,6 +484,7 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   st->callback([st, st_opt, &exit_code] { exit_code = bench_strategy(*st, *st_opt); });
 
   add_bench_kernel_command(*bench, exit_code);
+  add_bench_calibrate_command(*bench, exit_code);
 }
 
 }  // namespace cpattn::cli
