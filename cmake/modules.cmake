@@ -21,7 +21,7 @@ set(CPATTN_MAY_INCLUDE_python core layout kernels comm io cp plan documents)
 set(CPATTN_MAY_INCLUDE_bench core layout kernels comm io cp plan documents harness)
 
 # module -> its public headers (include/cpattn/)
-set(CPATTN_HEADERS_core bf16.hpp collectives.hpp config.hpp config_file.hpp error.hpp interrupt.hpp mask.hpp parse.hpp strategy.hpp
+set(CPATTN_HEADERS_core bf16.hpp collectives.hpp config.hpp config_file.hpp error.hpp interrupt.hpp mask.hpp parse.hpp strategy.hpp trace.hpp
                          tensor.hpp)
 set(CPATTN_HEADERS_layout placement.hpp schedule.hpp sequence_layout.hpp shard.hpp)
 set(CPATTN_HEADERS_kernels flash.hpp reference.hpp)

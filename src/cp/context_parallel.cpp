@@ -6,6 +6,7 @@
 #include "cpattn/error.hpp"
 #include "cpattn/placement.hpp"
 #include "cpattn/sequence_layout.hpp"
+#include "cpattn/trace.hpp"
 
 namespace cpattn {
 
@@ -250,10 +251,12 @@ ContextParallelAttention::~ContextParallelAttention() = default;
 AttentionOutput ContextParallelAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                                   std::span<const std::int32_t> segment_ids,
                                                   bool forward_only) {
+  const trace::Scope event("layer", "attention forward");
   return impl_->forward(q, k, v, segment_ids, forward_only);
 }
 
 AttentionGradients ContextParallelAttention::backward(const Tensor& d_out) {
+  const trace::Scope event("layer", "attention backward");
   return impl_->backward(d_out);
 }
 

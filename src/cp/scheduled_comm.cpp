@@ -1,6 +1,7 @@
 #include "scheduled_comm.hpp"
 
 #include "cpattn/error.hpp"
+#include "cpattn/trace.hpp"
 
 namespace cpattn::cp {
 
@@ -31,7 +32,28 @@ std::string list_text(const std::vector<std::int64_t>& v) {
   for (std::size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + std::to_string(v[i]);
   return t + "]";
 }
+// A shift in flight whose wait is a trace event.
+class TracedShift final : public PendingShift {
+ public:
+  explicit TracedShift(std::unique_ptr<PendingShift> inner) : inner_(std::move(inner)) {}
+  void wait() override {
+    const trace::Scope event("wait", "shift wait");
+    inner_->wait();
+  }
+
+ private:
+  std::unique_ptr<PendingShift> inner_;
+};
+
 }  // namespace
+
+std::string ScheduledCommunicator::event_name(CollectiveKind kind) const {
+  std::string name = to_string(kind);
+  if (checking_ && next_ > 0 && next_ <= calls_.size()) {
+    name += " " + calls_[next_ - 1].tensor + " (" + calls_[next_ - 1].phase + ")";
+  }
+  return name_.empty() ? name : name + " [" + name_ + "]";
+}
 
 void ScheduledCommunicator::check_next(CollectiveKind kind, std::int64_t count, CommDType dtype,
                                        const std::vector<std::int64_t>* sends) {
@@ -60,6 +82,7 @@ void ScheduledCommunicator::check_next(CollectiveKind kind, std::int64_t count, 
 
 void ScheduledCommunicator::all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) {
   check_next(CollectiveKind::all_to_all, count, dtype);
+  const trace::Scope event("collective", trace::enabled() ? event_name(CollectiveKind::all_to_all) : "");
   group_.all_to_all(send, recv, count, dtype);
 }
 
@@ -67,6 +90,7 @@ void ScheduledCommunicator::all_to_all_strided(const void* send, const BlockStri
                                                const BlockStrides& recv_strides, const BlockShape& shape,
                                                CommDType dtype) {
   check_next(CollectiveKind::all_to_all, shape.count(), dtype);
+  const trace::Scope event("collective", trace::enabled() ? event_name(CollectiveKind::all_to_all) : "");
   group_.all_to_all_strided(send, send_strides, recv, recv_strides, shape, dtype);
 }
 
@@ -75,30 +99,37 @@ void ScheduledCommunicator::all_to_all_v(const void* send, const BlockList& send
   std::vector<std::int64_t> sends;
   for (const BlockShape& s : send_blocks.shape) sends.push_back(s.count());
   check_next(CollectiveKind::all_to_all, 0, dtype, &sends);
+  const trace::Scope event("collective", trace::enabled() ? event_name(CollectiveKind::all_to_all) : "");
   group_.all_to_all_v(send, send_blocks, recv, recv_blocks, dtype);
 }
 
 void ScheduledCommunicator::all_gather(const void* send, void* recv, std::int64_t count, CommDType dtype) {
   check_next(CollectiveKind::all_gather, count, dtype);
+  const trace::Scope event("collective", trace::enabled() ? event_name(CollectiveKind::all_gather) : "");
   group_.all_gather(send, recv, count, dtype);
 }
 
 void ScheduledCommunicator::reduce_scatter_sum(const void* send, void* recv, std::int64_t count,
                                                CommDType dtype) {
   check_next(CollectiveKind::reduce_scatter, count, dtype);
+  const trace::Scope event("collective", trace::enabled() ? event_name(CollectiveKind::reduce_scatter) : "");
   group_.reduce_scatter_sum(send, recv, count, dtype);
 }
 
 void ScheduledCommunicator::collective_permute(const void* send, void* recv, std::int64_t count,
                                                CommDType dtype, const std::vector<int>& dest) {
   check_next(CollectiveKind::collective_permute, count, dtype);
+  const trace::Scope event("collective",
+                           trace::enabled() ? event_name(CollectiveKind::collective_permute) : "");
   group_.collective_permute(send, recv, count, dtype, dest);
 }
 
 std::unique_ptr<PendingShift> ScheduledCommunicator::start_shift(const void* send, void* recv,
                                                                  std::int64_t count, CommDType dtype) {
   check_next(CollectiveKind::collective_permute, count, dtype);
-  return group_.start_shift(send, recv, count, dtype);
+  if (!trace::enabled()) return group_.start_shift(send, recv, count, dtype);
+  const trace::Scope event("collective", event_name(CollectiveKind::collective_permute) + " start");
+  return std::make_unique<TracedShift>(group_.start_shift(send, recv, count, dtype));
 }
 
 }  // namespace cpattn::cp

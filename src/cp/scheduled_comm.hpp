@@ -48,6 +48,8 @@ class ScheduledCommunicator final : public Communicator {
 
  private:
   // sends: an all_to_all_v's elements to each rank (then count is 0), else null.
+  // The trace event's name: the kind, the scheduled call's tensor and phase, the group.
+  std::string event_name(CollectiveKind kind) const;
   void check_next(CollectiveKind kind, std::int64_t count, CommDType dtype,
                   const std::vector<std::int64_t>* sends = nullptr);
 

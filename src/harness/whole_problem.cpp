@@ -1,6 +1,8 @@
 #include "harness/whole_problem.hpp"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 
 #include "cp/sequence_collectives.hpp"
 #include "cpattn/inproc.hpp"
@@ -41,6 +43,7 @@ void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p,
   const bool forward_only = settings.forward_only;
   using clock = std::chrono::steady_clock;
   const int rank = comm.rank();
+  trace::set_thread_rank(rank);
   const std::int64_t sl = a.seq_len / p.cp;
   const auto pos = local_positions(p.effective_layout(), a.seq_len, p.cp, rank);
   ContextParallelAttention attn(a, p, comm, settings.options);
@@ -91,6 +94,25 @@ void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p,
   report.comm_wait_seconds = attn.comm_wait_seconds();
 }
 
+std::vector<trace::Event> gather_trace(Communicator& comm, const std::vector<trace::Event>& mine) {
+  const std::string text = trace::to_lines(mine);
+  const int n = comm.size();
+  std::vector<std::int64_t> sizes(static_cast<std::size_t>(n), 0);
+  sizes[comm.rank()] = static_cast<std::int64_t>(text.size());
+  comm.all_reduce(sizes.data(), n, ReduceOp::sum);
+  const std::int64_t words = (*std::max_element(sizes.begin(), sizes.end()) + 3) / 4;
+  std::vector<std::int32_t> send(static_cast<std::size_t>(std::max<std::int64_t>(words, 1)), 0);
+  std::vector<std::int32_t> recv(send.size() * static_cast<std::size_t>(n));
+  std::memcpy(send.data(), text.data(), text.size());
+  comm.all_gather(send.data(), recv.data(), static_cast<std::int64_t>(send.size()), CommDType::i32);
+  std::string all;
+  for (int r = 0; r < n; ++r) {
+    all.append(reinterpret_cast<const char*>(recv.data() + static_cast<std::size_t>(r) * send.size()),
+               static_cast<std::size_t>(sizes[r]));
+  }
+  return trace::from_lines(all);
+}
+
 void share_whole_result(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p, bool forward_only,
                         WholeResult& result) {
   const int rank = comm.rank();
@@ -139,7 +161,14 @@ WholeResult run_in_process(const AttentionSpec& a, const ParallelSpec& p, const 
   validate(a, p);
   WholeResult result = make_whole_result(a, p, settings.forward_only);
   InProcessGroup group(static_cast<int>(p.cp), InProcessOptions{settings.comm_timeout});
-  group.run([&](Communicator& comm) { run_rank(comm, a, p, settings, problem, result); });
+  if (settings.trace) trace::start();
+  try {
+    group.run([&](Communicator& comm) { run_rank(comm, a, p, settings, problem, result); });
+  } catch (...) {
+    if (settings.trace) trace::stop();
+    throw;
+  }
+  if (settings.trace) result.trace = trace::stop();
   return result;
 }
 

@@ -11,6 +11,7 @@
 #include "cp/negative_control.hpp"
 #include "cpattn/comm.hpp"
 #include "cpattn/context_parallel.hpp"
+#include "cpattn/trace.hpp"
 
 namespace cpattn::harness {
 
@@ -33,8 +34,9 @@ struct RankReport {
 };
 
 struct WholeResult {
-  Tensor o, dq, dk, dv;    // natural order (dq, dk, dv empty when forward-only)
-  std::vector<float> lse;  // [B, Hq, S]
+  std::vector<trace::Event> trace;  // every rank's events, where the run was traced
+  Tensor o, dq, dk, dv;             // natural order (dq, dk, dv empty when forward-only)
+  std::vector<float> lse;           // [B, Hq, S]
   std::vector<RankReport> ranks;
   std::vector<int> hosts;  // each rank's host (Communicator::hosts(); empty: every rank on one host)
 };
@@ -45,11 +47,15 @@ struct RunSettings {
   // Forward (and backward) this many times: the timings are the best iteration's (the first pays for memory
   // the process touches for the first time), the counted collectives the first's.
   int repeat = 1;
+  bool trace = false;  // record every rank's events (cpattn/trace.hpp) into the result
   // How long a rank waits on its peers before it gives up naming them (the in-process group's timeout, the
   // MPI shifts' deadline).
   std::chrono::milliseconds comm_timeout{std::chrono::seconds(600)};
   NegativeControl negative_control = NegativeControl::none;  // tests only
 };
+
+// Every rank's events on every rank (each rank passes its own): how an MPI run's trace reaches rank 0.
+std::vector<trace::Event> gather_trace(Communicator& comm, const std::vector<trace::Event>& mine);
 
 // Sized for the problem; ranks then fill disjoint rows.
 WholeResult make_whole_result(const AttentionSpec& attention, const ParallelSpec& parallel,

@@ -410,6 +410,7 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
                     const ConstTensorRef& o, const float* lse, const ConstTensorRef& d_out,
                     const AttentionMask& mask, double scale, const FlashConfig& config, const TensorRef& dq,
                     const TensorRef& dk, const TensorRef& dv, TileCounts* tiles) {
+  const trace::Scope event("kernel", "flash_backward", trace::enabled() ? trace_args(q, k, mask) : "");
   check_forward_args(q, k, v, mask, config);
   check_same_shape("o", o.shape, q.shape);
   check_same_shape("d_out", d_out.shape, q.shape);

@@ -441,6 +441,7 @@ using namespace kernels;
 void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
                    const AttentionMask& mask, double scale, const FlashConfig& config, const TensorRef& o,
                    float* lse, TileCounts* tiles) {
+  const trace::Scope event("kernel", "flash_forward", trace::enabled() ? trace_args(q, k, mask) : "");
   check_forward_args(q, k, v, mask, config);
   check_same_shape("o", o.shape, q.shape);
   apply_simd_target_env();

@@ -98,3 +98,14 @@ bool any_nonfinite(const ConstTensorRef& t) {
 }
 
 }  // namespace cpattn::kernels
+
+namespace cpattn::kernels {
+
+std::string trace_args(const ConstTensorRef& q, const ConstTensorRef& k, const AttentionMask& mask) {
+  return "\"q\": " + std::to_string(q.shape.s) + ", \"kv\": " + std::to_string(k.shape.s) +
+         ", \"batch\": " + std::to_string(q.shape.b) + ", \"q_heads\": " + std::to_string(q.shape.h) +
+         ", \"head_dim\": " + std::to_string(q.shape.d) + ", \"dtype\": \"" + to_string(q.dtype) +
+         "\", \"causal\": " + (mask.causal ? "true" : "false");
+}
+
+}  // namespace cpattn::kernels

@@ -17,6 +17,7 @@
 
 #include "cpattn/documents.hpp"
 #include "cpattn/npy.hpp"
+#include "cpattn/planner.hpp"
 
 namespace {
 
@@ -325,6 +326,98 @@ TEST(CliRun, UlyssesCheckPassesAndPrintsTheJsonScriptsRead) {
     }
   }
   EXPECT_TRUE(saw_forward_a2a);
+}
+
+// --trace FILE: every rank's kernel calls, collectives and waits as Chrome trace events, which a JSON parser
+// reads: per rank the layer's forward and backward enclose their kernel calls; the collectives are the ones
+// the report counted; --repeat runs the layer again (twice the events, the best iteration's seconds).
+TEST(CliRun, TraceHoldsEveryRanksKernelCallsCollectivesAndWaits) {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("cpattn_trace_" + std::to_string(::getpid()) + ".json"))
+          .string();
+  const Result r =
+      run("run --json --strategy ring --load-balance --cp 2 --q-heads 2 --kv-heads 2 --head-dim 32 "
+          "--seq 512 --threads 1 --repeat 2 --trace " +
+          path);
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  const auto report = nlohmann::json::parse(r.out);
+  EXPECT_EQ(report["problem"]["repeat"], 2);
+  std::ifstream in(path);
+  const auto trace = nlohmann::json::parse(in);
+  std::filesystem::remove(path);
+  std::map<int, std::map<std::string, int>> count;  // rank -> category -> events
+  std::map<int, std::vector<std::pair<double, double>>> layers;
+  std::set<std::string> names;
+  for (const auto& e : trace["traceEvents"]) {
+    if (e["ph"] == "M") {
+      EXPECT_EQ(e["args"]["name"].is_string() || e["args"].contains("sort_index"), true);
+      continue;
+    }
+    ASSERT_EQ(e["ph"], "X");
+    const int rank = e["pid"].get<int>();
+    count[rank][e["cat"].get<std::string>()]++;
+    names.insert(e["name"].get<std::string>());
+    EXPECT_GE(e["dur"].get<double>(), 0.0);
+    if (e["cat"] == "layer") layers[rank].push_back({e["ts"].get<double>(), e["dur"].get<double>()});
+    if (e["cat"] == "kernel") {
+      EXPECT_EQ(e["args"]["head_dim"], 32);
+      EXPECT_EQ(e["args"]["dtype"], "fp32");
+    }
+  }
+  ASSERT_EQ(count.size(), 2u);
+  std::int64_t collective_calls = 0;
+  for (const auto& c : report["collectives"]) collective_calls += c["count"].get<std::int64_t>();
+  for (int rank : {0, 1}) {
+    EXPECT_EQ(count[rank]["layer"], 4) << rank;  // forward and backward, twice
+    // Each iteration: 2 forward steps and 2 backward steps, each chunk pair a call (some skipped by the
+    // mask).
+    EXPECT_GE(count[rank]["kernel"], 8) << rank;
+    EXPECT_EQ(count[rank]["collective"], 2 * collective_calls) << rank;
+    EXPECT_GE(count[rank]["wait"], 2) << rank;
+  }
+  EXPECT_TRUE(names.count("flash_forward") && names.count("flash_backward"));
+  EXPECT_TRUE(names.count("collective_permute kv (forward) start"));
+  EXPECT_TRUE(names.count("shift wait"));
+  EXPECT_TRUE(names.count("attention forward") && names.count("attention backward"));
+  // An unwritable file is named (exit 1, a resource), after the run.
+  const Result bad =
+      run("run --strategy ulysses --cp 2 --q-heads 2 --kv-heads 2 --head-dim 32 --seq 256 "
+          "--threads 1 --trace /nonexistent-dir/t.json");
+  EXPECT_EQ(bad.exit_code, 1) << bad.err;
+  EXPECT_NE(bad.err.find("--trace '/nonexistent-dir/t.json' could not be written"), std::string::npos)
+      << bad.err;
+}
+
+// bench calibrate writes a profile that plan reads: rates for the measured shapes, this machine's cores.
+TEST(CliBench, CalibrateWritesAProfilePlanReads) {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("cpattn_profile_" + std::to_string(::getpid()) + ".yaml"))
+          .string();
+  const Result r = run("bench calibrate --quick --name here --output " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.err << r.out;
+  EXPECT_NE(r.out.find("latency"), std::string::npos) << r.out;
+  const cpattn::HardwareProfile p = cpattn::read_hardware_profile(path);
+  EXPECT_EQ(p.name, "here");
+  EXPECT_EQ(p.block, 64);
+  EXPECT_GE(p.cores, 1);
+  EXPECT_GT(p.bandwidth, 0);
+  EXPECT_GE(p.latency, 0);
+  ASSERT_EQ(p.kernel.size(), 7u);  // 256 and 1024 squared, non-causal; causal where q <= kv
+  for (const auto& k : p.kernel) {
+    EXPECT_EQ(k.head_dim, 64);
+    EXPECT_GT(k.forward, 0);
+    EXPECT_GT(k.backward, 0);
+  }
+  const Result plan = run("plan --json --profile " + path +
+                          " --q-heads 4 --kv-heads 4 --head-dim 64 --seq 4096 "
+                          "--cp 2 --dtype fp32");
+  std::filesystem::remove(path);
+  ASSERT_EQ(plan.exit_code, 0) << plan.out;
+  const auto j = nlohmann::json::parse(plan.out);
+  EXPECT_EQ(j["problem"]["block"], 64);  // the profile's tile size
+  EXPECT_EQ(j["hardware"]["name"], "here");
+  expect_bad_input({{"bench calibrate --quick --name 'Bad Name'", "not a profile name"},
+                    {"bench calibrate --quick --kernel-from /nonexistent.yaml", "nonexistent.yaml"}});
 }
 
 TEST(CliBench, CommJsonHasEveryCollectiveWithItsKeys) {

@@ -2,11 +2,14 @@
 
 #include <pthread.h>
 
+#include <cerrno>
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <memory>
@@ -21,6 +24,7 @@
 #include "cpattn/npy.hpp"
 #include "cpattn/placement.hpp"
 #include "cpattn/sequence_layout.hpp"
+#include "cpattn/trace.hpp"
 #include "flag_parsing.hpp"
 #include "harness/check.hpp"
 #include "harness/whole_problem.hpp"
@@ -45,6 +49,7 @@ struct RunOptions {
   double comm_timeout = 600;  // seconds
   std::uint32_t seed = 1;
   std::string load_dir, save_dir;
+  std::string trace_file;  // --trace: the Chrome trace-event JSON of every rank's events
 };
 
 [[noreturn]] void bad_input(const std::string& field, const std::string& value, const std::string& message) {
@@ -222,7 +227,8 @@ Agreement run_agreement(const RunOptions& opt, const AttentionSpec& a, const Par
       .add("--comm-timeout", opt.comm_timeout)
       .add("--seed", static_cast<std::int64_t>(opt.seed))
       .add_text("--load", opt.load_dir)
-      .add_text("--save", opt.save_dir);
+      .add_text("--save", opt.save_dir)
+      .add_text("--trace", opt.trace_file);
   for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"inputs: q", &problem.q},
                                 {"inputs: k", &problem.k},
                                 {"inputs: v", &problem.v},
@@ -256,7 +262,9 @@ WholeResult execute(const std::string& backend, const AttentionSpec& a, const Pa
   WholeResult result;
   try {
     result = harness::make_whole_result(a, p, settings.forward_only);  // memory can fail on one rank alone
+    if (settings.trace) trace::start();
     harness::run_rank(comm, a, p, settings, problem, result);
+    if (settings.trace) result.trace = harness::gather_trace(comm, trace::stop());
     harness::share_whole_result(comm, a, p, settings.forward_only, result);
     result.hosts = comm.hosts();
   } catch (const std::exception& e) {
@@ -280,6 +288,17 @@ std::string tolerance_text(double x) {
   const int exponent = static_cast<int>(std::floor(std::log10(x) + 1e-9));
   const long mantissa = std::lround(x / std::pow(10.0, exponent));
   return std::to_string(mantissa) + "e" + std::to_string(exponent);
+}
+
+// --trace FILE: the events as one Chrome trace-event document; a file that cannot be written is named.
+void write_trace(const std::string& path, const std::vector<trace::Event>& events) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << trace::chrome_json(events);
+  out.close();
+  if (!out) {
+    throw Error(ErrorKind::resource, "--trace", path,
+                "--trace '" + cpattn::quoted(path) + "' could not be written (" + std::strerror(errno) + ")");
+  }
 }
 
 // The run's figures: the problem, the slowest rank's seconds, what each rank counted, the tiles per rank.
@@ -482,6 +501,7 @@ int run(const CLI::App& app, RunOptions& opt) {
   settings.options.threads = opt.threads;
   settings.forward_only = opt.forward_only;
   settings.repeat = opt.repeat;
+  settings.trace = !opt.trace_file.empty();
   settings.comm_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(opt.comm_timeout * 1000));
   const int rank_threads = threads_per_rank(opt.threads, p.cp);
 
@@ -501,6 +521,7 @@ int run(const CLI::App& app, RunOptions& opt) {
     check_text = check_report(c, opt.forward_only, out);
   }
   if (!opt.save_dir.empty()) save_outputs(opt.save_dir, a, result, opt.forward_only);
+  if (!opt.trace_file.empty()) write_trace(opt.trace_file, result.trace);
   if (opt.json) {
     std::cout << json_text(out, 2) << "\n";
   } else {
@@ -537,6 +558,9 @@ void add_run_command(CLI::App& app, int& exit_code) {
   sub->add_flag("--json", opt->json, "print one JSON document");
   add_text(*sub, "--load", opt->load_dir, "read q.npy k.npy v.npy do.npy [segment_ids.npy] from DIR");
   add_text(*sub, "--save", opt->save_dir, "write o.npy lse.npy dq.npy dk.npy dv.npy to DIR");
+  add_text(*sub, "--trace", opt->trace_file,
+           "write what each rank did (kernel calls, collectives, waits) to FILE, Chrome trace-event JSON "
+           "(Perfetto, chrome://tracing)");
   sub->callback([sub, opt, &exit_code] { exit_code = run(*sub, *opt); });
 }
 
