@@ -1,6 +1,8 @@
 #include "cpattn/planner.hpp"
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <numeric>
 #include <optional>
 #include <sstream>
@@ -90,6 +92,14 @@ std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, cons
 
 namespace {
 
+struct KernelFit {
+  std::int64_t head_dim = 0;
+  double tile = 0, diagonal = 0, q_row = 0, kv_row = 0;  // seconds, per head
+  double seconds(double tiles, double diagonal_tiles, double q, double kv) const {
+    return tile * tiles + diagonal * diagonal_tiles + q_row * q + kv_row * kv;
+  }
+};
+
 // What one rank sends in one collective: bytes and messages by link (inside its host, to other hosts) and the
 // bytes that leave its switch for the rest of its host.
 struct Traffic {
@@ -152,6 +162,7 @@ struct PlanContext {
   UlyssesHeads heads;  // ulysses: over cp; hybrid: over U
   Links links;
   std::int64_t threads = 1;  // kernel threads per rank where ranks share cores (run's default), else 1
+  std::vector<KernelFit> forward_fits, backward_fits;  // the profile's kernel entries, fitted
   // Ranks sharing cores whose kernel threads occupy every one of them.
   bool cores_saturated() const { return req.hardware.cores > 0 && cp * threads >= req.hardware.cores; }
 
@@ -426,20 +437,142 @@ CommModel plan_communication(const PlanContext& c) {
   return m;
 }
 
-// A rank's kernel seconds for `calls` (its heads and batch rows): each call's tiles x a full tile's FLOPs at
-// the profile's rate for the call's shape (the backward: 2.5x the FLOPs at the backward's rate), plus the
-// call's fixed cost. Where ranks share cores the rate is per core, times the rank's threads.
+// The kernel's time per call from the profile's measured entries, as a sum of costs the entries separate: per
+// computed tile, per diagonal (masked) tile, per query row and per key row (each per head: the rows' loads and
+// stores, the backward's dK/dV partials zeroed and summed), fitted per (dtype, head dim, pass) by least squares
+// on the relative error (a term that would come out negative dropped). A call's cost then follows its shape,
+// which a rate alone does not: an all_gather rank's queries see half of their keys, a calibration cell's all.
+
+// A measured cell's tiles on the grid of `block` (its queries at its keys' end, as calibration placed them).
+std::pair<double, double> cell_tiles(const KernelRate& k, std::int64_t block) {
+  std::vector<std::int32_t> q_pos(static_cast<std::size_t>(k.q)), kv_pos(static_cast<std::size_t>(k.kv));
+  for (std::int64_t i = 0; i < k.kv; ++i) kv_pos[i] = static_cast<std::int32_t>(i);
+  for (std::int64_t i = 0; i < k.q; ++i) q_pos[i] = static_cast<std::int32_t>(std::max<std::int64_t>(k.kv - k.q, 0) + i);
+  const auto tiles = kernels::count_nonempty_tiles(kernels::block_meta(q_pos, {}, 0, k.q, block),
+                                                   kernels::block_meta(kv_pos, {}, 0, k.kv, block), k.causal,
+                                                   false);
+  return {static_cast<double>(tiles), k.causal ? static_cast<double>((k.q + block - 1) / block) : 0.0};
+}
+
+// Solves the weighted least squares over the terms in `use` (at most 4), dropping a negative one and solving
+// again; false when too few entries.
+bool fit_terms(const std::vector<std::array<double, 5>>& rows, KernelFit& fit) {
+  std::array<bool, 4> use{true, true, true, true};
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    std::vector<int> terms;
+    for (int t = 0; t < 4; ++t) {
+      if (use[t]) terms.push_back(t);
+    }
+    const std::size_t n = terms.size();
+    if (rows.size() < n + 1) return false;
+    std::vector<double> m(n * n, 0.0), v(n, 0.0);
+    for (const auto& r : rows) {  // r: tiles, diagonal, q, kv, seconds; weighted by 1 / seconds
+      const double w = 1 / r[4];
+      for (std::size_t i = 0; i < n; ++i) {
+        v[i] += r[terms[i]] * w;  // (x_i / t) * (t / t)
+        for (std::size_t j = 0; j < n; ++j) m[i * n + j] += r[terms[i]] * r[terms[j]] * w * w;
+      }
+    }
+    // Gaussian elimination with partial pivoting.
+    std::vector<double> x(n, 0.0);
+    for (std::size_t c = 0; c < n; ++c) {
+      std::size_t piv = c;
+      for (std::size_t r = c + 1; r < n; ++r) {
+        if (std::abs(m[r * n + c]) > std::abs(m[piv * n + c])) piv = r;
+      }
+      if (std::abs(m[piv * n + c]) < 1e-300) return false;
+      for (std::size_t j = 0; j < n; ++j) std::swap(m[c * n + j], m[piv * n + j]);
+      std::swap(v[c], v[piv]);
+      for (std::size_t r = c + 1; r < n; ++r) {
+        const double f = m[r * n + c] / m[c * n + c];
+        for (std::size_t j = c; j < n; ++j) m[r * n + j] -= f * m[c * n + j];
+        v[r] -= f * v[c];
+      }
+    }
+    for (std::size_t c = n; c-- > 0;) {
+      double sum = v[c];
+      for (std::size_t j = c + 1; j < n; ++j) sum -= m[c * n + j] * x[j];
+      x[c] = sum / m[c * n + c];
+    }
+    std::size_t worst = n;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (x[i] < 0 && (worst == n || x[i] < x[worst])) worst = i;
+    }
+    if (worst == n) {
+      double* out[4] = {&fit.tile, &fit.diagonal, &fit.q_row, &fit.kv_row};
+      for (int t = 0; t < 4; ++t) *out[t] = 0;
+      for (std::size_t i = 0; i < n; ++i) *out[terms[i]] = x[i];
+      return fit.tile > 0;
+    }
+    use[terms[worst]] = false;
+  }
+  return false;
+}
+
+// The fits of the profile's entries of `dtype` and this pass, one per head dim with enough entries.
+std::vector<KernelFit> kernel_fits(const HardwareProfile& hw, DType dtype, bool backward, std::int64_t block) {
+  std::vector<std::int64_t> dims;
+  for (const KernelRate& k : hw.kernel) {
+    if (k.dtype == dtype && std::find(dims.begin(), dims.end(), k.head_dim) == dims.end()) dims.push_back(k.head_dim);
+  }
+  std::sort(dims.begin(), dims.end());
+  std::vector<KernelFit> fits;
+  for (const std::int64_t d : dims) {
+    std::vector<std::array<double, 5>> rows;
+    for (const KernelRate& k : hw.kernel) {
+      if (k.dtype != dtype || k.head_dim != d) continue;
+      const auto [tiles, diagonal] = cell_tiles(k, block);
+      const double flops = tiles * attention_forward_flops(1, block, 1, d, false) *
+                           (backward ? kBackwardFlopsPerForward : 1.0);
+      rows.push_back({tiles, diagonal, static_cast<double>(k.q), static_cast<double>(k.kv),
+                      flops / (backward ? k.backward : k.forward)});
+    }
+    KernelFit fit;
+    fit.head_dim = d;
+    if (fit_terms(rows, fit)) fits.push_back(fit);
+  }
+  return fits;
+}
+
+// A call's seconds per head from the fits: at a fitted head dim its own, between two the geometric
+// interpolation in log2(head dim), outside them the nearest scaled by the head dims' ratio.
+std::optional<double> fitted_seconds(const std::vector<KernelFit>& fits, std::int64_t d, const KernelCall& k,
+                                     std::int64_t block) {
+  if (fits.empty()) return std::nullopt;
+  const double diagonal = k.diagonal ? static_cast<double>((k.q + block - 1) / block) : 0.0;
+  auto at = [&](const KernelFit& f) {
+    return f.seconds(static_cast<double>(k.tiles), diagonal, static_cast<double>(k.q), static_cast<double>(k.kv));
+  };
+  const auto hi = std::find_if(fits.begin(), fits.end(), [&](const KernelFit& f) { return f.head_dim >= d; });
+  if (hi != fits.end() && hi->head_dim == d) return at(*hi);
+  if (hi == fits.begin()) return at(*hi) * static_cast<double>(d) / static_cast<double>(hi->head_dim);
+  if (hi == fits.end()) return at(fits.back()) * static_cast<double>(d) / static_cast<double>(fits.back().head_dim);
+  const KernelFit& lo = *(hi - 1);
+  const double frac = std::log2(static_cast<double>(d) / static_cast<double>(lo.head_dim)) /
+                      std::log2(static_cast<double>(hi->head_dim) / static_cast<double>(lo.head_dim));
+  return at(lo) * std::pow(at(*hi) / at(lo), frac);
+}
+
+// A rank's kernel seconds for `calls` (its heads and batch rows): from the fits of the profile's measured
+// entries where there are any for the dtype, else each call's tiles x a full tile's FLOPs at the profile's
+// rate for the call's shape (the backward: 2.5x the FLOPs at the backward's rate); plus the call's fixed cost.
+// Where ranks share cores the rates are per core, times the rank's threads.
 double kernel_seconds(const PlanContext& c, std::int64_t rank, const std::vector<KernelCall>& calls,
                       bool backward) {
   const HardwareProfile& hw = c.req.hardware;
-  const double tile_flops = attention_forward_flops(1, c.req.block, 1, c.D, false) *
-                            static_cast<double>(c.local_q_heads(rank) * c.B) *
+  const double heads = static_cast<double>(c.local_q_heads(rank) * c.B);
+  const double threads = static_cast<double>(hw.cores > 0 ? c.threads : 1);
+  const std::vector<KernelFit>& fits = backward ? c.backward_fits : c.forward_fits;
+  const double tile_flops = attention_forward_flops(1, c.req.block, 1, c.D, false) * heads *
                             (backward ? kBackwardFlopsPerForward : 1.0);
   double t = 0;
   for (const KernelCall& k : calls) {
     if (k.tiles == 0) continue;
-    const double rate = hw.kernel_rate(c.a.dtype, c.D, k.q, k.kv, k.diagonal, backward) *
-                        static_cast<double>(hw.cores > 0 ? c.threads : 1);
+    if (const auto fitted = fitted_seconds(fits, c.D, k, c.req.block)) {
+      t += *fitted * heads / threads + hw.call_seconds;
+      continue;
+    }
+    const double rate = hw.kernel_rate(c.a.dtype, c.D, k.q, k.kv, k.diagonal, backward) * threads;
     t += static_cast<double>(k.tiles) * tile_flops / rate + hw.call_seconds;
   }
   return t;
@@ -535,7 +668,7 @@ void plan_time(const PlanContext& c, StrategyPlan& s, const CallPlan& calls, con
 
 StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Strategy strategy,
                            bool load_balance, std::int64_t ulysses_degree = 0) {
-  PlanContext c{req, req.attention, req.parallel, 1, 1, 1, 1, 1, 1, 1, 4, 1, 1, false, {}, {}, 1};
+  PlanContext c{req, req.attention, req.parallel, 1, 1, 1, 1, 1, 1, 1, 4, 1, 1, false, {}, {}, 1, {}, {}};
   c.p.strategy = strategy;
   c.p.load_balance = load_balance;
   c.p.layout.reset();
@@ -567,6 +700,8 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   c.R = c.p.ring_degree();
   if (c.heads_split()) c.heads = ulysses_heads(c.hq, c.hkv, c.p.head_group_size());
   const HardwareProfile& hw = req.hardware;
+  c.forward_fits = kernel_fits(hw, c.a.dtype, false, req.block);
+  c.backward_fits = kernel_fits(hw, c.a.dtype, true, req.block);
   c.threads = hw.cores > 0 ? std::max<std::int64_t>(1, hw.cores / c.cp) : 1;
   c.links = {hw.ranks_per_host,
              hw.ranks_per_switch,
