@@ -76,6 +76,8 @@ class ContextParallelAttention {
   // Seconds this rank spent waiting for its ring shifts to complete since the last forward began (its
   // forward and backward): the transfer time its compute did not hide. 0 for the other strategies.
   double comm_wait_seconds() const;
+  // The bytes the last forward kept for its backward (0 after a forward-only call or a backward).
+  std::int64_t saved_bytes() const;
   // The global position of each local token (the same for every batch row).
   const std::vector<std::int32_t>& local_positions() const;
 

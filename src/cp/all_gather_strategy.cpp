@@ -14,6 +14,10 @@ struct AllGatherSaved final : ContextParallelAttention::Impl::SavedState {
   Tensor k_full, v_full;                          // without remat: the gathered K/V, natural order
   std::vector<float> lse;                         // [B, Hq, S/cp]
   std::vector<std::int32_t> seg_local, seg_full;  // [B, S/cp], [B, S] natural (empty: no segments)
+  std::int64_t bytes() const override {
+    return cp::saved_bytes({&q, &o, &k, &v, &k_full, &v_full},
+                           lse.size() * 4 + (seg_local.size() + seg_full.size()) * 4);
+  }
 };
 
 }  // namespace

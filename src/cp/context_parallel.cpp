@@ -298,6 +298,10 @@ const TileCounts& ContextParallelAttention::forward_tiles() const {
   return impl_->tiles;
 }
 
+std::int64_t ContextParallelAttention::saved_bytes() const {
+  return impl_->saved ? impl_->saved->bytes() : 0;
+}
+
 double ContextParallelAttention::comm_wait_seconds() const {
   return impl_->comm_wait_seconds;
 }

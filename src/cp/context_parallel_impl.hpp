@@ -81,6 +81,8 @@ class ContextParallelAttention::Impl {
   struct SavedState {
     explicit SavedState(Strategy s) : strategy(s) {}
     virtual ~SavedState() = default;
+    // The bytes it holds (tensors, LSE, segment ids): what the planner's memory_bytes_per_rank predicts.
+    virtual std::int64_t bytes() const = 0;
     Strategy strategy;            // the strategy that made it
     const Impl* owner = nullptr;  // the object whose forward made it
   };
@@ -96,12 +98,22 @@ class ContextParallelAttention::Impl {
 
 namespace cp {
 
+// A saved state's bytes: its tensors' and `other` (vectors).
+inline std::int64_t saved_bytes(std::initializer_list<const Tensor*> tensors, std::size_t other) {
+  std::int64_t total = static_cast<std::int64_t>(other);
+  for (const Tensor* t : tensors) total += static_cast<std::int64_t>(t->nbytes());
+  return total;
+}
+
 // What ring and hybrid keep for backward: the ring rank's rows (hybrid: of its ulysses heads, in slot order).
 struct RingSaved final : ContextParallelAttention::Impl::SavedState {
   explicit RingSaved(Strategy s) : SavedState(s) {}
   Tensor q, k, v, o;                              // [B, rows, heads, D]
   std::vector<float> lse;                         // [B, heads, rows]
   std::vector<std::int32_t> seg_local, seg_full;  // the rows' ids, the whole row's natural (empty: none)
+  std::int64_t bytes() const override {
+    return saved_bytes({&q, &k, &v, &o}, lse.size() * 4 + (seg_local.size() + seg_full.size()) * 4);
+  }
 };
 
 }  // namespace cp

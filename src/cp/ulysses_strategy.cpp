@@ -149,6 +149,9 @@ struct UlyssesSaved final : ContextParallelAttention::Impl::SavedState {
   Tensor o;                            // head-sharded O
   std::vector<float> lse;              // [B, n_r, S]
   std::vector<std::int32_t> seg_full;  // [B, S] natural (empty: no segments)
+  std::int64_t bytes() const override {
+    return cp::saved_bytes({&q, &k, &v, &o}, lse.size() * 4 + seg_full.size() * 4);
+  }
 };
 
 }  // namespace

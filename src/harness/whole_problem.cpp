@@ -71,6 +71,7 @@ void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p,
           }
         }
       }
+      report.saved_bytes = attn.saved_bytes();
       report.tiles_per_head = attn.forward_tiles().per_head;
       for (auto t : report.tiles_per_head) report.tiles += t;
     }
@@ -144,15 +145,17 @@ void share_whole_result(Communicator& comm, const AttentionSpec& a, const Parall
     }
   }
   // Tiles and timings: each rank fills its slot, the sum gives everyone all of them.
-  std::vector<std::int64_t> values(static_cast<std::size_t>(3 * p.cp), 0);
+  std::vector<std::int64_t> values(static_cast<std::size_t>(4 * p.cp), 0);
   values[rank] = result.ranks[rank].tiles;
   values[p.cp + rank] = static_cast<std::int64_t>(result.ranks[rank].forward_seconds * 1e9);
   values[2 * p.cp + rank] = static_cast<std::int64_t>(result.ranks[rank].backward_seconds * 1e9);
+  values[3 * p.cp + rank] = result.ranks[rank].saved_bytes;
   comm.all_reduce(values.data(), static_cast<int>(values.size()), ReduceOp::sum);
   for (std::int64_t r = 0; r < p.cp; ++r) {
     result.ranks[r].tiles = values[r];
     result.ranks[r].forward_seconds = static_cast<double>(values[p.cp + r]) * 1e-9;
     result.ranks[r].backward_seconds = static_cast<double>(values[2 * p.cp + r]) * 1e-9;
+    result.ranks[r].saved_bytes = values[3 * p.cp + r];
   }
 }
 

@@ -31,6 +31,8 @@ struct RankReport {
   std::int64_t tiles = 0;
   double forward_seconds = 0, backward_seconds = 0;
   double comm_wait_seconds = 0;  // ring: waiting on shifts (ContextParallelAttention::comm_wait_seconds)
+  std::int64_t saved_bytes =
+      0;  // what the forward kept for the backward (ContextParallelAttention::saved_bytes)
 };
 
 struct WholeResult {

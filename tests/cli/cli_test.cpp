@@ -790,6 +790,7 @@ TEST(CliPlan, BadInputExits2) {
 namespace {
 
 // What `cpattn plan` predicts for an attention layer is what `cpattn run` counted.
+// And the memory each rank keeps for its backward equals what the forwards kept.
 TEST(CliPlan, PredictedCollectivesEqualWhatRunCounted) {
   const std::string shape =
       " --q-heads 8 --kv-heads 2 --head-dim 16 --seq 256 --cp 4 --dtype bf16 --segments 200,56";
@@ -806,11 +807,19 @@ TEST(CliPlan, PredictedCollectivesEqualWhatRunCounted) {
       ASSERT_EQ(ran.exit_code, 0) << ran.err;
       const Result planned = run("plan --json --block 64" + shape + remat);
       ASSERT_EQ(planned.exit_code, 0) << planned.err;
-      nlohmann::json predicted;
+      nlohmann::json predicted, memory;
       const auto plan = nlohmann::json::parse(planned.out);
       for (const auto& s : plan["strategies"]) {
-        if (s["name"] == strategy) predicted = s["collectives"];
+        if (s["name"] == strategy) {
+          predicted = s["collectives"];
+          memory = s["memory_bytes_per_rank"];
+        }
       }
+      // The memory the plan predicts is what the forwards kept (their largest), byte for byte.
+      const auto saved = nlohmann::json::parse(ran.out)["saved_bytes_per_rank"];
+      std::int64_t largest = 0;
+      for (const auto& b : saved) largest = std::max(largest, b.get<std::int64_t>());
+      EXPECT_EQ(memory.get<std::int64_t>(), largest) << strategy << remat;
       auto key = [](const nlohmann::json& list) {
         std::vector<std::string> rows;
         for (const auto& c : list) rows.push_back(c.dump());

@@ -337,6 +337,9 @@ nlohmann::ordered_json run_report(const RunOptions& opt, const AttentionSpec& a,
   out["collectives"] = nlohmann::ordered_json::array();
   for (const auto& c : result.ranks.front().collectives) out["collectives"].push_back(record_json(c, hosts));
   out["tiles_per_rank"] = tiles;
+  std::vector<std::int64_t> saved;
+  for (const auto& r : result.ranks) saved.push_back(r.saved_bytes);
+  out["saved_bytes_per_rank"] = saved;  // what each rank's forward kept for its backward
   const auto [tmin, tmax] = std::minmax_element(tiles.begin(), tiles.end());
   out["tiles_skew"] = *tmin > 0 ? static_cast<double>(*tmax) / static_cast<double>(*tmin) : 0.0;
   return out;
