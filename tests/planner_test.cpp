@@ -416,12 +416,14 @@ TEST(HardwareProfiles, EveryCompiledInFileParsesWithItsSource) {
       EXPECT_GT(h.inter_bandwidth, 0) << h.name;
     }
   }
-  EXPECT_EQ(names, (std::vector<std::string>{"a100", "h100", "h200", "h800", "l20-pcie", "tpu-v7x"}));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"a100-pcie", "a100", "h100", "h200", "h800", "l20-pcie", "tpu-v7x"}));
   // The figures docs/planner.md's table gives: flops, bandwidth, ranks per host, between hosts.
   const std::vector<std::tuple<std::string, double, double, std::int64_t, double>> figures = {
       {"a100", 312e12, 300e9, 8, 25e9},      {"h100", 989e12, 450e9, 8, 50e9},
       {"h200", 989e12, 450e9, 8, 50e9},      {"h800", 989e12, 200e9, 8, 50e9},
-      {"l20-pcie", 119.5e12, 32e9, 8, 25e9}, {"tpu-v7x", 2307e12, 600e9, 0, 600e9}};
+      {"l20-pcie", 119.5e12, 25e9, 8, 25e9}, {"tpu-v7x", 2307e12, 600e9, 0, 600e9},
+      {"a100-pcie", 312e12, 25e9, 0, 0}};
   for (const auto& [name, flops, bandwidth, per_host, inter] : figures) {
     const HardwareProfile* h = find_hardware(name);
     ASSERT_NE(h, nullptr) << name;
@@ -431,6 +433,16 @@ TEST(HardwareProfiles, EveryCompiledInFileParsesWithItsSource) {
     EXPECT_EQ(h->inter_bandwidth, inter) << name;
   }
   EXPECT_EQ(find_hardware("h2000"), nullptr);
+  // The PCIe machines' switches: pairs sharing an uplink.
+  for (const char* name : {"l20-pcie", "a100-pcie"}) {
+    EXPECT_EQ(find_hardware(name)->ranks_per_switch, 2) << name;
+    EXPECT_EQ(find_hardware(name)->switch_bandwidth, 25e9) << name;
+  }
+  // Measured kernel rates, each with its source.
+  for (const char* name : {"a100", "a100-pcie", "l20-pcie", "h800"}) {
+    EXPECT_FALSE(find_hardware(name)->kernel.empty()) << name;
+    EXPECT_EQ(find_hardware(name)->block, 128) << name;
+  }
 }
 
 // A profile file read by `plan --profile` is the compiled-in one when it holds the same text: the same plan.

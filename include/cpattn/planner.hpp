@@ -58,8 +58,11 @@ struct HardwareProfile {
   double inter_latency = 0;           // seconds per message between hosts (0: `latency`)
   std::int64_t ranks_per_switch = 0;  // 0: every pair inside a host at `bandwidth` at once (NVLink switch)
   double switch_bandwidth = 0;        // bytes/s a switch's uplink carries each way, shared by its devices
-  double ring_step_seconds = 0;       // a ring step's synchronisation: the wait for the hop, the next call
-  double call_seconds = 0;            // a kernel call's fixed cost (launch, setup)
+  // bytes/s of an all-to-all's traffic across a switch's uplink (with switches), else one device's in an
+  // all-to-all inside its host: NCCL's all-to-all over PCIe runs far below the links' rate (0: their rate)
+  double all_to_all_bandwidth = 0;
+  double ring_step_seconds = 0;    // a ring step's synchronisation: the wait for the hop, the next call
+  double call_seconds = 0;         // a kernel call's fixed cost (launch, setup)
   std::int64_t cores = 0;          // ranks share this many cores (CPU; rates per core); 0: a device per rank
   std::int64_t block = 0;          // the tile size the rates count in (0: the request's)
   std::vector<KernelRate> kernel;  // measured rates by call shape (interpolated); empty: `flops`
@@ -77,7 +80,8 @@ const HardwareProfile* find_hardware(const std::string& name);
 std::string hardware_profile_names();  // "a100, h100, ..."
 // A profile from YAML text (`where` names it in errors) or a file (`plan --profile FILE`): keys name, flops,
 // bandwidth, source (required), ranks_per_host, inter_bandwidth (required where ranks_per_host > 0), latency,
-// inter_latency, ranks_per_switch, switch_bandwidth (required with ranks_per_switch), ring_step_seconds,
+// inter_latency, ranks_per_switch, switch_bandwidth (required with ranks_per_switch), all_to_all_bandwidth,
+// ring_step_seconds,
 // call_seconds, cores, block, kernel (a list of {dtype, head_dim, q, kv, causal, forward, backward}); unknown
 // or repeated keys and values out of range are Error(invalid_input) naming the file and the key.
 // `profile_yaml` writes a profile that parse_hardware_profile reads back to the same figures.

@@ -105,6 +105,7 @@ struct KernelFit {
 struct Traffic {
   double intra = 0, inter = 0, out_of_switch = 0;
   std::int64_t intra_messages = 0, inter_messages = 0;
+  bool all_to_all = false;  // an all-to-all: at the profile's all_to_all_bandwidth (Links::seconds)
 };
 
 // Where ranks sit (HardwareProfile): rank r on host r / per_host, behind switch r / per_switch. A rank's time
@@ -113,7 +114,7 @@ struct Traffic {
 // per core beyond one), every transfer is that much slower: the copies take turns on the cores.
 struct Links {
   std::int64_t per_host = 0, per_switch = 0;  // 0: one host, no switches
-  double intra = 1, inter = 1, uplink = 1, latency = 0, inter_latency = 0, share = 1;
+  double intra = 1, inter = 1, uplink = 1, latency = 0, inter_latency = 0, share = 1, all_to_all = 1;
   bool crosses(std::int64_t a, std::int64_t b) const { return per_host > 0 && a / per_host != b / per_host; }
   bool leaves_switch(std::int64_t a, std::int64_t b) const {
     return per_switch > 0 && !crosses(a, b) && a / per_switch != b / per_switch;
@@ -129,8 +130,12 @@ struct Links {
     }
   }
   double seconds(const Traffic& t, double switch_total) const {
-    const double host = static_cast<double>(t.intra_messages) * latency + t.intra / intra;
-    const double uplink_s = per_switch > 0 ? switch_total / uplink : 0.0;
+    // An all-to-all's slow part is what crosses a switch's uplink where there are switches, else the device's
+    // link: all_to_all (the profile's all_to_all_bandwidth) there.
+    const bool slow_a2a = t.all_to_all && per_switch == 0;
+    const double host =
+        static_cast<double>(t.intra_messages) * latency + t.intra / (slow_a2a ? all_to_all : intra);
+    const double uplink_s = per_switch > 0 ? switch_total / (t.all_to_all ? all_to_all : uplink) : 0.0;
     const double across =
         t.inter_messages > 0 ? static_cast<double>(t.inter_messages) * inter_latency + t.inter / inter : 0.0;
     return share * std::max({host, uplink_s, across});
@@ -406,6 +411,7 @@ CommModel plan_communication(const PlanContext& c) {
         // A permute sends to the next rank alone: one peer, not n (a ring of 1024 ranks has 2046 of them).
         const bool permute = call.kind == CollectiveKind::collective_permute;
         hop[k] = c.ring_like() && permute;
+        traffic[k][rank].all_to_all = call.kind == CollectiveKind::all_to_all;
         kv[k] = call.tensor == "kv";
         for (std::int64_t i = permute ? (me + 1) % n : 0; i < n; ++i) {
           if (i == me) continue;
@@ -438,19 +444,21 @@ CommModel plan_communication(const PlanContext& c) {
 }
 
 // The kernel's time per call from the profile's measured entries, as a sum of costs the entries separate: per
-// computed tile, per diagonal (masked) tile, per query row and per key row (each per head: the rows' loads and
-// stores, the backward's dK/dV partials zeroed and summed), fitted per (dtype, head dim, pass) by least squares
-// on the relative error (a term that would come out negative dropped). A call's cost then follows its shape,
-// which a rate alone does not: an all_gather rank's queries see half of their keys, a calibration cell's all.
+// computed tile, per diagonal (masked) tile, per query row and per key row (each per head: the rows' loads
+// and stores, the backward's dK/dV partials zeroed and summed), fitted per (dtype, head dim, pass) by least
+// squares on the relative error (a term that would come out negative dropped). A call's cost then follows its
+// shape, which a rate alone does not: an all_gather rank's queries see half of their keys, a calibration
+// cell's all.
 
 // A measured cell's tiles on the grid of `block` (its queries at its keys' end, as calibration placed them).
 std::pair<double, double> cell_tiles(const KernelRate& k, std::int64_t block) {
   std::vector<std::int32_t> q_pos(static_cast<std::size_t>(k.q)), kv_pos(static_cast<std::size_t>(k.kv));
   for (std::int64_t i = 0; i < k.kv; ++i) kv_pos[i] = static_cast<std::int32_t>(i);
-  for (std::int64_t i = 0; i < k.q; ++i) q_pos[i] = static_cast<std::int32_t>(std::max<std::int64_t>(k.kv - k.q, 0) + i);
-  const auto tiles = kernels::count_nonempty_tiles(kernels::block_meta(q_pos, {}, 0, k.q, block),
-                                                   kernels::block_meta(kv_pos, {}, 0, k.kv, block), k.causal,
-                                                   false);
+  for (std::int64_t i = 0; i < k.q; ++i)
+    q_pos[i] = static_cast<std::int32_t>(std::max<std::int64_t>(k.kv - k.q, 0) + i);
+  const auto tiles =
+      kernels::count_nonempty_tiles(kernels::block_meta(q_pos, {}, 0, k.q, block),
+                                    kernels::block_meta(kv_pos, {}, 0, k.kv, block), k.causal, false);
   return {static_cast<double>(tiles), k.causal ? static_cast<double>((k.q + block - 1) / block) : 0.0};
 }
 
@@ -510,10 +518,12 @@ bool fit_terms(const std::vector<std::array<double, 5>>& rows, KernelFit& fit) {
 }
 
 // The fits of the profile's entries of `dtype` and this pass, one per head dim with enough entries.
-std::vector<KernelFit> kernel_fits(const HardwareProfile& hw, DType dtype, bool backward, std::int64_t block) {
+std::vector<KernelFit> kernel_fits(const HardwareProfile& hw, DType dtype, bool backward,
+                                   std::int64_t block) {
   std::vector<std::int64_t> dims;
   for (const KernelRate& k : hw.kernel) {
-    if (k.dtype == dtype && std::find(dims.begin(), dims.end(), k.head_dim) == dims.end()) dims.push_back(k.head_dim);
+    if (k.dtype == dtype && std::find(dims.begin(), dims.end(), k.head_dim) == dims.end())
+      dims.push_back(k.head_dim);
   }
   std::sort(dims.begin(), dims.end());
   std::vector<KernelFit> fits;
@@ -541,12 +551,14 @@ std::optional<double> fitted_seconds(const std::vector<KernelFit>& fits, std::in
   if (fits.empty()) return std::nullopt;
   const double diagonal = k.diagonal ? static_cast<double>((k.q + block - 1) / block) : 0.0;
   auto at = [&](const KernelFit& f) {
-    return f.seconds(static_cast<double>(k.tiles), diagonal, static_cast<double>(k.q), static_cast<double>(k.kv));
+    return f.seconds(static_cast<double>(k.tiles), diagonal, static_cast<double>(k.q),
+                     static_cast<double>(k.kv));
   };
   const auto hi = std::find_if(fits.begin(), fits.end(), [&](const KernelFit& f) { return f.head_dim >= d; });
   if (hi != fits.end() && hi->head_dim == d) return at(*hi);
   if (hi == fits.begin()) return at(*hi) * static_cast<double>(d) / static_cast<double>(hi->head_dim);
-  if (hi == fits.end()) return at(fits.back()) * static_cast<double>(d) / static_cast<double>(fits.back().head_dim);
+  if (hi == fits.end())
+    return at(fits.back()) * static_cast<double>(d) / static_cast<double>(fits.back().head_dim);
   const KernelFit& lo = *(hi - 1);
   const double frac = std::log2(static_cast<double>(d) / static_cast<double>(lo.head_dim)) /
                       std::log2(static_cast<double>(hi->head_dim) / static_cast<double>(lo.head_dim));
@@ -555,8 +567,8 @@ std::optional<double> fitted_seconds(const std::vector<KernelFit>& fits, std::in
 
 // A rank's kernel seconds for `calls` (its heads and batch rows): from the fits of the profile's measured
 // entries where there are any for the dtype, else each call's tiles x a full tile's FLOPs at the profile's
-// rate for the call's shape (the backward: 2.5x the FLOPs at the backward's rate); plus the call's fixed cost.
-// Where ranks share cores the rates are per core, times the rank's threads.
+// rate for the call's shape (the backward: 2.5x the FLOPs at the backward's rate); plus the call's fixed
+// cost. Where ranks share cores the rates are per core, times the rank's threads.
 double kernel_seconds(const PlanContext& c, std::int64_t rank, const std::vector<KernelCall>& calls,
                       bool backward) {
   const HardwareProfile& hw = c.req.hardware;
@@ -710,7 +722,10 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
              hw.switch_bandwidth > 0 ? hw.switch_bandwidth : hw.bandwidth,
              hw.latency,
              hw.inter_latency > 0 ? hw.inter_latency : hw.latency,
-             hw.cores > 0 ? std::max(1.0, static_cast<double>(c.cp) / static_cast<double>(hw.cores)) : 1.0};
+             hw.cores > 0 ? std::max(1.0, static_cast<double>(c.cp) / static_cast<double>(hw.cores)) : 1.0,
+             hw.all_to_all_bandwidth > 0 ? hw.all_to_all_bandwidth
+             : hw.ranks_per_switch > 0   ? hw.switch_bandwidth
+                                         : hw.bandwidth};
   s.collectives = attention_collectives(c.a, c.p, req.remat, c.packed, req.forward_only);
   CommModel m = plan_communication(c);
   const double reorder_seconds = plan_reorder(c, s, m.inter_bytes);

@@ -27,6 +27,7 @@ constexpr const char* kProfileKeys[] = {"name",
                                         "inter_latency",
                                         "ranks_per_switch",
                                         "switch_bandwidth",
+                                        "all_to_all_bandwidth",
                                         "ring_step_seconds",
                                         "call_seconds",
                                         "cores",
@@ -160,11 +161,13 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
           p.name = value;
         } else if (key == "flops") {
           p.flops = parse_real(value, field, 1, 1e30, "FLOP/s, a number");
-        } else if (key == "bandwidth" || key == "inter_bandwidth" || key == "switch_bandwidth") {
-          (key == "bandwidth"         ? p.bandwidth
-           : key == "inter_bandwidth" ? p.inter_bandwidth
-                                      : p.switch_bandwidth) =
-              parse_real(value, field, 1, 1e30, "bytes/s, a number");
+        } else if (key == "bandwidth" || key == "inter_bandwidth" || key == "switch_bandwidth" ||
+                   key == "all_to_all_bandwidth") {
+          double& x = key == "bandwidth"          ? p.bandwidth
+                      : key == "inter_bandwidth"  ? p.inter_bandwidth
+                      : key == "switch_bandwidth" ? p.switch_bandwidth
+                                                  : p.all_to_all_bandwidth;
+          x = parse_real(value, field, 1, 1e30, "bytes/s, a number");
         } else if (key == "latency" || key == "inter_latency" || key == "ring_step_seconds" ||
                    key == "call_seconds") {
           double& x = key == "latency"         ? p.latency
@@ -180,6 +183,7 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
               value, field, 0, key == "cores" ? 1 << 20 : kMaxExtent,
               key == "cores" ? "cores the ranks share, 0: a device per rank" : "a tile size, 0: none");
         } else {
+          CPATTN_ASSERT(key == "source");  // every other key of kProfileKeys has its branch above
           if (value.empty())
             bad_profile(where, key, value, "source is empty; say where each figure comes from");
           p.source = value;
@@ -277,6 +281,7 @@ std::string profile_yaml(const HardwareProfile& p) {
     o << "ranks_per_switch: " << p.ranks_per_switch << "\n";
     o << "switch_bandwidth: " << number(p.switch_bandwidth) << "\n";
   }
+  if (p.all_to_all_bandwidth > 0) o << "all_to_all_bandwidth: " << number(p.all_to_all_bandwidth) << "\n";
   o << "ring_step_seconds: " << number(p.ring_step_seconds) << "\n";
   o << "call_seconds: " << number(p.call_seconds) << "\n";
   if (p.cores > 0) o << "cores: " << p.cores << "\n";
