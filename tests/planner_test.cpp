@@ -558,6 +558,7 @@ TEST(CostModel, ProfileRoundTripsThroughItsYaml) {
   p.call_seconds = 2e-6;
   p.cores = 2;
   p.block = 64;
+  p.all_to_all_bandwidth = 4e9;
   p.kernel = {{DType::f32, 64, 256, 1024, true, 1.25e11, 1.5e11},
               {DType::bf16, 128, 4096, 4096, false, 3e11, 2e11}};
   p.source = "measured: here, \"quoted\" and a: colon";
@@ -571,6 +572,7 @@ TEST(CostModel, ProfileRoundTripsThroughItsYaml) {
   EXPECT_EQ(q.inter_latency, p.inter_latency);
   EXPECT_EQ(q.ranks_per_switch, p.ranks_per_switch);
   EXPECT_EQ(q.switch_bandwidth, p.switch_bandwidth);
+  EXPECT_EQ(q.all_to_all_bandwidth, p.all_to_all_bandwidth);
   EXPECT_EQ(q.ring_step_seconds, p.ring_step_seconds);
   EXPECT_EQ(q.call_seconds, p.call_seconds);
   EXPECT_EQ(q.cores, p.cores);
@@ -677,6 +679,33 @@ TEST(CostModel, ASharedSwitchSlowsWhatCrossesIt) {
   // A fast uplink: the device links bound it again.
   r.hardware.switch_bandwidth = 1e12;
   EXPECT_NEAR(by_name(make_plan(r), "ulysses").communication_seconds, sent / 1e9, 1e-9);
+}
+
+// The kernel's time from measured entries: entries made from known costs per tile, per query row and per key
+// row (no causal entry: the diagonal term is dropped) give those costs back, for a call of another shape.
+TEST(CostModel, MeasuredEntriesAreFittedAsCostsPerTileAndRow) {
+  const double tile = 2e-6, q_row = 3e-7, kv_row = 5e-8;  // seconds per head
+  PlanRequest r = small_request();
+  r.attention.seq_len = 2048;
+  r.forward_only = true;
+  r.hardware.block = 64;
+  for (const auto& [q, kv] : std::vector<std::pair<std::int64_t, std::int64_t>>{
+           {256, 256}, {256, 1024}, {1024, 256}, {1024, 1024}, {4096, 4096}, {4096, 1024}}) {
+    const double tiles = static_cast<double>((q / 64) * (kv / 64));
+    const double seconds = tile * tiles + q_row * static_cast<double>(q) + kv_row * static_cast<double>(kv);
+    const double rate = tiles * 4.0 * 64 * 64 * 64 / seconds;
+    r.hardware.kernel.push_back({DType::f32, 64, q, kv, false, rate, rate});
+  }
+  // ulysses at cp = 2: one call of 2048 x 2048 per rank over its 2 heads, 32 x 32 tiles each.
+  const double want = 2 * (tile * 1024 + q_row * 2048 + kv_row * 2048);
+  EXPECT_NEAR(by_name(make_plan(r), "ulysses").layer_seconds, want, 1e-9 * want);
+  // The same at the request's own block: the entries' seconds stay the profile's, the call's tiles change.
+  r.block = 128;
+  EXPECT_NEAR(by_name(make_plan(r), "ulysses").layer_seconds, want, 1e-9 * want);
+  // --flops's one rate replaces them (plan_answer clears the entries): the tiles over it.
+  r.hardware.kernel.clear();
+  r.block = 64;
+  EXPECT_NEAR(by_name(make_plan(r), "ulysses").layer_seconds, 2 * 4.0 * 2048 * 2048 * 64 / 1e11, 1e-9);
 }
 
 // Ranks whose threads fill the cores they share copy on those cores: a ring's hop adds to its step.

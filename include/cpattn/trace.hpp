@@ -17,7 +17,8 @@ struct Event {
   std::string args;                       // a JSON object's members ("\"q\": 4096, \"kv\": 8192"), or empty
 };
 
-// Recording from now on (the events so far dropped); stop() ends it and returns what was recorded.
+// Recording from now on (the events so far dropped); stop() ends it and returns what was recorded. One
+// recording at a time per process: two traced runs at once would share (and clear) one another's events.
 void start();
 std::vector<Event> stop();
 bool enabled();

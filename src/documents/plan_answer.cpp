@@ -129,8 +129,16 @@ PlanRequest plan_request(const ConfigValues& values, const Specs& specs, const P
   req.remat = opt.remat;
   req.forward_only = opt.forward_only;
   req.hardware = hw;
-  if (opt.flops) req.hardware.flops = *opt.flops;
-  if (opt.bandwidth) req.hardware.bandwidth = *opt.bandwidth;
+  // --flops is the kernel's one rate: the profile's measured rates give way to it; --bandwidth every device's
+  // link, the all-to-all's measured rate included (a switch's uplink stays the profile's).
+  if (opt.flops) {
+    req.hardware.flops = *opt.flops;
+    req.hardware.kernel.clear();
+  }
+  if (opt.bandwidth) {
+    req.hardware.bandwidth = *opt.bandwidth;
+    req.hardware.all_to_all_bandwidth = 0;
+  }
   if (opt.ranks_per_host) req.hardware.ranks_per_host = *opt.ranks_per_host;
   if (opt.inter_bandwidth) req.hardware.inter_bandwidth = *opt.inter_bandwidth;
   if (opt.flops || opt.bandwidth || opt.ranks_per_host || opt.inter_bandwidth) {

@@ -92,6 +92,7 @@ void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p,
     if (iteration == 0) first_records = comm.counters().records();
   }
   report.collectives = first_records;
+  trace::set_thread_rank(-1);  // the caller's thread (rank 0 in process) records for no rank afterwards
   report.comm_wait_seconds = attn.comm_wait_seconds();
 }
 

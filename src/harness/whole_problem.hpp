@@ -46,8 +46,9 @@ struct WholeResult {
 struct RunSettings {
   ContextParallelOptions options;
   bool forward_only = false;
-  // Forward (and backward) this many times: the timings are the best iteration's (the first pays for memory
-  // the process touches for the first time), the counted collectives the first's.
+  // Forward (and backward) this many times: the forward's and the backward's seconds are each their best
+  // iteration's (the first pays for memory the process touches for the first time); the outputs, tiles, saved
+  // bytes and counted collectives the first's, the ring's waiting the last's.
   int repeat = 1;
   bool trace = false;  // record every rank's events (cpattn/trace.hpp) into the result
   // How long a rank waits on its peers before it gives up naming them (the in-process group's timeout, the

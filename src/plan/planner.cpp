@@ -465,14 +465,18 @@ std::pair<double, double> cell_tiles(const KernelRate& k, std::int64_t block) {
 // Solves the weighted least squares over the terms in `use` (at most 4), dropping a negative one and solving
 // again; false when too few entries.
 bool fit_terms(const std::vector<std::array<double, 5>>& rows, KernelFit& fit) {
-  std::array<bool, 4> use{true, true, true, true};
+  std::array<bool, 4> use{};
+  // A term no entry varies (no causal entry: no diagonal tiles) cannot be told apart: dropped.
+  for (std::size_t t = 0; t < 4; ++t) {
+    use[t] = std::any_of(rows.begin(), rows.end(), [&](const auto& r) { return r[t] != 0; });
+  }
   for (int attempt = 0; attempt < 4; ++attempt) {
-    std::vector<int> terms;
-    for (int t = 0; t < 4; ++t) {
+    std::vector<std::size_t> terms;
+    for (std::size_t t = 0; t < 4; ++t) {
       if (use[t]) terms.push_back(t);
     }
     const std::size_t n = terms.size();
-    if (rows.size() < n + 1) return false;
+    if (n == 0 || rows.size() < n + 1) return false;
     std::vector<double> m(n * n, 0.0), v(n, 0.0);
     for (const auto& r : rows) {  // r: tiles, diagonal, q, kv, seconds; weighted by 1 / seconds
       const double w = 1 / r[4];
@@ -481,14 +485,20 @@ bool fit_terms(const std::vector<std::array<double, 5>>& rows, KernelFit& fit) {
         for (std::size_t j = 0; j < n; ++j) m[i * n + j] += r[terms[i]] * r[terms[j]] * w * w;
       }
     }
-    // Gaussian elimination with partial pivoting.
-    std::vector<double> x(n, 0.0);
+    double scale = 0;
+    for (std::size_t i = 0; i < n; ++i) scale = std::max(scale, std::abs(m[i * n + i]));
+    // Gaussian elimination with partial pivoting; a pivot that vanishes (a term the others already carry, as
+    // the diagonal tiles where every causal entry's q is a multiple of the block) drops its term.
+    std::optional<std::size_t> dependent;
     for (std::size_t c = 0; c < n; ++c) {
       std::size_t piv = c;
       for (std::size_t r = c + 1; r < n; ++r) {
         if (std::abs(m[r * n + c]) > std::abs(m[piv * n + c])) piv = r;
       }
-      if (std::abs(m[piv * n + c]) < 1e-300) return false;
+      if (std::abs(m[piv * n + c]) <= 1e-12 * scale) {
+        dependent = terms[c];  // column c is the term terms[c] (rows are swapped, columns are not)
+        break;
+      }
       for (std::size_t j = 0; j < n; ++j) std::swap(m[c * n + j], m[piv * n + j]);
       std::swap(v[c], v[piv]);
       for (std::size_t r = c + 1; r < n; ++r) {
@@ -497,6 +507,11 @@ bool fit_terms(const std::vector<std::array<double, 5>>& rows, KernelFit& fit) {
         v[r] -= f * v[c];
       }
     }
+    if (dependent) {
+      use[*dependent] = false;
+      continue;
+    }
+    std::vector<double> x(n, 0.0);
     for (std::size_t c = n; c-- > 0;) {
       double sum = v[c];
       for (std::size_t j = c + 1; j < n; ++j) sum -= m[c * n + j] * x[j];
@@ -508,7 +523,7 @@ bool fit_terms(const std::vector<std::array<double, 5>>& rows, KernelFit& fit) {
     }
     if (worst == n) {
       double* out[4] = {&fit.tile, &fit.diagonal, &fit.q_row, &fit.kv_row};
-      for (int t = 0; t < 4; ++t) *out[t] = 0;
+      for (std::size_t t = 0; t < 4; ++t) *out[t] = 0;
       for (std::size_t i = 0; i < n; ++i) *out[terms[i]] = x[i];
       return fit.tile > 0;
     }
@@ -520,6 +535,9 @@ bool fit_terms(const std::vector<std::array<double, 5>>& rows, KernelFit& fit) {
 // The fits of the profile's entries of `dtype` and this pass, one per head dim with enough entries.
 std::vector<KernelFit> kernel_fits(const HardwareProfile& hw, DType dtype, bool backward,
                                    std::int64_t block) {
+  // An entry's rate counts the profile's tiles (its block): its seconds come from those, while the fit's
+  // terms count the request's (`block`), as the calls are counted, so that any --block prices a call alike.
+  const std::int64_t rate_block = hw.block > 0 ? hw.block : block;
   std::vector<std::int64_t> dims;
   for (const KernelRate& k : hw.kernel) {
     if (k.dtype == dtype && std::find(dims.begin(), dims.end(), k.head_dim) == dims.end())
@@ -532,7 +550,8 @@ std::vector<KernelFit> kernel_fits(const HardwareProfile& hw, DType dtype, bool 
     for (const KernelRate& k : hw.kernel) {
       if (k.dtype != dtype || k.head_dim != d) continue;
       const auto [tiles, diagonal] = cell_tiles(k, block);
-      const double flops = tiles * attention_forward_flops(1, block, 1, d, false) *
+      const double rate_tiles = rate_block == block ? tiles : cell_tiles(k, rate_block).first;
+      const double flops = rate_tiles * attention_forward_flops(1, rate_block, 1, d, false) *
                            (backward ? kBackwardFlopsPerForward : 1.0);
       rows.push_back({tiles, diagonal, static_cast<double>(k.q), static_cast<double>(k.kv),
                       flops / (backward ? k.backward : k.forward)});
@@ -641,8 +660,8 @@ double ring_layer_seconds(const PlanContext& c, const CallPlan& calls, double fi
   return t;
 }
 
-// Time: each rank's kernel calls at the profile's rates (forward, backward, and the forward again under
-// remat); communication by link, not overlapped except the ring's hops.
+// Time: each rank's kernel calls at the profile's rates (forward and backward; remat re-moves inputs, its
+// collectives, and computes no forward again); communication by link, not overlapped except the ring's hops.
 void plan_time(const PlanContext& c, StrategyPlan& s, const CallPlan& calls, const CommModel& m,
                double reorder_seconds) {
   std::int64_t sent = 0;
@@ -659,7 +678,7 @@ void plan_time(const PlanContext& c, StrategyPlan& s, const CallPlan& calls, con
     }
     fwd_r.push_back(fwd);
     bwd_r.push_back(bwd);
-    const double t = fwd * (c.req.remat ? 2.0 : 1.0) + bwd;
+    const double t = fwd + bwd;  // remat moves inputs again (its collectives), it computes no forward again
     s.compute_seconds_per_rank.push_back(t);
     if (t > slowest) {
       slowest = t;
@@ -670,16 +689,19 @@ void plan_time(const PlanContext& c, StrategyPlan& s, const CallPlan& calls, con
   if (c.ring_like()) {
     s.layer_seconds = ring_layer_seconds(c, calls, m.collectives + reorder_seconds, m);
   } else {
-    s.layer_seconds = s.communication_seconds + phase_seconds(c, fwd_r) * (c.req.remat ? 2.0 : 1.0) +
-                      phase_seconds(c, bwd_r);
+    s.layer_seconds = s.communication_seconds + phase_seconds(c, fwd_r) + phase_seconds(c, bwd_r);
   }
   s.exposed_seconds = s.layer_seconds - fastest;
   s.model_seconds = s.layer_seconds * static_cast<double>(c.req.model.attention_layers());
   s.model_bytes_sent_per_rank = sent * c.req.model.attention_layers();
 }
 
-StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Strategy strategy,
-                           bool load_balance, std::int64_t ulysses_degree = 0) {
+// The profile's kernel entries fitted once per plan (forward, backward): every strategy prices its calls
+// alike.
+using KernelFits = std::pair<std::vector<KernelFit>, std::vector<KernelFit>>;
+
+StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const std::string& name,
+                           Strategy strategy, bool load_balance, std::int64_t ulysses_degree = 0) {
   PlanContext c{req, req.attention, req.parallel, 1, 1, 1, 1, 1, 1, 1, 4, 1, 1, false, {}, {}, 1, {}, {}};
   c.p.strategy = strategy;
   c.p.load_balance = load_balance;
@@ -712,8 +734,8 @@ StrategyPlan plan_strategy(const PlanRequest& req, const std::string& name, Stra
   c.R = c.p.ring_degree();
   if (c.heads_split()) c.heads = ulysses_heads(c.hq, c.hkv, c.p.head_group_size());
   const HardwareProfile& hw = req.hardware;
-  c.forward_fits = kernel_fits(hw, c.a.dtype, false, req.block);
-  c.backward_fits = kernel_fits(hw, c.a.dtype, true, req.block);
+  c.forward_fits = fits.first;
+  c.backward_fits = fits.second;
   c.threads = hw.cores > 0 ? std::max<std::int64_t>(1, hw.cores / c.cp) : 1;
   c.links = {hw.ranks_per_host,
              hw.ranks_per_switch,
@@ -762,6 +784,40 @@ std::string hybrid_name(std::int64_t ulysses_degree, std::int64_t ring_degree, b
          (load_balance ? "_load_balanced" : "");
 }
 
+namespace {
+
+// The profile's figures the parser checks, checked again for a profile made or overridden in code: a switch
+// inside one host, positive rates, latencies not negative.
+void check_profile(const HardwareProfile& hw, std::int64_t cp) {
+  auto bad = [&](const std::string& field, const std::string& value, const std::string& why) {
+    throw Error(ErrorKind::invalid_config, field, value, why);
+  };
+  if (hw.ranks_per_switch < 0 || (hw.ranks_per_switch > 0 && !(hw.switch_bandwidth > 0))) {
+    bad("ranks_per_switch", std::to_string(hw.ranks_per_switch),
+        "ranks_per_switch must be >= 0 (0: no switches), and with switches switch_bandwidth positive");
+  }
+  if (hw.ranks_per_switch > 0 && hw.ranks_per_host > 0 && cp > hw.ranks_per_host &&
+      hw.ranks_per_host % hw.ranks_per_switch != 0) {
+    bad("ranks_per_host", std::to_string(hw.ranks_per_host),
+        "ranks_per_host (" + std::to_string(hw.ranks_per_host) + ") must be a multiple of the profile's " +
+            "ranks_per_switch (" + std::to_string(hw.ranks_per_switch) + "): a switch sits inside one host");
+  }
+  for (const auto& [name, x] : {std::pair<const char*, double>{"latency", hw.latency},
+                                {"inter_latency", hw.inter_latency},
+                                {"ring_step_seconds", hw.ring_step_seconds},
+                                {"call_seconds", hw.call_seconds},
+                                {"all_to_all_bandwidth", hw.all_to_all_bandwidth}}) {
+    if (!(x >= 0) || !std::isfinite(x)) bad(name, std::to_string(x), std::string(name) + " must be >= 0");
+  }
+  for (const KernelRate& k : hw.kernel) {
+    if (!(k.forward > 0) || !(k.backward > 0) || k.head_dim < 1 || k.q < 1 || k.kv < 1) {
+      bad("kernel", to_string(k.dtype), "a kernel entry needs positive extents and rates");
+    }
+  }
+}
+
+}  // namespace
+
 Plan make_plan(const PlanRequest& req) {
   if (req.block < 1) {
     throw Error(ErrorKind::invalid_config, "block", std::to_string(req.block),
@@ -807,6 +863,9 @@ Plan make_plan(const PlanRequest& req) {
             ") when the ranks span hosts: every host holds as many ranks (or give ranks_per_host >= cp: "
             "one host)");
   }
+  check_profile(req.hardware, req.parallel.cp);
+  const KernelFits fits{kernel_fits(req.hardware, req.attention.dtype, false, req.block),
+                        kernel_fits(req.hardware, req.attention.dtype, true, req.block)};
   Plan plan;
   // Each strategy on the whole group; those of sub-groups (hybrid) for every factorisation U x R of cp with
   // both above 1 (U = 1 is ring, U = cp is ulysses). Load balance where the strategy takes it.
@@ -819,7 +878,7 @@ Plan make_plan(const PlanRequest& req) {
         if (load_balance && !traits.load_balance) continue;
         const std::string name = u > 0 ? hybrid_name(u, cp / u, load_balance)
                                        : std::string(traits.name) + (load_balance ? "_load_balanced" : "");
-        plan.strategies.push_back(plan_strategy(req, name, strategy, load_balance, u));
+        plan.strategies.push_back(plan_strategy(req, fits, name, strategy, load_balance, u));
       }
     }
   }

@@ -34,7 +34,7 @@ constexpr const char* kProfileKeys[] = {"name",
                                         "block",
                                         "kernel",
                                         "source"};
-constexpr std::int64_t kMaxExtent = std::int64_t{1} << 30;
+constexpr std::int64_t kMaxExtent = std::int64_t{1} << 22;  // plan's longest row (kMaxPlanSeq)
 constexpr const char* kKernelKeys[] = {"dtype", "head_dim", "q", "kv", "causal", "forward", "backward"};
 
 std::string key_list(const std::vector<std::string>& keys) {
@@ -271,10 +271,8 @@ std::string profile_yaml(const HardwareProfile& p) {
   o << "name: " << p.name << "\n";
   o << "flops: " << number(p.flops) << "\n";
   o << "bandwidth: " << number(p.bandwidth) << "\n";
-  if (p.ranks_per_host > 0) {
-    o << "ranks_per_host: " << p.ranks_per_host << "\n";
-    o << "inter_bandwidth: " << number(p.inter_bandwidth) << "\n";
-  }
+  if (p.ranks_per_host > 0) o << "ranks_per_host: " << p.ranks_per_host << "\n";
+  if (p.inter_bandwidth > 0) o << "inter_bandwidth: " << number(p.inter_bandwidth) << "\n";
   o << "latency: " << number(p.latency) << "\n";
   if (p.inter_latency > 0) o << "inter_latency: " << number(p.inter_latency) << "\n";
   if (p.ranks_per_switch > 0) {

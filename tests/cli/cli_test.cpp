@@ -346,11 +346,12 @@ TEST(CliRun, TraceHoldsEveryRanksKernelCallsCollectivesAndWaits) {
   const auto trace = nlohmann::json::parse(in);
   std::filesystem::remove(path);
   std::map<int, std::map<std::string, int>> count;  // rank -> category -> events
-  std::map<int, std::vector<std::pair<double, double>>> layers;
+  std::map<int, std::vector<std::pair<double, double>>> layers, kernels;
   std::set<std::string> names;
   for (const auto& e : trace["traceEvents"]) {
     if (e["ph"] == "M") {
-      EXPECT_EQ(e["args"]["name"].is_string() || e["args"].contains("sort_index"), true);
+      EXPECT_TRUE((e["args"].contains("name") && e["args"]["name"].is_string()) ||
+                  e["args"].contains("sort_index"));
       continue;
     }
     ASSERT_EQ(e["ph"], "X");
@@ -362,6 +363,16 @@ TEST(CliRun, TraceHoldsEveryRanksKernelCallsCollectivesAndWaits) {
     if (e["cat"] == "kernel") {
       EXPECT_EQ(e["args"]["head_dim"], 32);
       EXPECT_EQ(e["args"]["dtype"], "fp32");
+      kernels[rank].push_back({e["ts"].get<double>(), e["dur"].get<double>()});
+    }
+  }
+  // Every kernel call lies inside one of its rank's layer events (microseconds, printed to 0.001).
+  for (const auto& [rank, calls] : kernels) {
+    for (const auto& [ts, dur] : calls) {
+      const bool inside = std::any_of(layers[rank].begin(), layers[rank].end(), [&](const auto& l) {
+        return ts >= l.first - 0.002 && ts + dur <= l.first + l.second + 0.002;
+      });
+      EXPECT_TRUE(inside) << "rank " << rank << " kernel at " << ts;
     }
   }
   ASSERT_EQ(count.size(), 2u);
@@ -379,13 +390,14 @@ TEST(CliRun, TraceHoldsEveryRanksKernelCallsCollectivesAndWaits) {
   EXPECT_TRUE(names.count("collective_permute kv (forward) start"));
   EXPECT_TRUE(names.count("shift wait"));
   EXPECT_TRUE(names.count("attention forward") && names.count("attention backward"));
-  // An unwritable file is named (exit 1, a resource), after the run.
+  // An unwritable file is named before the run (exit 2), and nothing is printed or left behind.
   const Result bad =
       run("run --strategy ulysses --cp 2 --q-heads 2 --kv-heads 2 --head-dim 32 --seq 256 "
           "--threads 1 --trace /nonexistent-dir/t.json");
-  EXPECT_EQ(bad.exit_code, 1) << bad.err;
-  EXPECT_NE(bad.err.find("--trace '/nonexistent-dir/t.json' could not be written"), std::string::npos)
+  EXPECT_EQ(bad.exit_code, 2) << bad.err;
+  EXPECT_NE(bad.err.find("--trace '/nonexistent-dir/t.json' cannot be written"), std::string::npos)
       << bad.err;
+  EXPECT_EQ(bad.out, "");
 }
 
 // bench calibrate writes a profile that plan reads: rates for the measured shapes, this machine's cores.

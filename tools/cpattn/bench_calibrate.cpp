@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
@@ -156,6 +157,11 @@ struct LinkFit {
 
 LinkFit fit_links(Communicator& comm) {
   const int n = comm.size();
+  if (n < 2) {
+    throw Error(
+        ErrorKind::invalid_input, "--backend", "mpi",
+        "bench calibrate --backend mpi fits the links between ranks: run it under mpirun -np 2 (or more)");
+  }
   struct Point {
     double messages, bytes, seconds;
   };
@@ -180,9 +186,15 @@ LinkFit fit_links(Communicator& comm) {
   LinkFit fit;
   fit.ranks = n;
   double a = (smt * sbb - sbt * smb) / det, g = (smm * sbt - smb * smt) / det;
-  if (!(a >= 0) || !(g > 0)) {  // a negative term: the other alone
-    a = std::max(a, 0.0);
-    g = std::max(g, 1e-15);
+  if (!(det > 0) || !(a >= 0)) {  // no latency term: the bytes alone
+    a = 0;
+    g = sbt / sbb;
+  } else if (!(g > 0)) {  // no bandwidth term cannot be: the fit failed
+    g = 0;
+  }
+  if (!(g > 0) || !std::isfinite(g)) {
+    throw Error(ErrorKind::internal, "links", std::to_string(n),
+                "the collectives' timings gave no bandwidth (" + std::to_string(points.size()) + " sizes)");
   }
   fit.latency = a;
   fit.bandwidth = 1 / g;
@@ -194,8 +206,22 @@ LinkFit fit_links(Communicator& comm) {
 }
 
 int bench_calibrate(const CalibrateOptions& opt) {
-  // The name checked before minutes of measuring, as plan will read it.
-  parse_hardware_profile("name: " + opt.name + "\nflops: 1\nbandwidth: 1\nsource: --name\n", "--name");
+  // The name checked before the minute of measuring, as plan will read it.
+  if (opt.name.empty() ||
+      opt.name.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789.-") != std::string::npos) {
+    throw Error(ErrorKind::invalid_input, "--name", opt.name,
+                "--name '" + quoted(opt.name) +
+                    "' is not a profile name; valid: lower-case letters, digits, '.', '-'");
+  }
+  if (!opt.output.empty()) {  // an unwritable file named before the minute of measuring, nothing left behind
+    const bool existed = std::filesystem::exists(opt.output);
+    const bool writable = static_cast<bool>(std::ofstream(opt.output, std::ios::app));
+    if (writable && !existed) std::filesystem::remove(opt.output);
+    if (!writable) {
+      throw Error(ErrorKind::invalid_input, "--output", opt.output,
+                  "--output '" + quoted(opt.output) + "' cannot be written");
+    }
+  }
   if (!opt.kernel_from.empty() && read_hardware_profile(opt.kernel_from).kernel.empty()) {
     throw Error(ErrorKind::invalid_input, "--kernel-from", opt.kernel_from,
                 "--kernel-from '" + quoted(opt.kernel_from) + "' has no kernel rates (key kernel)");
