@@ -35,6 +35,39 @@ constexpr const char* kProfileKeys[] = {"name",
                                         "kernel",
                                         "source"};
 constexpr std::int64_t kMaxExtent = std::int64_t{1} << 22;  // plan's longest row (kMaxPlanSeq)
+// The profile's numbers: each key, its field, its range and what it takes (in messages).
+struct RealKey {
+  const char* key;
+  double HardwareProfile::*field;
+  double min, max;
+  const char* valid;
+};
+constexpr RealKey kRealKeys[] = {
+    {"flops", &HardwareProfile::flops, 1, 1e30, "FLOP/s, a number"},
+    {"bandwidth", &HardwareProfile::bandwidth, 1, 1e30, "bytes/s, a number"},
+    {"inter_bandwidth", &HardwareProfile::inter_bandwidth, 1, 1e30, "bytes/s, a number"},
+    {"switch_bandwidth", &HardwareProfile::switch_bandwidth, 1, 1e30, "bytes/s, a number"},
+    {"all_to_all_bandwidth", &HardwareProfile::all_to_all_bandwidth, 1, 1e30, "bytes/s, a number"},
+    {"latency", &HardwareProfile::latency, 0, 10, "seconds, 0 to 10"},
+    {"inter_latency", &HardwareProfile::inter_latency, 0, 10, "seconds, 0 to 10"},
+    {"ring_step_seconds", &HardwareProfile::ring_step_seconds, 0, 10, "seconds, 0 to 10"},
+    {"call_seconds", &HardwareProfile::call_seconds, 0, 10, "seconds, 0 to 10"},
+};
+struct CountKey {
+  const char* key;
+  std::int64_t HardwareProfile::*field;
+  std::int64_t max;
+  const char* valid;
+};
+constexpr CountKey kCountKeys[] = {
+    {"ranks_per_host", &HardwareProfile::ranks_per_host, std::numeric_limits<std::int32_t>::max(),
+     "devices, 0: one host"},
+    {"ranks_per_switch", &HardwareProfile::ranks_per_switch, std::numeric_limits<std::int32_t>::max(),
+     "devices, 0: no switches"},
+    {"cores", &HardwareProfile::cores, 1 << 20, "cores the ranks share, 0: a device per rank"},
+    {"block", &HardwareProfile::block, kMaxExtent, "a tile size, 0: none"},
+};
+
 constexpr const char* kKernelKeys[] = {"dtype", "head_dim", "q", "kv", "causal", "forward", "backward"};
 
 std::string key_list(const std::vector<std::string>& keys) {
@@ -159,29 +192,14 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
                             "' is not a profile name; valid: lower-case letters, digits, '.', '-'");
           }
           p.name = value;
-        } else if (key == "flops") {
-          p.flops = parse_real(value, field, 1, 1e30, "FLOP/s, a number");
-        } else if (key == "bandwidth" || key == "inter_bandwidth" || key == "switch_bandwidth" ||
-                   key == "all_to_all_bandwidth") {
-          double& x = key == "bandwidth"          ? p.bandwidth
-                      : key == "inter_bandwidth"  ? p.inter_bandwidth
-                      : key == "switch_bandwidth" ? p.switch_bandwidth
-                                                  : p.all_to_all_bandwidth;
-          x = parse_real(value, field, 1, 1e30, "bytes/s, a number");
-        } else if (key == "latency" || key == "inter_latency" || key == "ring_step_seconds" ||
-                   key == "call_seconds") {
-          double& x = key == "latency"         ? p.latency
-                      : key == "inter_latency" ? p.inter_latency
-                      : key == "call_seconds"  ? p.call_seconds
-                                               : p.ring_step_seconds;
-          x = parse_real(value, field, 0, 10, "seconds, 0 to 10");
-        } else if (key == "ranks_per_host" || key == "ranks_per_switch") {
-          (key == "ranks_per_host" ? p.ranks_per_host : p.ranks_per_switch) =
-              parse_integer(value, field, 0, std::numeric_limits<std::int32_t>::max(), "devices, 0: none");
-        } else if (key == "cores" || key == "block") {
-          (key == "cores" ? p.cores : p.block) = parse_integer(
-              value, field, 0, key == "cores" ? 1 << 20 : kMaxExtent,
-              key == "cores" ? "cores the ranks share, 0: a device per rank" : "a tile size, 0: none");
+        } else if (const auto* real = std::find_if(std::begin(kRealKeys), std::end(kRealKeys),
+                                                   [&](const RealKey& k) { return key == k.key; });
+                   real != std::end(kRealKeys)) {
+          p.*(real->field) = parse_real(value, field, real->min, real->max, real->valid);
+        } else if (const auto* count = std::find_if(std::begin(kCountKeys), std::end(kCountKeys),
+                                                    [&](const CountKey& k) { return key == k.key; });
+                   count != std::end(kCountKeys)) {
+          p.*(count->field) = parse_integer(value, field, 0, count->max, count->valid);
         } else {
           CPATTN_ASSERT(key == "source");  // every other key of kProfileKeys has its branch above
           if (value.empty())
