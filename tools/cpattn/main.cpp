@@ -89,6 +89,9 @@ int main(int argc, char** argv) {
   // third of a layer (docs/performance.md). The thresholds set here also stop glibc's own adjusting.
   mallopt(M_MMAP_MAX, 0);  // no large block in a mapping of its own: all from the heaps, kept for reuse
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  // One heap for every thread: the in-process ranks' threads would each get an arena of their own, whose heaps
+  // glibc shrinks (and faults in again) whatever the trim threshold; their allocations are few and large.
+  mallopt(M_ARENA_MAX, 1);
   CLI::App app{
       "cpattn: context-parallel attention (all_gather, ulysses with KV-head replication, ring, hybrid)"};
   app.require_subcommand(1);
