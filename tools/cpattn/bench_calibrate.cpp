@@ -22,6 +22,7 @@
 #include "cpattn/planner.hpp"
 #include "cpattn/sequence_layout.hpp"
 #include "flag_parsing.hpp"
+#include "output_dir.hpp"
 
 namespace cpattn::cli {
 namespace {
@@ -213,15 +214,7 @@ int bench_calibrate(const CalibrateOptions& opt) {
                 "--name '" + quoted(opt.name) +
                     "' is not a profile name; valid: lower-case letters, digits, '.', '-'");
   }
-  if (!opt.output.empty()) {  // an unwritable file named before the minute of measuring, nothing left behind
-    const bool existed = std::filesystem::exists(opt.output);
-    const bool writable = static_cast<bool>(std::ofstream(opt.output, std::ios::app));
-    if (writable && !existed) std::filesystem::remove(opt.output);
-    if (!writable) {
-      throw Error(ErrorKind::invalid_input, "--output", opt.output,
-                  "--output '" + quoted(opt.output) + "' cannot be written");
-    }
-  }
+  if (!opt.output.empty()) check_writable_file(opt.output, "--output");  // before the minute of measuring
   if (!opt.kernel_from.empty() && read_hardware_profile(opt.kernel_from).kernel.empty()) {
     throw Error(ErrorKind::invalid_input, "--kernel-from", opt.kernel_from,
                 "--kernel-from '" + quoted(opt.kernel_from) + "' has no kernel rates (key kernel)");

@@ -83,14 +83,11 @@ int main(int argc, char** argv) {
   // A file size limit (ulimit -f) makes a write fail with EFBIG, which --save reports and cleans up after,
   // instead of killing the process with SIGXFSZ half-way through its files.
   std::signal(SIGXFSZ, SIG_IGN);
-  // Freed memory kept for the next layer, as a training process's caching allocator keeps it: glibc would
-  // otherwise give every large tensor back to the kernel when freed (mmap'd above a threshold, the heap's top
-  // trimmed) and fault it in again, zeroed, on the next call; on a virtual machine that costs as much as a
-  // third of a layer (docs/performance.md). The thresholds set here also stop glibc's own adjusting.
-  mallopt(M_MMAP_MAX, 0);  // no large block in a mapping of its own: all from the heaps, kept for reuse
+  // Freed memory kept for the next layer, as a training process's caching allocator keeps it: no tensor in a
+  // mapping of its own, no heap trimmed, one heap for every rank thread (glibc shrinks per-thread arenas, and
+  // each layer would fault its memory in again, zeroed; docs/performance.md).
+  mallopt(M_MMAP_MAX, 0);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
-  // One heap for every thread: the in-process ranks' threads would each get an arena of their own, whose heaps
-  // glibc shrinks (and faults in again) whatever the trim threshold; their allocations are few and large.
   mallopt(M_ARENA_MAX, 1);
   CLI::App app{
       "cpattn: context-parallel attention (all_gather, ulysses with KV-head replication, ring, hybrid)"};

@@ -397,4 +397,15 @@ void write_outputs(const std::string& dir, const std::vector<OutputFile>& files)
   }
 }
 
+void check_writable_file(const std::string& path, const std::string& flag) {
+  const bool existed = std::filesystem::exists(path);
+  const bool writable = static_cast<bool>(std::ofstream(path, std::ios::app));
+  const int error = errno;
+  if (writable && !existed) std::filesystem::remove(path);
+  if (!writable) {
+    throw Error(ErrorKind::invalid_input, flag, path,
+                flag + " '" + quoted(path) + "' cannot be written (" + std::strerror(error) + ")");
+  }
+}
+
 }  // namespace cpattn::cli

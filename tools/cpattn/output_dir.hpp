@@ -25,6 +25,10 @@ std::vector<std::string> output_names(bool forward_only);
 // dv.npy), which would otherwise sit beside the new outputs as if they were theirs.
 void check_output_dir(const std::string& dir, bool forward_only);
 
+// Refuses (Error invalid_input naming `flag` and the path) a file this process cannot write, before a run
+// that would write it at its end; a file the check had to make is removed again.
+void check_writable_file(const std::string& path, const std::string& flag);
+
 // Makes DIR if needed, writes every file to a temporary name in it (.NAME.tmp.PID), moves the existing
 // outputs aside (.NAME.old.PID), renames each new one into place and removes the old. On any failure the new
 // files and temporaries are removed and the earlier ones put back; the error names the file.

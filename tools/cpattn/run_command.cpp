@@ -505,16 +505,7 @@ int run(const CLI::App& app, RunOptions& opt) {
   settings.forward_only = opt.forward_only;
   settings.repeat = opt.repeat;
   settings.trace = !opt.trace_file.empty();
-  if (settings.trace) {  // an unwritable path named before the run, not after it; nothing left behind
-    const bool existed = std::filesystem::exists(opt.trace_file);
-    const bool writable = static_cast<bool>(std::ofstream(opt.trace_file, std::ios::app));
-    if (writable && !existed) std::filesystem::remove(opt.trace_file);
-    if (!writable) {
-      throw Error(ErrorKind::invalid_input, "--trace", opt.trace_file,
-                  "--trace '" + cpattn::quoted(opt.trace_file) + "' cannot be written (" +
-                      std::strerror(errno) + ")");
-    }
-  }
+  if (settings.trace) check_writable_file(opt.trace_file, "--trace");  // named before the run, not after
   settings.comm_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(opt.comm_timeout * 1000));
   const int rank_threads = threads_per_rank(opt.threads, p.cp);
 
