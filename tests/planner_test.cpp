@@ -423,7 +423,7 @@ TEST(HardwareProfiles, EveryCompiledInFileParsesWithItsSource) {
       {"a100", 312e12, 300e9, 8, 25e9},      {"h100", 989e12, 450e9, 8, 50e9},
       {"h200", 989e12, 450e9, 8, 50e9},      {"h800", 989e12, 200e9, 8, 50e9},
       {"l20-pcie", 119.5e12, 25e9, 8, 25e9}, {"tpu-v7x", 2307e12, 600e9, 0, 600e9},
-      {"a100-pcie", 312e12, 25e9, 0, 0}};
+      {"a100-pcie", 312e12, 4.3e9, 0, 0}};
   for (const auto& [name, flops, bandwidth, per_host, inter] : figures) {
     const HardwareProfile* h = find_hardware(name);
     ASSERT_NE(h, nullptr) << name;
@@ -433,10 +433,15 @@ TEST(HardwareProfiles, EveryCompiledInFileParsesWithItsSource) {
     EXPECT_EQ(h->inter_bandwidth, inter) << name;
   }
   EXPECT_EQ(find_hardware("h2000"), nullptr);
-  // The PCIe machines' switches: pairs sharing an uplink.
+  // The PCIe machines' switches: pairs sharing an uplink; the L20 host's two sockets of four.
   for (const char* name : {"l20-pcie", "a100-pcie"}) {
     EXPECT_EQ(find_hardware(name)->ranks_per_switch, 2) << name;
-    EXPECT_EQ(find_hardware(name)->switch_bandwidth, 25e9) << name;
+    EXPECT_EQ(find_hardware(name)->switch_bandwidth, find_hardware(name)->bandwidth) << name;
+  }
+  EXPECT_EQ(find_hardware("l20-pcie")->ranks_per_socket, 4);
+  // The ring's merges at the memory's datasheet rate where the published rings are checked.
+  for (const char* name : {"a100", "a100-pcie", "l20-pcie", "h800"}) {
+    EXPECT_GT(find_hardware(name)->memory_bandwidth, 0) << name;
   }
   // Measured kernel rates, each with its source.
   for (const char* name : {"a100", "a100-pcie", "l20-pcie", "h800"}) {
@@ -494,6 +499,13 @@ TEST(HardwareProfiles, ABadProfileNamesItsFileAndKey) {
       {good + "ranks_per_host: 8\ninter_bandwidth: 1e9\nranks_per_switch: 3\nswitch_bandwidth: 1e9\n",
        "must divide ranks_per_host"},
       {good + "latency: -1e-6\n", "latency"},
+      {good + "ranks_per_socket: 4\n", "give socket_bandwidth"},
+      {good + "ranks_per_switch: 2\nswitch_bandwidth: 1e9\nranks_per_socket: 3\nsocket_bandwidth: 1e9\n",
+       "must be a multiple of ranks_per_switch"},
+      {good + "ranks_per_host: 8\ninter_bandwidth: 1e9\nranks_per_socket: 3\nsocket_bandwidth: 1e9\n",
+       "must divide ranks_per_host"},
+      {good + "memory_bandwidth: 0\n", "memory_bandwidth"},
+      {good + "merge_bytes: -3\n", "merge_bytes"},
       {good + "kernel: 3\n", "kernel is a list"},
       {good + "kernel:\n  - {dtype: fp32, head_dim: 64, q: 256, kv: 256, causal: false, forward: 1e9}\n",
        "key 'backward' is missing"},
@@ -554,7 +566,14 @@ TEST(CostModel, ProfileRoundTripsThroughItsYaml) {
   p.inter_latency = 1e-4;
   p.ranks_per_switch = 2;
   p.switch_bandwidth = 3e9;
+  p.ranks_per_socket = 2;
+  p.socket_bandwidth = 2e9;
+  p.socket_all_to_all_bandwidth = 1.5e9;
+  p.socket_latency = 3e-5;
   p.ring_step_seconds = 1e-5;
+  p.memory_bandwidth = 4e10;
+  p.merge_bytes = 33;
+  p.accumulate_bytes = 10;
   p.call_seconds = 2e-6;
   p.cores = 2;
   p.block = 64;
@@ -573,6 +592,13 @@ TEST(CostModel, ProfileRoundTripsThroughItsYaml) {
   EXPECT_EQ(q.ranks_per_switch, p.ranks_per_switch);
   EXPECT_EQ(q.switch_bandwidth, p.switch_bandwidth);
   EXPECT_EQ(q.all_to_all_bandwidth, p.all_to_all_bandwidth);
+  EXPECT_EQ(q.ranks_per_socket, p.ranks_per_socket);
+  EXPECT_EQ(q.socket_bandwidth, p.socket_bandwidth);
+  EXPECT_EQ(q.socket_all_to_all_bandwidth, p.socket_all_to_all_bandwidth);
+  EXPECT_EQ(q.socket_latency, p.socket_latency);
+  EXPECT_EQ(q.memory_bandwidth, p.memory_bandwidth);
+  EXPECT_EQ(q.merge_bytes, p.merge_bytes);
+  EXPECT_EQ(q.accumulate_bytes, p.accumulate_bytes);
   EXPECT_EQ(q.ring_step_seconds, p.ring_step_seconds);
   EXPECT_EQ(q.call_seconds, p.call_seconds);
   EXPECT_EQ(q.cores, p.cores);
@@ -602,6 +628,12 @@ TEST(CostModel, KernelRateIsTheEntryAtItsShapeAndBetweenEntriesInBetween) {
   EXPECT_EQ(p.kernel_rate(DType::f32, 64, 256, 256, true, false), 5e11);
   // No entry of the dtype: the profile's flops.
   EXPECT_EQ(p.kernel_rate(DType::bf16, 64, 256, 256, false, false), 7e10);
+  // Another head dim is a rate of its own, however far its entry's extents: half way in log2 between head
+  // dims 64 and 256 the geometric mean, beyond them the nearest head dim's rate.
+  p.kernel.push_back({DType::f32, 256, 65536, 65536, false, 4e11, 8e11});
+  EXPECT_NEAR(p.kernel_rate(DType::f32, 128, 4096, 4096, false, false), std::sqrt(3e11 * 4e11), 1e3);
+  EXPECT_EQ(p.kernel_rate(DType::f32, 512, 256, 256, false, false), 4e11);
+  EXPECT_EQ(p.kernel_rate(DType::f32, 32, 4096, 4096, false, true), 4e11);
 }
 
 // The per-call rate: ulysses at cp = 2 is one call of 4096 x 4096 per rank over its 2 heads.
@@ -679,6 +711,58 @@ TEST(CostModel, ASharedSwitchSlowsWhatCrossesIt) {
   // A fast uplink: the device links bound it again.
   r.hardware.switch_bandwidth = 1e12;
   EXPECT_NEAR(by_name(make_plan(r), "ulysses").communication_seconds, sent / 1e9, 1e-9);
+}
+
+// Sockets above the switches: eight ranks, switches of two, sockets of four. ulysses's all-to-all at cp = 8
+// sends 4/7 of each rank's bytes out of its socket (a socket's four ranks share its link) and 6/7 out of its
+// switch; the slower of the two links bounds the call, an all-to-all at the socket's all-to-all rate, and
+// each message to the other socket pays socket_latency on top.
+TEST(CostModel, ASocketsLinkCarriesWhatLeavesIt) {
+  PlanRequest r = small_request();
+  r.attention.num_q_heads = 8;
+  r.attention.num_kv_heads = 8;
+  r.parallel.cp = 8;
+  r.forward_only = true;
+  r.hardware.bandwidth = 1e9;
+  r.hardware.ranks_per_switch = 2;
+  r.hardware.switch_bandwidth = 1e12;
+  double sent = 0;
+  for (const auto& c : by_name(make_plan(r), "ulysses").collectives)
+    sent += static_cast<double>(c.bytes_sent_per_rank);
+  EXPECT_NEAR(by_name(make_plan(r), "ulysses").communication_seconds, sent / 1e9, 1e-9);
+  r.hardware.ranks_per_socket = 4;
+  r.hardware.socket_bandwidth = 1e9;
+  r.hardware.socket_all_to_all_bandwidth = 5e8;
+  const double socket = 4 * (4.0 / 7.0) * sent / 5e8;
+  EXPECT_NEAR(by_name(make_plan(r), "ulysses").communication_seconds, socket, 1e-9);
+  // The socket's latency: 4 messages of each all-to-all leave the socket, 3 stay (at `latency`, 0 here).
+  r.hardware.socket_latency = 1e-3;
+  EXPECT_NEAR(by_name(make_plan(r), "ulysses").communication_seconds, socket + 5 * 4e-3, 1e-9);
+  r.hardware.latency = 2e-3;  // 3 x 2 ms in the socket against 4 x 1 ms out of it: the longer, per call
+  EXPECT_NEAR(by_name(make_plan(r), "ulysses").communication_seconds, socket + 5 * 6e-3, 1e-9);
+}
+
+// A ring step's work outside its calls, at memory_bandwidth: the forward folds each call's output rows
+// (merge_bytes per element), the backward sums dQ, dK and dV of each call and the step's dK/dV into the
+// travelling accumulator (accumulate_bytes per element). Without memory_bandwidth it is not priced.
+TEST(CostModel, ARingStepsMergesMoveItsOutputThroughMemory) {
+  PlanRequest r = small_request();
+  r.forward_only = true;
+  const double compute = 4.0 * 2048 * 2048 * 64 * 4 / 1e11;  // cp = 2: each step 2048 x 2048 over 4 heads
+  EXPECT_NEAR(by_name(make_plan(r), "ring").layer_seconds, 2 * compute, 1e-9);
+  r.hardware.memory_bandwidth = 1e9;
+  const double out = 2048.0 * 4 * 64;  // a step's output elements per rank: its rows x heads x D
+  EXPECT_NEAR(by_name(make_plan(r), "ring").layer_seconds, 2 * (compute + out * 12 / 1e9), 1e-9);
+  r.hardware.merge_bytes = 30;
+  EXPECT_NEAR(by_name(make_plan(r), "ring").layer_seconds, 2 * (compute + out * 30 / 1e9), 1e-9);
+  // Not a ring: nothing to merge.
+  EXPECT_NEAR(by_name(make_plan(r), "ulysses").layer_seconds, 2 * compute, 1e-9);
+  // The backward: per step the call's dQ (out) and dK, dV (2 x out, kv heads = q heads here), and the step's
+  // dK/dV into the accumulator (2 x out), at accumulate_bytes.
+  r.forward_only = false;
+  r.hardware.accumulate_bytes = 10;
+  const double fwd = compute + out * 30 / 1e9, bwd = 2.5 * compute + 5 * out * 10 / 1e9;
+  EXPECT_NEAR(by_name(make_plan(r), "ring").layer_seconds, 2 * (fwd + bwd), 1e-9);
 }
 
 // The kernel's time from measured entries: entries made from known costs per tile, per query row and per key

@@ -61,15 +61,30 @@ struct HardwareProfile {
   // bytes/s of an all-to-all's traffic across a switch's uplink (with switches), else one device's in an
   // all-to-all inside its host: NCCL's all-to-all over PCIe runs far below the links' rate (0: their rate)
   double all_to_all_bandwidth = 0;
-  double ring_step_seconds = 0;    // a ring step's synchronisation: the wait for the hop, the next call
+  // A host's devices in sockets of ranks_per_socket consecutive ranks (each a CPU's PCIe root, its switches
+  // below it): what a socket's devices send to the host's other sockets shares socket_bandwidth, an
+  // all-to-all's share at socket_all_to_all_bandwidth (0: socket_bandwidth), each message to another socket
+  // at socket_latency (0: `latency`).
+  std::int64_t ranks_per_socket = 0;  // 0: one socket
+  double socket_bandwidth = 0;
+  double socket_all_to_all_bandwidth = 0;
+  double socket_latency = 0;
+  double ring_step_seconds = 0;  // a ring step's synchronisation: the wait for the hop, the next call
+  // bytes/s of device memory (per core with `cores`) for the work a ring step does outside its kernel calls
+  // (folding each call's output into the running one; in the backward summing dQ, dK and dV); 0: unpriced
+  double memory_bandwidth = 0;
+  double merge_bytes = 12;  // bytes moved per output element folded (cpattn: read the call's fp32 O, read
+                            // and write the running fp32 O)
+  double accumulate_bytes = 12;    // bytes moved per gradient element summed (dQ, dK, dV; cpattn: fp32 +=)
   double call_seconds = 0;         // a kernel call's fixed cost (launch, setup)
   std::int64_t cores = 0;          // ranks share this many cores (CPU; rates per core); 0: a device per rank
   std::int64_t block = 0;          // the tile size the rates count in (0: the request's)
   std::vector<KernelRate> kernel;  // measured rates by call shape (interpolated); empty: `flops`
 
   // The kernel's rate (FLOP/s, forward or backward) on a call of `dtype`, head dim, query and key extents:
-  // the entries of the dtype (and of the call's causality where there are both), weighted by inverse squared
-  // distance in log2(head_dim, q, kv) (an entry's own shape gets its rate); `flops` where there is none.
+  // among the entries of the dtype (and of the call's causality where there are both), those of one head dim
+  // weighted by inverse squared distance in log2(q, kv) (an entry's own shape gets its rate), between two
+  // head dims geometric in log2(head_dim), beyond them the nearest; `flops` where there is none.
   double kernel_rate(DType dtype, std::int64_t head_dim, std::int64_t q, std::int64_t kv, bool causal,
                      bool backward) const;
 };

@@ -103,21 +103,28 @@ struct KernelFit {
 // What one rank sends in one collective: bytes and messages by link (inside its host, to other hosts) and the
 // bytes that leave its switch for the rest of its host.
 struct Traffic {
-  double intra = 0, inter = 0, out_of_switch = 0;
-  std::int64_t intra_messages = 0, inter_messages = 0;
+  double intra = 0, inter = 0, out_of_switch = 0, out_of_socket = 0;
+  std::int64_t intra_messages = 0, inter_messages = 0, socket_messages = 0;  // socket: those leaving it
   bool all_to_all = false;  // an all-to-all: at the profile's all_to_all_bandwidth (Links::seconds)
 };
 
-// Where ranks sit (HardwareProfile): rank r on host r / per_host, behind switch r / per_switch. A rank's time
-// in a collective is the slowest of its links, each latency x messages + bytes / bandwidth, both links at
-// once; a switch's uplink carries what all its ranks send out of it. Where ranks share cores (`share` ranks
-// per core beyond one), every transfer is that much slower: the copies take turns on the cores.
+// Where ranks sit (HardwareProfile): rank r on host r / per_host, in socket r / per_socket, behind switch
+// r / per_switch. A rank's time in a collective is the slowest of its links, each latency x messages + bytes
+// / bandwidth, all links at once; a switch's uplink carries what all its ranks send out of it, a socket's
+// link what all its ranks send to the host's other sockets. Where ranks share cores (`share` ranks per core
+// beyond one), every transfer is that much slower: the copies take turns on the cores.
 struct Links {
   std::int64_t per_host = 0, per_switch = 0;  // 0: one host, no switches
   double intra = 1, inter = 1, uplink = 1, latency = 0, inter_latency = 0, share = 1, all_to_all = 1;
+  std::int64_t per_socket = 0;  // 0: one socket
+  // A socket's link to the host's others: a permute's rate, an all-to-all's, the latency of a message on it.
+  double socket = 1, socket_all_to_all = 1, socket_latency = 0;
   bool crosses(std::int64_t a, std::int64_t b) const { return per_host > 0 && a / per_host != b / per_host; }
   bool leaves_switch(std::int64_t a, std::int64_t b) const {
     return per_switch > 0 && !crosses(a, b) && a / per_switch != b / per_switch;
+  }
+  bool leaves_socket(std::int64_t a, std::int64_t b) const {
+    return per_socket > 0 && !crosses(a, b) && a / per_socket != b / per_socket;
   }
   void add(Traffic& t, std::int64_t from, std::int64_t to, double bytes) const {
     if (crosses(from, to)) {
@@ -127,29 +134,38 @@ struct Links {
       t.intra += bytes;
       ++t.intra_messages;
       if (leaves_switch(from, to)) t.out_of_switch += bytes;
+      if (leaves_socket(from, to)) {
+        t.out_of_socket += bytes;
+        ++t.socket_messages;
+      }
     }
   }
-  double seconds(const Traffic& t, double switch_total) const {
+  double seconds(const Traffic& t, double switch_total, double socket_total) const {
     // An all-to-all's slow part is what crosses a switch's uplink where there are switches, else the device's
     // link: all_to_all (the profile's all_to_all_bandwidth) there.
     const bool slow_a2a = t.all_to_all && per_switch == 0;
-    const double host =
-        static_cast<double>(t.intra_messages) * latency + t.intra / (slow_a2a ? all_to_all : intra);
+    // The messages' latencies first (each link's in turn, the links at once), then the bytes at the slowest
+    // link: a link's bytes cannot start before its messages are set up, nor hide another link's latency.
+    const double messages = std::max({static_cast<double>(t.intra_messages - t.socket_messages) * latency,
+                                      static_cast<double>(t.socket_messages) * socket_latency,
+                                      static_cast<double>(t.inter_messages) * inter_latency});
+    const double host = t.intra / (slow_a2a ? all_to_all : intra);
     const double uplink_s = per_switch > 0 ? switch_total / (t.all_to_all ? all_to_all : uplink) : 0.0;
-    const double across =
-        t.inter_messages > 0 ? static_cast<double>(t.inter_messages) * inter_latency + t.inter / inter : 0.0;
-    return share * std::max({host, uplink_s, across});
+    const double socket_s = per_socket > 0 ? socket_total / (t.all_to_all ? socket_all_to_all : socket) : 0.0;
+    const double across = t.inter / inter;
+    return share * (messages + std::max({host, uplink_s, socket_s, across}));
   }
-  // One call's time per rank from every rank's traffic (the switches' totals summed first).
+  // One call's time per rank from every rank's traffic (the switches' and sockets' totals summed first).
   std::vector<double> call_seconds(const std::vector<Traffic>& traffic) const {
-    std::vector<double> by_switch(traffic.size(), 0.0), out(traffic.size(), 0.0);
+    std::vector<double> by_switch(traffic.size(), 0.0), by_socket(by_switch), out(by_switch);
     const std::int64_t n = static_cast<std::int64_t>(traffic.size());
     for (std::int64_t r = 0; r < n; ++r) {
       if (per_switch > 0) by_switch[static_cast<std::size_t>(r / per_switch)] += traffic[r].out_of_switch;
+      if (per_socket > 0) by_socket[static_cast<std::size_t>(r / per_socket)] += traffic[r].out_of_socket;
     }
     for (std::int64_t r = 0; r < n; ++r) {
-      out[r] =
-          seconds(traffic[r], per_switch > 0 ? by_switch[static_cast<std::size_t>(r / per_switch)] : 0.0);
+      out[r] = seconds(traffic[r], per_switch > 0 ? by_switch[static_cast<std::size_t>(r / per_switch)] : 0.0,
+                       per_socket > 0 ? by_socket[static_cast<std::size_t>(r / per_socket)] : 0.0);
     }
     return out;
   }
@@ -609,6 +625,34 @@ double kernel_seconds(const PlanContext& c, std::int64_t rank, const std::vector
   return t;
 }
 
+// The memory traffic of a ring step outside its kernel calls (ring, hybrid), at the profile's
+// memory_bandwidth: the forward folds each call's output rows into the running output (merge_bytes per
+// element); the backward sums each call's dQ, dK and dV into the rank's and the step's, and the step's dK/dV
+// into the travelling accumulator (accumulate_bytes per element).
+double merge_seconds(const PlanContext& c, std::int64_t rank, const std::vector<KernelCall>& calls,
+                     bool backward) {
+  const HardwareProfile& hw = c.req.hardware;
+  if (!c.ring_like() || !(hw.memory_bandwidth > 0)) return 0;
+  const double hq = static_cast<double>(c.local_q_heads(rank)),
+               hkv = static_cast<double>(c.local_kv_heads(rank));
+  const double row = static_cast<double>(c.B * c.D);  // elements per token and head
+  double elements = 0;
+  for (const KernelCall& k : calls) {
+    if (k.tiles == 0) continue;
+    elements += static_cast<double>(k.q) * hq * row;
+    if (backward) elements += 2 * static_cast<double>(k.kv) * hkv * row;
+  }
+  if (backward) elements += 2 * static_cast<double>(c.S / c.R) * hkv * row;
+  const double threads = static_cast<double>(hw.cores > 0 ? c.threads : 1);
+  return elements * (backward ? hw.accumulate_bytes : hw.merge_bytes) / (hw.memory_bandwidth * threads);
+}
+
+// A rank's seconds for one step's calls: their kernels and the step's merges.
+double step_seconds(const PlanContext& c, std::int64_t rank, const std::vector<KernelCall>& calls,
+                    bool backward) {
+  return kernel_seconds(c, rank, calls, backward) + merge_seconds(c, rank, calls, backward);
+}
+
 // A compute phase's seconds from each rank's own: the slowest rank's; where ranks share cores, at least all
 // their work spread over the cores (ranks that finish early free theirs).
 double phase_seconds(const PlanContext& c, const std::vector<double>& per_rank) {
@@ -636,8 +680,8 @@ double ring_layer_seconds(const PlanContext& c, const CallPlan& calls, double fi
   std::vector<double> fwd_r(static_cast<std::size_t>(c.cp)), bwd_r(fwd_r);
   for (std::int64_t step = 0; step < c.R; ++step) {
     for (std::int64_t r = 0; r < c.cp; ++r) {
-      fwd_r[r] = kernel_seconds(c, r, calls[r][step], false);
-      bwd_r[r] = c.req.forward_only ? 0.0 : kernel_seconds(c, r, calls[r][step], true);
+      fwd_r[r] = step_seconds(c, r, calls[r][step], false);
+      bwd_r[r] = c.req.forward_only ? 0.0 : step_seconds(c, r, calls[r][step], true);
     }
     const double fwd = phase_seconds(c, fwd_r), bwd = phase_seconds(c, bwd_r);
     const bool first = step == 0, last = step + 1 == c.R;
@@ -673,8 +717,8 @@ void plan_time(const PlanContext& c, StrategyPlan& s, const CallPlan& calls, con
   for (std::int64_t r = 0; r < c.cp; ++r) {
     double fwd = 0, bwd = 0;
     for (const auto& step : calls[r]) {
-      fwd += kernel_seconds(c, r, step, false);
-      bwd += c.req.forward_only ? 0.0 : kernel_seconds(c, r, step, true);
+      fwd += step_seconds(c, r, step, false);
+      bwd += c.req.forward_only ? 0.0 : step_seconds(c, r, step, true);
     }
     fwd_r.push_back(fwd);
     bwd_r.push_back(bwd);
@@ -747,7 +791,11 @@ StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const
              hw.cores > 0 ? std::max(1.0, static_cast<double>(c.cp) / static_cast<double>(hw.cores)) : 1.0,
              hw.all_to_all_bandwidth > 0 ? hw.all_to_all_bandwidth
              : hw.ranks_per_switch > 0   ? hw.switch_bandwidth
-                                         : hw.bandwidth};
+                                         : hw.bandwidth,
+             hw.ranks_per_socket,
+             hw.socket_bandwidth,
+             hw.socket_all_to_all_bandwidth > 0 ? hw.socket_all_to_all_bandwidth : hw.socket_bandwidth,
+             hw.socket_latency > 0 ? hw.socket_latency : hw.latency};
   s.collectives = attention_collectives(c.a, c.p, req.remat, c.packed, req.forward_only);
   CommModel m = plan_communication(c);
   const double reorder_seconds = plan_reorder(c, s, m.inter_bytes);
@@ -796,6 +844,22 @@ void check_profile(const HardwareProfile& hw, std::int64_t cp) {
     bad("ranks_per_switch", std::to_string(hw.ranks_per_switch),
         "ranks_per_switch must be >= 0 (0: no switches), and with switches switch_bandwidth positive");
   }
+  if (hw.ranks_per_socket < 0 || (hw.ranks_per_socket > 0 && !(hw.socket_bandwidth > 0))) {
+    bad("ranks_per_socket", std::to_string(hw.ranks_per_socket),
+        "ranks_per_socket must be >= 0 (0: one socket), and with sockets socket_bandwidth positive");
+  }
+  if (hw.ranks_per_socket > 0 && hw.ranks_per_switch > 0 && hw.ranks_per_socket % hw.ranks_per_switch != 0) {
+    bad("ranks_per_socket", std::to_string(hw.ranks_per_socket),
+        "ranks_per_socket (" + std::to_string(hw.ranks_per_socket) +
+            ") must be a multiple of the profile's " + "ranks_per_switch (" +
+            std::to_string(hw.ranks_per_switch) + "): a switch sits inside one socket");
+  }
+  if (hw.ranks_per_socket > 0 && hw.ranks_per_host > 0 && cp > hw.ranks_per_host &&
+      hw.ranks_per_host % hw.ranks_per_socket != 0) {
+    bad("ranks_per_host", std::to_string(hw.ranks_per_host),
+        "ranks_per_host (" + std::to_string(hw.ranks_per_host) + ") must be a multiple of the profile's " +
+            "ranks_per_socket (" + std::to_string(hw.ranks_per_socket) + "): a socket sits inside one host");
+  }
   if (hw.ranks_per_switch > 0 && hw.ranks_per_host > 0 && cp > hw.ranks_per_host &&
       hw.ranks_per_host % hw.ranks_per_switch != 0) {
     bad("ranks_per_host", std::to_string(hw.ranks_per_host),
@@ -805,8 +869,13 @@ void check_profile(const HardwareProfile& hw, std::int64_t cp) {
   for (const auto& [name, x] : {std::pair<const char*, double>{"latency", hw.latency},
                                 {"inter_latency", hw.inter_latency},
                                 {"ring_step_seconds", hw.ring_step_seconds},
+                                {"memory_bandwidth", hw.memory_bandwidth},
+                                {"merge_bytes", hw.merge_bytes},
+                                {"accumulate_bytes", hw.accumulate_bytes},
                                 {"call_seconds", hw.call_seconds},
-                                {"all_to_all_bandwidth", hw.all_to_all_bandwidth}}) {
+                                {"all_to_all_bandwidth", hw.all_to_all_bandwidth},
+                                {"socket_all_to_all_bandwidth", hw.socket_all_to_all_bandwidth},
+                                {"socket_latency", hw.socket_latency}}) {
     if (!(x >= 0) || !std::isfinite(x)) bad(name, std::to_string(x), std::string(name) + " must be >= 0");
   }
   for (const KernelRate& k : hw.kernel) {

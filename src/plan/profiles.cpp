@@ -28,7 +28,14 @@ constexpr const char* kProfileKeys[] = {"name",
                                         "ranks_per_switch",
                                         "switch_bandwidth",
                                         "all_to_all_bandwidth",
+                                        "ranks_per_socket",
+                                        "socket_bandwidth",
+                                        "socket_all_to_all_bandwidth",
+                                        "socket_latency",
                                         "ring_step_seconds",
+                                        "memory_bandwidth",
+                                        "merge_bytes",
+                                        "accumulate_bytes",
                                         "call_seconds",
                                         "cores",
                                         "block",
@@ -48,9 +55,16 @@ constexpr RealKey kRealKeys[] = {
     {"inter_bandwidth", &HardwareProfile::inter_bandwidth, 1, 1e30, "bytes/s, a number"},
     {"switch_bandwidth", &HardwareProfile::switch_bandwidth, 1, 1e30, "bytes/s, a number"},
     {"all_to_all_bandwidth", &HardwareProfile::all_to_all_bandwidth, 1, 1e30, "bytes/s, a number"},
+    {"socket_bandwidth", &HardwareProfile::socket_bandwidth, 1, 1e30, "bytes/s, a number"},
+    {"socket_all_to_all_bandwidth", &HardwareProfile::socket_all_to_all_bandwidth, 1, 1e30,
+     "bytes/s, a number"},
     {"latency", &HardwareProfile::latency, 0, 10, "seconds, 0 to 10"},
     {"inter_latency", &HardwareProfile::inter_latency, 0, 10, "seconds, 0 to 10"},
+    {"socket_latency", &HardwareProfile::socket_latency, 0, 10, "seconds, 0 to 10"},
     {"ring_step_seconds", &HardwareProfile::ring_step_seconds, 0, 10, "seconds, 0 to 10"},
+    {"memory_bandwidth", &HardwareProfile::memory_bandwidth, 1, 1e30, "bytes/s, a number"},
+    {"merge_bytes", &HardwareProfile::merge_bytes, 0, 1e6, "bytes per element, 0 to 1e6"},
+    {"accumulate_bytes", &HardwareProfile::accumulate_bytes, 0, 1e6, "bytes per element, 0 to 1e6"},
     {"call_seconds", &HardwareProfile::call_seconds, 0, 10, "seconds, 0 to 10"},
 };
 struct CountKey {
@@ -64,6 +78,8 @@ constexpr CountKey kCountKeys[] = {
      "devices, 0: one host"},
     {"ranks_per_switch", &HardwareProfile::ranks_per_switch, std::numeric_limits<std::int32_t>::max(),
      "devices, 0: no switches"},
+    {"ranks_per_socket", &HardwareProfile::ranks_per_socket, std::numeric_limits<std::int32_t>::max(),
+     "devices, 0: one socket"},
     {"cores", &HardwareProfile::cores, 1 << 20, "cores the ranks share, 0: a device per rank"},
     {"block", &HardwareProfile::block, kMaxExtent, "a tile size, 0: none"},
 };
@@ -224,6 +240,22 @@ HardwareProfile parse_hardware_profile(const std::string& text, const std::strin
                 "ranks_per_switch (" + std::to_string(p.ranks_per_switch) + ") must divide ranks_per_host (" +
                     std::to_string(p.ranks_per_host) + "): a switch sits inside one host");
   }
+  if (p.ranks_per_socket > 0 && !(p.socket_bandwidth > 0)) {
+    bad_profile(where, "socket_bandwidth", "",
+                "ranks_per_socket (" + std::to_string(p.ranks_per_socket) +
+                    ") puts devices in sockets: give socket_bandwidth, the bytes/s a socket's link carries");
+  }
+  if (p.ranks_per_socket > 0 && p.ranks_per_switch > 0 && p.ranks_per_socket % p.ranks_per_switch != 0) {
+    bad_profile(where, "ranks_per_socket", std::to_string(p.ranks_per_socket),
+                "ranks_per_socket (" + std::to_string(p.ranks_per_socket) + ") must be a multiple of " +
+                    "ranks_per_switch (" + std::to_string(p.ranks_per_switch) +
+                    "): a switch sits in one socket");
+  }
+  if (p.ranks_per_socket > 0 && p.ranks_per_host > 0 && p.ranks_per_host % p.ranks_per_socket != 0) {
+    bad_profile(where, "ranks_per_socket", std::to_string(p.ranks_per_socket),
+                "ranks_per_socket (" + std::to_string(p.ranks_per_socket) + ") must divide ranks_per_host (" +
+                    std::to_string(p.ranks_per_host) + "): a socket sits inside one host");
+  }
   return p;
 }
 
@@ -253,25 +285,43 @@ namespace cpattn {
 
 double HardwareProfile::kernel_rate(DType dtype, std::int64_t head_dim, std::int64_t q, std::int64_t kv,
                                     bool causal, bool backward) const {
-  bool same_dtype = false, same_causal = false;
+  bool same_causal = false;
+  std::vector<std::int64_t> dims;
   for (const KernelRate& k : kernel) {
     if (k.dtype != dtype) continue;
-    same_dtype = true;
     same_causal = same_causal || k.causal == causal;
+    if (std::find(dims.begin(), dims.end(), k.head_dim) == dims.end()) dims.push_back(k.head_dim);
   }
-  if (!same_dtype) return flops;
+  if (dims.empty()) return flops;
   auto l = [](std::int64_t x) { return std::log2(static_cast<double>(std::max<std::int64_t>(x, 1))); };
-  double weights = 0, sum = 0;
-  for (const KernelRate& k : kernel) {
-    if (k.dtype != dtype || (same_causal && k.causal != causal)) continue;
-    const double dd = l(k.head_dim) - l(head_dim), dq = l(k.q) - l(q), dk = l(k.kv) - l(kv);
-    const double d2 = dd * dd + dq * dq + dk * dk;
-    const double rate = backward ? k.backward : k.forward;
-    if (d2 == 0) return rate;
-    weights += 1 / d2;
-    sum += rate / d2;
+  // At one head dim: the entries' rates weighted by inverse squared distance in log2(q, kv).
+  auto at = [&](std::int64_t d) {
+    double weights = 0, sum = 0;
+    for (const KernelRate& k : kernel) {
+      if (k.dtype != dtype || k.head_dim != d || (same_causal && k.causal != causal)) continue;
+      const double dq = l(k.q) - l(q), dk = l(k.kv) - l(kv);
+      const double d2 = dq * dq + dk * dk;
+      const double rate = backward ? k.backward : k.forward;
+      if (d2 == 0) return rate;
+      weights += 1 / d2;
+      sum += rate / d2;
+    }
+    return weights > 0 ? sum / weights : 0.0;
+  };
+  // Head dims with an entry of the call's causality; between two of them the geometric interpolation in
+  // log2(head dim), outside them the nearest (the head dim moves a rate more than the call's extents do).
+  std::vector<std::int64_t> usable;
+  for (const std::int64_t d : dims) {
+    if (at(d) > 0) usable.push_back(d);
   }
-  return sum / weights;
+  std::sort(usable.begin(), usable.end());
+  const auto hi = std::lower_bound(usable.begin(), usable.end(), head_dim);
+  if (hi != usable.end() && *hi == head_dim) return at(head_dim);
+  if (hi == usable.begin()) return at(usable.front());
+  if (hi == usable.end()) return at(usable.back());
+  const std::int64_t lo = *(hi - 1);
+  const double frac = (l(head_dim) - l(lo)) / (l(*hi) - l(lo));
+  return at(lo) * std::pow(at(*hi) / at(lo), frac);
 }
 
 namespace {
@@ -298,7 +348,17 @@ std::string profile_yaml(const HardwareProfile& p) {
     o << "switch_bandwidth: " << number(p.switch_bandwidth) << "\n";
   }
   if (p.all_to_all_bandwidth > 0) o << "all_to_all_bandwidth: " << number(p.all_to_all_bandwidth) << "\n";
+  if (p.ranks_per_socket > 0) {
+    o << "ranks_per_socket: " << p.ranks_per_socket << "\n";
+    o << "socket_bandwidth: " << number(p.socket_bandwidth) << "\n";
+    if (p.socket_all_to_all_bandwidth > 0)
+      o << "socket_all_to_all_bandwidth: " << number(p.socket_all_to_all_bandwidth) << "\n";
+    if (p.socket_latency > 0) o << "socket_latency: " << number(p.socket_latency) << "\n";
+  }
   o << "ring_step_seconds: " << number(p.ring_step_seconds) << "\n";
+  if (p.memory_bandwidth > 0) o << "memory_bandwidth: " << number(p.memory_bandwidth) << "\n";
+  o << "merge_bytes: " << number(p.merge_bytes) << "\n";
+  o << "accumulate_bytes: " << number(p.accumulate_bytes) << "\n";
   o << "call_seconds: " << number(p.call_seconds) << "\n";
   if (p.cores > 0) o << "cores: " << p.cores << "\n";
   if (p.block > 0) o << "block: " << p.block << "\n";

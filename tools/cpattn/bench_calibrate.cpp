@@ -117,6 +117,30 @@ KernelRate measure_cell(DType dtype, std::int64_t d, std::int64_t q, std::int64_
       dtype, d, q, kv, causal, four_digits(flops / fwd), four_digits(flops * kBackwardFlopsPerForward / bwd)};
 }
 
+// Memory bytes/s per core with every core at once, for the work a ring step does outside its kernel calls:
+// the fold of a call's fp32 output into the running one and the gradients' fp32 sums, 12 bytes per element
+// (read both, write one), over arrays of 16 MiB per core (beyond this machine's caches, as a long row's are).
+double measure_memory(int cores) {
+  constexpr std::size_t kElements = std::size_t{1} << 22;
+  std::vector<std::vector<float>> dst(static_cast<std::size_t>(cores)), src(dst.size());
+  for (int c = 0; c < cores; ++c) {
+    dst[c].assign(kElements, 1.0f);
+    src[c].assign(kElements, 0.5f);
+  }
+  auto pass = [&](int c) {
+    float* a = dst[c].data();
+    const float* b = src[c].data();
+    for (std::size_t i = 0; i < kElements; ++i) a[i] = a[i] * 0.75f + b[i] * 0.25f;
+  };
+  const double seconds = best_of([&] {
+    std::vector<std::thread> threads;
+    for (int c = 1; c < cores; ++c) threads.emplace_back(pass, c);
+    pass(0);
+    for (auto& t : threads) t.join();
+  });
+  return four_digits(12.0 * static_cast<double>(kElements) / seconds);
+}
+
 std::vector<KernelRate> measure_kernel(bool quick, int cores) {
   const std::vector<std::int64_t> dims =
       quick ? std::vector<std::int64_t>{64} : std::vector<std::int64_t>{64, 128, 256};
@@ -253,6 +277,10 @@ int bench_calibrate(const CalibrateOptions& opt) {
   } else {
     p.kernel = read_hardware_profile(opt.kernel_from).kernel;
   }
+  p.memory_bandwidth = measure_memory(cores);
+  std::cout << std::setprecision(4) << "memory (per core, " << cores
+            << " cores at once): " << p.memory_bandwidth / 1e9
+            << " GB/s folding fp32 arrays (12 bytes per element)\n";
   double best = 0;
   for (const KernelRate& k : p.kernel) best = std::max(best, k.forward);
   p.flops = best;
@@ -260,13 +288,16 @@ int bench_calibrate(const CalibrateOptions& opt) {
   p.latency = four_digits(links.latency);
   p.cores = cores;
   p.block = FlashConfig{}.block_q;
-  p.source = "cpattn bench calibrate --backend " + opt.backend + (opt.quick ? " --quick" : "") +
-             " on this machine (" + std::to_string(cores) +
-             " cores): kernel rates per core with every core computing, " +
-             (opt.kernel_from.empty() ? std::string("measured") : "from " + opt.kernel_from) +
-             ", square tiles of 64 counted as the kernel computed them; latency and bandwidth fitted to "
-             "all_to_all and all_gather on " +
-             std::to_string(links.ranks) + " ranks, 4 KiB to 4 MiB per rank; flops: the best forward rate";
+  p.source =
+      "cpattn bench calibrate --backend " + opt.backend + (opt.quick ? " --quick" : "") +
+      " on this machine (" + std::to_string(cores) +
+      " cores): kernel rates per core with every core computing, " +
+      (opt.kernel_from.empty() ? std::string("measured") : "from " + opt.kernel_from) +
+      ", square tiles of 64 counted as the kernel computed them; latency and bandwidth fitted to "
+      "all_to_all and all_gather on " +
+      std::to_string(links.ranks) +
+      " ranks, 4 KiB to 4 MiB per rank; memory: per core with every core folding fp32 arrays of 16 MiB; "
+      "merge and accumulate bytes: cpattn's own ring (12 per element); flops: the best forward rate";
   const std::string yaml = profile_yaml(p);
   parse_hardware_profile(yaml, "the calibrated profile");  // what plan will read, read back
   if (opt.output.empty()) {
