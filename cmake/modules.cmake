@@ -25,7 +25,7 @@ set(CPATTN_HEADERS_core bf16.hpp collectives.hpp config.hpp config_file.hpp erro
                          tensor.hpp)
 set(CPATTN_HEADERS_layout placement.hpp schedule.hpp sequence_layout.hpp shard.hpp)
 set(CPATTN_HEADERS_kernels flash.hpp reference.hpp)
-set(CPATTN_HEADERS_comm agreement.hpp comm.hpp communicators.hpp inproc.hpp mpi_comm.hpp)
+set(CPATTN_HEADERS_comm agreement.hpp comm.hpp communicators.hpp inproc.hpp mpi_comm.hpp transport.hpp transport_comm.hpp)
 set(CPATTN_HEADERS_io npy.hpp)
 set(CPATTN_HEADERS_cp context_parallel.hpp)
 set(CPATTN_HEADERS_plan planner.hpp)

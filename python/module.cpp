@@ -1,5 +1,6 @@
 // cpattn's Python extension (cpattn._cpattn): numpy arrays in and out of the flash kernels, the
-// context-parallel strategies on an MPI communicator that mpi4py made, and the validate and plan documents.
+// context-parallel strategies on an MPI communicator that mpi4py made or on a torch.distributed process group
+// (through cpattn.torch's transport object), and the validate and plan documents.
 // cpattn/__init__.py and cpattn/torch.py are the public faces; this file only converts and calls the library.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -30,6 +31,7 @@
 #include "cpattn/interrupt.hpp"
 #include "cpattn/parse.hpp"
 #include "cpattn/sequence_layout.hpp"
+#include "cpattn/transport.hpp"
 
 namespace py = pybind11;
 
@@ -538,6 +540,70 @@ py::tuple run_document(const std::string& command,
   return py::make_tuple(answer.exit_code, answer.document);
 }
 
+// The messages of a Python object (cpattn.torch's _GroupTransport over a torch.distributed process group):
+// rank, size, name() and start(sends, recvs, tag) -> an object with wait(timeout_seconds); sends and receives
+// are lists of (peer, memoryview). Called from the rank's thread with the GIL released elsewhere: each call
+// takes it. A Python exception becomes Error(communication) with its text.
+class PyTransport final : public Transport {
+ public:
+  explicit PyTransport(py::object transport) : transport_(std::move(transport)) {
+    rank_ = transport_.attr("rank").cast<int>();
+    size_ = transport_.attr("size").cast<int>();
+    name_ = transport_.attr("name").cast<std::string>();
+  }
+  ~PyTransport() override {
+    py::gil_scoped_acquire gil;
+    transport_ = py::object();
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string name() const override { return name_; }
+
+  std::unique_ptr<Pending> start(const std::vector<Message>& sends, const std::vector<Message>& recvs,
+                                 std::int64_t tag) override {
+    py::gil_scoped_acquire gil;
+    try {
+      py::list out, in;
+      for (const Message& m : sends) out.append(py::make_tuple(m.peer, view(m)));
+      for (const Message& m : recvs) in.append(py::make_tuple(m.peer, view(m)));
+      return std::make_unique<PyPending>(transport_.attr("start")(out, in, tag), name_);
+    } catch (py::error_already_set& e) {
+      throw failure(e, name_);
+    }
+  }
+
+ private:
+  static py::memoryview view(const Message& m) {
+    return py::memoryview::from_memory(m.data, static_cast<py::ssize_t>(m.bytes), false);
+  }
+  static Error failure(py::error_already_set& e, const std::string& name) {
+    const std::string what = e.what();
+    e.restore();
+    PyErr_Clear();
+    return Error(ErrorKind::communication, "group", name, name + ": " + what);
+  }
+  struct PyPending final : Pending {
+    PyPending(py::object p, std::string n) : pending(std::move(p)), name(std::move(n)) {}
+    ~PyPending() override {
+      py::gil_scoped_acquire gil;
+      pending = py::object();  // the transport's copies stay with its own pending work
+    }
+    void wait(std::chrono::milliseconds timeout) override {
+      py::gil_scoped_acquire gil;
+      try {
+        pending.attr("wait")(static_cast<double>(timeout.count()) / 1000.0);
+      } catch (py::error_already_set& e) {
+        throw failure(e, name);
+      }
+    }
+    py::object pending;
+    std::string name;
+  };
+  py::object transport_;
+  int rank_ = 0, size_ = 1;
+  std::string name_;
+};
+
 // What one rank passes in a forward, agreed on by every rank before anything else: a rank whose arguments are
 // wrong, or that disagrees with the others, makes every rank raise.
 struct ForwardFields {
@@ -546,15 +612,16 @@ struct ForwardFields {
                                                "kv heads", "head_dim", "dtype",       "segment_ids given"};
 };
 
-// The strategies over an MPI communicator (mpi4py's, by its Fortran handle), one C++ object per problem
-// shape, created on first use (every rank creates it at the same call: shapes are agreed on first); the
-// objects of the 8 most recently used shapes are kept.
+// The strategies over an MPI communicator (mpi4py's, by its Fortran handle: an int) or a transport object
+// (cpattn.torch's over a torch.distributed process group), one C++ object per problem shape, created on first
+// use (every rank creates it at the same call: shapes are agreed on first); the objects of the 8 most
+// recently used shapes are kept.
 class ContextParallel {
  public:
   // Every option is read on every rank as its flag is, and the ranks agree on the options and on whether any
   // rank's were bad after the collective that makes the communicator: a bad option on one rank, or options
   // that differ, raise on all of them instead of leaving the others waiting or computing other numbers.
-  ContextParallel(std::int64_t fortran_handle, const py::dict& kwargs) {
+  ContextParallel(const py::object& comm, const py::dict& kwargs) {
     Problems problems;
     const auto get = [&](const char* name) {
       return kwargs.contains(name) ? kwargs[name] : py::object(py::none());
@@ -595,12 +662,18 @@ class ContextParallel {
     const auto timeout = read_number(get("timeout"), "timeout", 0.001, 86400, problems);
     std::chrono::milliseconds deadline = std::chrono::seconds(600);
     if (timeout) deadline = std::chrono::milliseconds(static_cast<std::int64_t>(*timeout * 1000));
+    CommunicatorOptions options;
+    options.timeout = deadline;
+    Backend backend = Backend::mpi;
+    if (py::isinstance<py::int_>(comm)) {
+      options.fortran_handle = comm.cast<std::int64_t>();  // mpi4py's: MPI initialised by it (else an error)
+    } else {
+      options.transport = std::make_shared<PyTransport>(comm);
+      backend = Backend::transport;
+    }
     {
       py::gil_scoped_release release;
-      CommunicatorOptions options;
-      options.timeout = deadline;
-      options.fortran_handle = fortran_handle;  // mpi4py's: MPI initialised by it (else an error on "comm")
-      comm_ = make_communicator(Backend::mpi, options);
+      comm_ = make_communicator(backend, options);
     }
     cpattn::Agreement agreement;
     agreement.add_text("strategy", strategy_text)
@@ -858,7 +931,7 @@ PYBIND11_MODULE(_cpattn, m) {
   m.attr("with_mpi") = available(Backend::mpi);
   py::class_<ContextParallel::SavedForward>(m, "_SavedForward");
   py::class_<ContextParallel>(m, "_ContextParallel")
-      .def(py::init<std::int64_t, const py::dict&>(), py::arg("fortran_handle"), py::arg("options"))
+      .def(py::init<const py::object&, const py::dict&>(), py::arg("comm"), py::arg("options"))
       .def_property_readonly("rank", &ContextParallel::rank)
       .def_property_readonly("size", &ContextParallel::size)
       .def("forward", &ContextParallel::forward)

@@ -10,12 +10,15 @@
 #include <string>
 
 #include "cpattn/comm.hpp"
+#include "cpattn/transport.hpp"
 
 namespace cpattn {
 
 // inproc: the in-process group (ranks are threads of this process: InProcessGroup(n).run(...));
-// mpi: one rank per process under mpirun (Open MPI), in builds that have it.
-enum class Backend { inproc, mpi };
+// mpi: one rank per process under mpirun (Open MPI), in builds that have it;
+// transport: one rank per process of a group run outside cpattn, over its point-to-point messages
+// (options.transport: the Python module's over a torch.distributed process group).
+enum class Backend { inproc, mpi, transport };
 
 const char* to_string(Backend backend);
 // Whether this build has the backend (inproc always; mpi with Open MPI).
@@ -38,12 +41,15 @@ struct CommunicatorOptions {
   bool thread_multiple = true;
   // How the setup deadline is named in its message (the program: "--comm-timeout").
   std::string timeout_name = "the communicator's timeout";
+  // transport: the group's messages (required there, unused otherwise).
+  std::shared_ptr<Transport> transport;
 };
 
-// This process's rank of a backend that runs one rank per process (mpi). MPI initialised here is set up under
-// options.timeout (MPI_Init and the communicator's first collectives: a rank that never arrives ends the
-// process after it); on a communicator made elsewhere (fortran_handle) the first collectives have the
-// communicator's own deadline only where they poll. inproc: Error(invalid_config), its ranks being threads.
+// This process's rank of a backend that runs one rank per process (mpi, transport). MPI initialised here is
+// set up under options.timeout (MPI_Init and the communicator's first collectives: a rank that never arrives
+// ends the process after it); on a communicator made elsewhere (fortran_handle) the first collectives have
+// the communicator's own deadline only where they poll. inproc: Error(invalid_config), its ranks being
+// threads.
 std::unique_ptr<Communicator> make_communicator(Backend backend, const CommunicatorOptions& options = {});
 
 // This process's rank in the world of a running MPI (initialised, not finalised); 0 otherwise.

@@ -4,13 +4,15 @@
         q [B, S, Hq, D], k and v [B, S, Hkv, D]: float32 or bfloat16 CPU tensors (o has their dtype);
         segment_ids [B, S] int32 or int64 (packed documents: a token sees only its own document).
 
-    attn = cpattn.torch.ContextParallelAttention(comm, strategy="ulysses", causal=True, load_balance=False)
+    attn = cpattn.torch.ContextParallelAttention(group=None, strategy="ulysses", causal=True, load_balance=False)
     o_local = attn(q_local, k_local, v_local, segment_ids=None)
-        comm: an mpi4py communicator (MPI.COMM_WORLD or one from Split); each process passes its own shard of
-        the sequence in the strategy's layout (attn.local_positions(S) says which tokens) and gets its O shard,
-        with autograd. Every process of comm must call it, with the same shapes.
+        group: a torch.distributed process group (gloo; None: the default group), or comm=: an mpi4py
+        communicator (MPI.COMM_WORLD or one from Split); each process passes its own shard of the sequence in
+        the strategy's layout (attn.local_positions(S) says which tokens) and gets its O shard, with autograd.
+        Every process of the group must call it, with the same shapes.
 """
 
+import datetime as _datetime
 import sys as _sys
 
 import numpy as _np
@@ -135,25 +137,114 @@ class _ContextParallel(_torch.autograd.Function):
         return None, _to_torch(dq), _to_torch(dk), _to_torch(dv), None, None
 
 
+def _global_rank(group, rank):
+    dist = _torch.distributed
+    if hasattr(dist, "get_global_rank"):
+        return dist.get_global_rank(group, rank)
+    return dist.distributed_c10d._get_global_rank(group, rank)  # torch < 2.0
+
+
+class _GroupPending:
+    """A step's messages in flight: wait() completes them, then copies what arrived into cpattn's buffers. A
+    failure names the peer and the direction of the message it stopped at."""
+
+    def __init__(self, works, landed):
+        self._works, self._landed = works, landed
+
+    def wait(self, timeout_seconds):
+        timeout = _datetime.timedelta(seconds=timeout_seconds)
+        for work, peer, what in self._works:
+            try:
+                done = work.wait(timeout)
+            except RuntimeError as e:
+                raise RuntimeError(f"{what} rank {peer[0]} (global rank {peer[1]}): {e}") from None
+            if done is False:
+                raise RuntimeError(f"{what} rank {peer[0]} (global rank {peer[1]}): no progress within "
+                                   f"{timeout_seconds:g} s (a peer is stopped or gone)")
+        for view, tensor in self._landed:
+            _torch.frombuffer(view, dtype=_torch.uint8).copy_(tensor)
+        self._works, self._landed = [], []
+
+
+class _GroupTransport:
+    """Point-to-point bytes over a torch.distributed process group (isend/irecv, which gloo has), the one thing
+    cpattn's transport backend needs: its collectives, and every strategy, run on it. Each message travels in
+    a tensor of its own (sends copied out of cpattn's buffers, receives copied in once complete), so that a
+    failing rank's buffers are never touched after it gave them up."""
+
+    def __init__(self, group):
+        dist = _torch.distributed
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.name = f"torch.distributed ({dist.get_backend(group)})"
+        self._global = [_global_rank(group, r) for r in range(self.size)]
+
+    def start(self, sends, recvs, tag):
+        dist = _torch.distributed
+        works, landed = [], []
+        for peer, view in recvs:
+            t = _torch.empty(len(view), dtype=_torch.uint8)
+            work = dist.irecv(t, src=self._global[peer], group=self.group, tag=tag)
+            works.append((work, (peer, self._global[peer]), "receiving from"))
+            landed.append((view, t))
+        for peer, view in sends:
+            t = _torch.frombuffer(view, dtype=_torch.uint8).clone()
+            work = dist.isend(t, dst=self._global[peer], group=self.group, tag=tag)
+            works.append((work, (peer, self._global[peer]), "sending to"))
+        return _GroupPending(works, landed)
+
+
+def _transport_of(group):
+    dist = _torch.distributed
+    if not dist.is_available():
+        raise _config_error(["group: this torch has no torch.distributed"])
+    if not dist.is_initialized():
+        raise _config_error(["group: torch.distributed is not initialised: call "
+                             "torch.distributed.init_process_group('gloo') first (env:// as torchrun or "
+                             "python3 -m cpattn.launch sets it), or pass comm= an mpi4py communicator"])
+    if group is None:
+        group = dist.group.WORLD
+    elif group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", None):  # what new_group gives non-members
+        raise _config_error(["group: this process is not a member of the group it passed (new_group gives its "
+                             "non-members a placeholder)"])
+    elif not isinstance(group, dist.ProcessGroup):
+        raise _config_error([f"group: expected a torch.distributed ProcessGroup, got {type(group).__name__}"])
+    if dist.get_rank(group) < 0:
+        raise _config_error(["group: this process is not a member of the group it passed"])
+    return _GroupTransport(group)
+
+
 class ContextParallelAttention(_torch.nn.Module):
-    """Attention over the processes of an mpi4py communicator: each passes its shard of the sequence
-    [B, S/cp, H, D] and gets its shard of O, with autograd.
+    """Attention over the processes of a torch.distributed process group (`group`, gloo; None: the default
+    group) or of an mpi4py communicator (`comm`): each passes its shard of the sequence [B, S/cp, H, D] and
+    gets its shard of O, with autograd.
 
     strategy: "ulysses" (KV heads replicated in grouped order when there are fewer than ranks), "all_gather",
     "ring" or "hybrid" (ulysses inside groups of ulysses_degree ranks, a ring across them). load_balance:
     the dual-chunk-swap layout (local_positions says which tokens a rank holds). Other options: layout
     ("contiguous" or "dual_chunk_swap"), scale (default 1/sqrt(D)), threads (kernel threads per process;
     default the machine's hardware threads over the communicator's size), remat, timeout (seconds any wait
-    for another rank may take before the job is ended; default 600).
+    for another rank may take; default 600: past it MPI ends the job, a process group's ranks raise
+    CommunicationError).
 
     Each object keeps its own state: objects with different head counts or strategies work side by side, and
     one object serves any number of calls before their backward (each forward's state lives in its autograd
     graph).
     """
 
-    def __init__(self, comm, strategy="ulysses", causal=True, load_balance=False, layout=None,
-                 ulysses_degree=None, scale=None, threads=None, remat=False, timeout=None):
+    def __init__(self, comm=None, strategy="ulysses", causal=True, load_balance=False, layout=None,
+                 ulysses_degree=None, scale=None, threads=None, remat=False, timeout=None, group=None):
         super().__init__()
+        options = dict(strategy=strategy, causal=causal, load_balance=load_balance, layout=layout,
+                       ulysses_degree=ulysses_degree, scale=scale, threads=threads, remat=remat, timeout=timeout)
+        self.strategy = strategy
+        if comm is None:
+            # Every option is read and agreed on by the ranks in the extension, over the group's messages.
+            self._impl = _cpattn._ContextParallel(_transport_of(group), options)
+            return
+        if group is not None:
+            raise _config_error(["group: give a process group or comm= an mpi4py communicator, not both"])
         if not hasattr(comm, "py2f"):
             raise _config_error([f"comm: expected an mpi4py communicator, got {type(comm).__name__}"])
         if not getattr(_cpattn, "with_mpi", False):
@@ -164,9 +255,6 @@ class ContextParallelAttention(_torch.nn.Module):
             raise _config_error(["comm: MPI is not initialised (or already finalised): with mpi4py.rc.initialize "
                                  "= False, call MPI.Init_thread() before making ContextParallelAttention"])
         # Every option is read (as the program's flags are) and agreed on by the ranks in the extension.
-        options = dict(strategy=strategy, causal=causal, load_balance=load_balance, layout=layout,
-                       ulysses_degree=ulysses_degree, scale=scale, threads=threads, remat=remat, timeout=timeout)
-        self.strategy = strategy
         self._impl = _cpattn._ContextParallel(comm.py2f(), options)
 
     @property

@@ -12,6 +12,7 @@
 #include "core/start_thread.hpp"
 #include "cpattn/error.hpp"
 #include "cpattn/parse.hpp"
+#include "cpattn/transport_comm.hpp"
 
 #ifdef CPATTN_WITH_MPI
 #include "cpattn/mpi_comm.hpp"
@@ -25,6 +26,8 @@ const char* to_string(Backend backend) {
       return "inproc";
     case Backend::mpi:
       return "mpi";
+    case Backend::transport:
+      return "transport";
   }
   return "unknown backend";
 }
@@ -32,6 +35,7 @@ const char* to_string(Backend backend) {
 bool available(Backend backend) {
   switch (backend) {
     case Backend::inproc:
+    case Backend::transport:
       return true;
     case Backend::mpi:
 #ifdef CPATTN_WITH_MPI
@@ -156,6 +160,12 @@ std::unique_ptr<Communicator> make_communicator(Backend backend, const Communica
       throw Error(ErrorKind::invalid_config, "backend", "mpi",
                   "this build has no MPI backend; valid: " + available_backends());
 #endif
+    case Backend::transport:
+      if (!options.transport) {
+        throw Error(ErrorKind::invalid_config, "transport", "",
+                    "the transport backend needs the group's messages (CommunicatorOptions::transport)");
+      }
+      return std::make_unique<TransportCommunicator>(options.transport, options.timeout);
   }
   throw Error(ErrorKind::invalid_config, "backend", "", "not a backend; valid: " + available_backends());
 }
