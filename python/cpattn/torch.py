@@ -10,6 +10,9 @@
         communicator (MPI.COMM_WORLD or one from Split); each process passes its own shard of the sequence in
         the strategy's layout (attn.local_positions(S) says which tokens) and gets its O shard, with autograd.
         Every process of the group must call it, with the same shapes.
+
+    o_local = cpattn.torch.context_parallel_sdpa(q, k, v, is_causal=True, group=None)
+        torch.nn.functional.scaled_dot_product_attention's arguments and [B, H, S, D] layout, on shards.
 """
 
 import datetime as _datetime
@@ -22,7 +25,7 @@ from torch.autograd.function import once_differentiable as _once_differentiable
 from . import _cpattn
 from ._cpattn import CommunicationError, ConfigError  # noqa: F401  (re-exported)
 
-__all__ = ["attention", "ContextParallelAttention", "CommunicationError", "ConfigError"]
+__all__ = ["attention", "ContextParallelAttention", "context_parallel_sdpa", "CommunicationError", "ConfigError"]
 
 
 def _to_numpy(t, name):
@@ -279,3 +282,50 @@ class ContextParallelAttention(_torch.nn.Module):
             isinstance(t, _torch.Tensor) and t.requires_grad for t in (q, k, v)
         )
         return _ContextParallel.apply(self._impl, q, k, v, segment_ids, not needs_grad)
+
+
+_SDPA_OBJECTS = []  # (group, options, ContextParallelAttention), most recent first; at most _SDPA_KEPT
+_SDPA_KEPT = 16
+
+
+def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
+                          segment_ids=None, group=None, strategy="ulysses", load_balance=False, layout=None,
+                          ulysses_degree=None, threads=None, timeout=None):
+    """torch.nn.functional.scaled_dot_product_attention's arguments and layout, context-parallel over a
+    torch.distributed process group (None: the default group): query [B, Hq, S/cp, D], key and value
+    [B, Hkv, S/cp, D] (GQA: Hq a multiple of Hkv), each process its shard of the sequence in the layout of
+    `load_balance`/`layout` (ContextParallelAttention.local_positions says which tokens); returns this shard
+    of the output, [B, Hq, S/cp, D], with autograd. A model's attention call changes in one line:
+
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = cpattn.torch.context_parallel_sdpa(q, k, v, is_causal=True, group=cp_group)
+
+    attn_mask and dropout_p are not supported (packed documents: segment_ids [B, S/cp]). One
+    ContextParallelAttention per (group, options) is made on first use (a collective: every process of the
+    group makes the same calls) and kept."""
+    reasons = []
+    if attn_mask is not None:
+        reasons.append("attn_mask: not supported; causal masking is is_causal=True, packed documents "
+                       "segment_ids=[B, S/cp]")
+    if dropout_p != 0.0:
+        reasons.append(f"dropout_p: {dropout_p!r} is not supported; valid: 0.0")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, _torch.Tensor) or t.dim() != 4:
+            reasons.append(f"{name}: expected a 4-dimensional torch.Tensor [B, H, S, D]")
+    if reasons:
+        raise _config_error(reasons)
+    options = dict(strategy=strategy, causal=bool(is_causal) if isinstance(is_causal, bool) else is_causal,
+                   load_balance=load_balance, layout=layout, ulysses_degree=ulysses_degree, scale=scale,
+                   threads=threads, timeout=timeout)
+    attn = None
+    for i, (g, o, a) in enumerate(_SDPA_OBJECTS):
+        if g is group and o == options:
+            attn = a
+            _SDPA_OBJECTS.insert(0, _SDPA_OBJECTS.pop(i))
+            break
+    if attn is None:
+        attn = ContextParallelAttention(group=group, **options)
+        _SDPA_OBJECTS.insert(0, (group, options, attn))
+        del _SDPA_OBJECTS[_SDPA_KEPT:]
+    out = attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), segment_ids=segment_ids)
+    return out.transpose(1, 2)

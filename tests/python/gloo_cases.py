@@ -15,6 +15,7 @@ import torch.distributed as dist
 import cases
 import cpattn
 import cpattn.torch as ct
+import naive
 from cases import check_strategy, expect_error, problem
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -39,6 +40,27 @@ def case_dp_cp():
     x = torch.full((3,), float(RANK))
     dist.all_reduce(x, group=dp_groups[RANK % 2])
     assert torch.equal(x, torch.full((3,), float(RANK % 2 + RANK % 2 + 2)))
+
+
+def case_sdpa():
+    # The drop-in: scaled_dot_product_attention's [B, H, S, D] layout and arguments, GQA 8 on 2, on shards; O
+    # and the gradients equal the single process's on the same shard.
+    B, S, Hq, Hkv, D = 2, 256, 8, 2, 32
+    q, k, v, do, _ = problem(B, S, Hq, Hkv, D, 60)
+    want = cases.single_process(q, k, v, do, True, None)
+    for strategy, options in (("ulysses", {}), ("ring", {"load_balance": True})):
+        probe = ct.ContextParallelAttention(strategy=strategy, threads=1, **options)
+        ql, kl, vl = (probe.shard(t).transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
+        o = ct.context_parallel_sdpa(ql, kl, vl, is_causal=True, strategy=strategy, threads=1, **options)
+        assert o.shape == (B, Hq, S // 4, D), o.shape
+        o.backward(probe.shard(do).transpose(1, 2))
+        assert naive.relative_error(o.transpose(1, 2), probe.shard(want[0])) < 1e-6, strategy
+        for got, ref in zip((ql.grad, kl.grad, vl.grad), want[1:]):
+            assert naive.relative_error(got.transpose(1, 2), probe.shard(ref)) < 1e-6, strategy
+    q0 = torch.zeros(1, 4, 64, 16)
+    expect_error(cpattn.ConfigError, lambda: ct.context_parallel_sdpa(q0, q0, q0, attn_mask=q0), "attn_mask")
+    expect_error(cpattn.ConfigError, lambda: ct.context_parallel_sdpa(q0, q0, q0, dropout_p=0.1), "dropout_p")
+    expect_error(cpattn.ConfigError, lambda: ct.context_parallel_sdpa(q0[0], q0, q0), "query")
 
 
 def case_bad_groups():

@@ -27,7 +27,7 @@ def launch(case, nproc=4, timeout=300):
 
 
 @pytest.mark.parametrize(
-    "case", ["strategies", "bfloat16", "side_by_side", "errors", "disagree", "many_shapes", "dp_cp", "bad_groups"]
+    "case", ["strategies", "bfloat16", "side_by_side", "errors", "disagree", "many_shapes", "dp_cp", "bad_groups", "sdpa"]
 )
 def test_four_processes(case):
     code, output, _ = launch(case)
