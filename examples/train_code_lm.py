@@ -13,7 +13,8 @@ their path) is held out. Model: byte embedding, --layers blocks of RMSNorm, atte
 RoPE on each byte's position in its row), RMSNorm, SwiGLU; tied output. Each process holds its shard of every
 row (the strategy's layout: cpattn.local_positions) and computes its bytes' losses; the gradients are summed
 over every process (the context-parallel group's shards and the data-parallel replicas: the all-reduce is
-this script's), so one step is the same optimisation step at any --cp and --dp.
+this script's), so one step is the same optimisation step at any --cp, and at any --dp for the same rows per
+step (--dp x --batch).
 
 Per step it prints the loss, tokens/s and attention's share of the step; every --eval-every steps the held-out
 loss by position within the document (0-1k, 1k-4k, 4k-16k bytes) with the full context and with the context
@@ -64,7 +65,7 @@ def split_files(root):
 
 def pack_rows(files, seq, rng):
     """Rows of `seq` bytes packed from the files in a shuffled order: (bytes, segment ids, targets), a file
-    continuing past a row's end as a new document in the next row; the last row's tail is padding (target -1)."""
+    continuing past a row's end as a new document in the next row; a last row left short is dropped."""
     order = list(range(len(files)))
     rng.shuffle(order)
     stream, seg = bytearray(), []

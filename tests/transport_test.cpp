@@ -170,6 +170,25 @@ TEST(TransportBackend, SplitsAreCommunicatorsOfTheirOwn) {
   }
 }
 
+// A communicator split again and again (a hybrid object per shape, made and dropped) keeps working: the
+// sub-communicators' tags are recycled once their calls are over.
+TEST(TransportBackend, SplitsRecycleTheirTags) {
+  LoopbackHub hub(2);
+  std::vector<std::int64_t> wrong(2, -1);
+  const auto errors = on_transport(hub, std::chrono::seconds(20), [&](Communicator& c) {
+    std::int64_t w = 0;
+    for (int i = 0; i < 200; ++i) {
+      const auto sub = c.split(0, c.rank());
+      w += testing::wrong_all_to_all(*sub, 3);
+    }
+    wrong[c.rank()] = w + testing::wrong_all_gather(c, 5);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(errors[r], "") << r;
+    EXPECT_EQ(wrong[r], 0) << r;
+  }
+}
+
 // Every strategy over the transport gives the bits the in-process group gives, and counts the same
 // collectives.
 TEST(TransportBackend, EveryStrategyIsTheInProcessGroupsBitForBit) {
@@ -224,13 +243,27 @@ TEST(TransportBackend, EveryStrategyIsTheInProcessGroupsBitForBit) {
 TEST(TransportBackend, ASilentPeerOrADisagreementIsAnErrorOnTheRanksThatWait) {
   LoopbackHub hub(3);
   hub.silence(2);
+  std::vector<std::string> after(3);
   const auto errors = on_transport(hub, std::chrono::milliseconds(300), [&](Communicator& c) {
     if (c.rank() == 2) return;  // never takes part
     std::vector<float> send(3 * 5, 1.0f), recv(send.size());
-    c.all_to_all(send.data(), recv.data(), 5, CommDType::f32);
+    try {
+      c.all_to_all(send.data(), recv.data(), 5, CommDType::f32);
+    } catch (const Error& e) {
+      // Messages of the failed call may still be in flight: the communicator takes no more calls.
+      try {
+        c.barrier();
+      } catch (const Error& again) {
+        after[c.rank()] = again.what();
+      }
+      throw;
+    }
   });
   EXPECT_NE(errors[0].find("no message from rank 2"), std::string::npos) << errors[0];
   EXPECT_NE(errors[1].find("no message from rank 2"), std::string::npos) << errors[1];
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(after[r].find("an earlier collective failed"), std::string::npos) << after[r];
+  }
 
   LoopbackHub pair(2);
   const auto mismatch = on_transport(pair, std::chrono::seconds(20), [&](Communicator& c) {
@@ -241,6 +274,15 @@ TEST(TransportBackend, ASilentPeerOrADisagreementIsAnErrorOnTheRanksThatWait) {
   });
   for (const auto& e : mismatch) {
     EXPECT_NE(e.find("collective mismatch in all_to_all_v"), std::string::npos) << e;
+  }
+  LoopbackHub three(3);
+  const auto counts = on_transport(three, std::chrono::seconds(20), [&](Communicator& c) {
+    std::int64_t v[3] = {1, 2, 3};
+    c.all_reduce(v, c.rank() == 1 ? 2 : 3, ReduceOp::sum);
+  });
+  for (const auto& e : counts) {
+    EXPECT_NE(e.find("collective mismatch"), std::string::npos) << e;
+    EXPECT_NE(e.find("values to all_reduce"), std::string::npos) << e;
   }
 }
 

@@ -1,6 +1,10 @@
 // The Communicator over a Transport: every collective as point-to-point byte messages (a torch.distributed
 // process group's isend/irecv, through the Python module), counted like the other backends. Made by
-// make_communicator(Backend::transport, options) with options.transport set.
+// make_communicator(Backend::transport, options) with options.transport set. Ranks that pass different
+// counts to all_reduce, or different block shapes to all_to_all_v, get an Error(communication) on every rank;
+// the other collectives' counts are the strategies' (agreed before any data moves): a mismatch there is the
+// transport's error (gloo refuses a message longer than its receive). After any failure the communicator
+// takes no more calls.
 #pragma once
 
 #include <chrono>
@@ -41,7 +45,10 @@ class TransportCommunicator final : public Communicator {
 
  private:
   TransportCommunicator(std::shared_ptr<Transport> transport, std::vector<int> members, int rank,
-                        std::chrono::milliseconds timeout, std::int64_t id);
+                        std::chrono::milliseconds timeout, std::int64_t id, std::shared_ptr<bool> failed);
+  // After a failed exchange messages of it may still be in flight: the communicator (and every one split from
+  // the same root) refuses further calls with Error(communication).
+  void check_usable() const;
   // A block to send, or (made from a writable buffer) to receive into.
   struct Block {
     const void* data = nullptr;
@@ -59,6 +66,7 @@ class TransportCommunicator final : public Communicator {
   std::chrono::milliseconds timeout_;
   std::int64_t id_ = 1;  // names this communicator's block of tags
   std::int64_t splits_ = 0, shifts_ = 0;
+  std::shared_ptr<bool> failed_;                      // shared by the communicators split from one root
   std::vector<unsigned char> pack_send_, pack_recv_;  // all_to_all_v's packed blocks, reduce_scatter's
 };
 

@@ -7,16 +7,40 @@ For a torch whose own launcher does not start (Debian's python3-torch 1.13 on Py
 its error handler). The script calls torch.distributed.init_process_group("gloo") (env:// by default). When a
 process ends with an error, or is killed, the others are stopped after --grace seconds (they normally end on
 their own first: their next wait on it fails); the exit status is the first failing process's (128 + signal
-for a signal), 0 when all succeed.
+for a signal), 0 when all succeed. SIGINT and SIGTERM to the launcher go to every process (killed 10 s later
+if still running); the processes die with the launcher (Linux's parent-death signal).
 """
 
 import argparse
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+
+
+def _die_with_parent():
+    """In the child before exec: SIGKILL when the launcher dies (prctl PR_SET_PDEATHSIG), so that no process
+    outlives a launcher that was killed."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _stop(procs, sig, wait_seconds):
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(sig)
+    deadline = time.monotonic() + wait_seconds
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def _free_port():
@@ -44,7 +68,13 @@ def main(argv=None):
     for rank in range(a.nproc):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(a.nproc), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(a.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, a.script] + a.args, env=env))
+        procs.append(subprocess.Popen([sys.executable, a.script] + a.args, env=env, preexec_fn=_die_with_parent))
+
+    def forward(signum, _frame):
+        _stop(procs, signum, 10)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, forward)
     status = 0
     failed_at = None
     try:
@@ -65,19 +95,11 @@ def main(argv=None):
                     if p.poll() is None:
                         print(f"cpattn.launch: stopping process {procs.index(p)} ({a.grace:g} s after a failure)",
                               file=sys.stderr)
-                        p.send_signal(signal.SIGTERM)
-                time.sleep(2)
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
+                _stop(procs, signal.SIGTERM, 2)
                 failed_at = float("inf")
             time.sleep(0.05)
     except KeyboardInterrupt:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        for p in procs:
-            p.wait()
+        _stop(procs, signal.SIGINT, 10)
         return 130
     return status
 

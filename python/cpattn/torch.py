@@ -17,6 +17,7 @@
 
 import datetime as _datetime
 import sys as _sys
+import time as _time
 
 import numpy as _np
 import torch as _torch
@@ -155,8 +156,9 @@ class _GroupPending:
         self._works, self._landed = works, landed
 
     def wait(self, timeout_seconds):
-        timeout = _datetime.timedelta(seconds=timeout_seconds)
+        deadline = _time.monotonic() + timeout_seconds  # one timeout for the step, not one per message
         for work, peer, what in self._works:
+            timeout = _datetime.timedelta(seconds=max(0.001, deadline - _time.monotonic()))
             try:
                 done = work.wait(timeout)
             except RuntimeError as e:
@@ -249,6 +251,8 @@ class ContextParallelAttention(_torch.nn.Module):
         if group is not None:
             raise _config_error(["group: give a process group or comm= an mpi4py communicator, not both"])
         if not hasattr(comm, "py2f"):
+            if _torch.distributed.is_available() and isinstance(comm, _torch.distributed.ProcessGroup):
+                raise _config_error(["comm: a torch.distributed ProcessGroup goes in group=, not comm"])
             raise _config_error([f"comm: expected an mpi4py communicator, got {type(comm).__name__}"])
         if not getattr(_cpattn, "with_mpi", False):
             raise _config_error(["comm: this cpattn was built without MPI"])
@@ -314,9 +318,12 @@ def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_c
             reasons.append(f"{name}: expected a 4-dimensional torch.Tensor [B, H, S, D]")
     if reasons:
         raise _config_error(reasons)
-    options = dict(strategy=strategy, causal=bool(is_causal) if isinstance(is_causal, bool) else is_causal,
-                   load_balance=load_balance, layout=layout, ulysses_degree=ulysses_degree, scale=scale,
+    options = dict(strategy=strategy, causal=is_causal, load_balance=load_balance, layout=layout,
+                   ulysses_degree=ulysses_degree, scale=scale,
                    threads=threads, timeout=timeout)
+    dist = _torch.distributed
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD  # today's default group: a group made again after a re-init is another
     attn = None
     for i, (g, o, a) in enumerate(_SDPA_OBJECTS):
         if g is group and o == options:

@@ -30,7 +30,7 @@ std::size_t bytes_of(std::int64_t count, CommDType dtype) {
 
 TransportCommunicator::TransportCommunicator(std::shared_ptr<Transport> transport,
                                              std::chrono::milliseconds timeout)
-    : transport_(std::move(transport)), timeout_(timeout), id_(1) {
+    : transport_(std::move(transport)), timeout_(timeout), id_(1), failed_(std::make_shared<bool>(false)) {
   if (!transport_) throw Error(ErrorKind::invalid_config, "transport", "", "no transport given");
   members_.resize(static_cast<std::size_t>(transport_->size()));
   std::iota(members_.begin(), members_.end(), 0);
@@ -38,12 +38,14 @@ TransportCommunicator::TransportCommunicator(std::shared_ptr<Transport> transpor
 }
 
 TransportCommunicator::TransportCommunicator(std::shared_ptr<Transport> transport, std::vector<int> members,
-                                             int rank, std::chrono::milliseconds timeout, std::int64_t id)
+                                             int rank, std::chrono::milliseconds timeout, std::int64_t id,
+                                             std::shared_ptr<bool> failed)
     : transport_(std::move(transport)),
       members_(std::move(members)),
       rank_(rank),
       timeout_(timeout),
-      id_(id) {}
+      id_(id),
+      failed_(std::move(failed)) {}
 
 TransportCommunicator::~TransportCommunicator() = default;
 
@@ -65,7 +67,23 @@ void TransportCommunicator::exchange(const std::vector<Block>& sends, const std:
     if (recvs[p].bytes > 0) in.push_back({members_[p], recvs[p].writable(), recvs[p].bytes});
   }
   if (out.empty() && in.empty()) return;
-  transport_->start(out, in, tag(tag_offset))->wait(timeout_);
+  check_usable();
+  try {
+    transport_->start(out, in, tag(tag_offset))->wait(timeout_);
+  } catch (...) {
+    *failed_ = true;
+    throw;
+  }
+}
+
+void TransportCommunicator::check_usable() const {
+  if (*failed_) {
+    throw Error(
+        ErrorKind::communication, "group", transport_->name(),
+        "an earlier collective failed on this " + transport_->name() +
+            " communicator (or one split from it): messages of it may still be in flight, so it takes no "
+            "more; make a new group and a new object");
+  }
 }
 
 void TransportCommunicator::all_to_all(const void* send, void* recv, std::int64_t count, CommDType dtype) {
@@ -208,13 +226,24 @@ void TransportCommunicator::collective_permute(const void* send, void* recv, std
 
 namespace {
 
+// The caller waits before its communicator goes (the strategies do: a shift lives inside one call).
 class TransportShift final : public PendingShift {
  public:
   TransportShift(std::unique_ptr<Transport::Pending> pending, std::chrono::milliseconds timeout,
-                 std::function<void()> counted)
-      : pending_(std::move(pending)), timeout_(timeout), counted_(std::move(counted)) {}
+                 std::shared_ptr<bool> failed, std::function<void()> counted)
+      : pending_(std::move(pending)),
+        timeout_(timeout),
+        failed_(std::move(failed)),
+        counted_(std::move(counted)) {}
   void wait() override {
-    if (pending_) pending_->wait(timeout_);
+    if (pending_) {
+      try {
+        pending_->wait(timeout_);
+      } catch (...) {
+        *failed_ = true;
+        throw;
+      }
+    }
     pending_.reset();
     counted_();
   }
@@ -222,6 +251,7 @@ class TransportShift final : public PendingShift {
  private:
   std::unique_ptr<Transport::Pending> pending_;  // null: nothing to move (one rank, or no bytes)
   std::chrono::milliseconds timeout_;
+  std::shared_ptr<bool> failed_;
   std::function<void()> counted_;
 };
 
@@ -235,11 +265,17 @@ std::unique_ptr<PendingShift> TransportCommunicator::start_shift(const void* sen
   if (n == 1) {
     if (bytes > 0) std::memmove(recv, send, bytes);
   } else if (bytes > 0) {
+    check_usable();
     const std::int64_t offset = 1 + (shifts_++ % kShiftTags);
-    pending = transport_->start({{members_[next], const_cast<void*>(send), bytes}},
-                                {{members_[prev], recv, bytes}}, tag(offset));
+    try {
+      pending = transport_->start({{members_[next], const_cast<void*>(send), bytes}},
+                                  {{members_[prev], recv, bytes}}, tag(offset));
+    } catch (...) {
+      *failed_ = true;
+      throw;
+    }
   }
-  return std::make_unique<TransportShift>(std::move(pending), timeout_,
+  return std::make_unique<TransportShift>(std::move(pending), timeout_, failed_,
                                           [this, count, dtype] { count_shift(count, dtype); });
 }
 
@@ -248,32 +284,39 @@ void TransportCommunicator::barrier() {
 }
 
 void TransportCommunicator::all_reduce(std::int64_t* values, int n, ReduceOp op) {
-  // Every rank's values to every rank (control values: n is small), with n itself first, so that ranks that
-  // pass different counts are told apart from a transport failure.
-  const auto un = static_cast<std::size_t>(std::max(n, 0));
+  // Control values (n is small) to every rank, after the counts themselves in a message of fixed size: ranks
+  // that pass different counts are told apart before a message of the wrong size is posted.
   const auto ranks = members_.size();
-  std::vector<std::int64_t> mine(un + 1), theirs((un + 1) * ranks);
-  mine[0] = n;
-  std::copy_n(values, un, mine.begin() + 1);
+  std::vector<std::int64_t> counts(ranks);
+  const std::int64_t mine = n;
   std::vector<Block> sends, recvs;
   for (std::size_t p = 0; p < ranks; ++p) {
-    sends.push_back({mine.data(), mine.size() * sizeof(std::int64_t)});
-    recvs.push_back({theirs.data() + p * (un + 1), (un + 1) * sizeof(std::int64_t)});
+    sends.push_back({&mine, sizeof mine});
+    recvs.push_back({&counts[p], sizeof mine});
   }
   exchange(sends, recvs, 0);
   for (std::size_t p = 0; p < ranks; ++p) {
-    if (theirs[p * (un + 1)] != n) {
+    if (counts[p] != n) {
       throw Error(ErrorKind::communication, "collective", "all_reduce",
-                  "collective mismatch: rank " + std::to_string(p) + " passed " +
-                      std::to_string(theirs[p * (un + 1)]) +
+                  "collective mismatch: rank " + std::to_string(p) + " passed " + std::to_string(counts[p]) +
                       " values to all_reduce (or barrier) where rank " + std::to_string(rank_) + " passed " +
                       std::to_string(n));
     }
   }
+  const auto un = static_cast<std::size_t>(std::max(n, 0));
+  if (un == 0) return;
+  std::vector<std::int64_t> theirs(un * ranks);
+  sends.clear();
+  recvs.clear();
+  for (std::size_t p = 0; p < ranks; ++p) {
+    sends.push_back({values, un * sizeof(std::int64_t)});
+    recvs.push_back({theirs.data() + p * un, un * sizeof(std::int64_t)});
+  }
+  exchange(sends, recvs, 0);
   for (std::size_t i = 0; i < un; ++i) {
-    std::int64_t v = theirs[1 + i];
+    std::int64_t v = theirs[i];
     for (std::size_t p = 1; p < ranks; ++p) {
-      const std::int64_t x = theirs[p * (un + 1) + 1 + i];
+      const std::int64_t x = theirs[p * un + i];
       v = op == ReduceOp::sum ? v + x : op == ReduceOp::max ? std::max(v, x) : std::min(v, x);
     }
     values[i] = v;
@@ -305,16 +348,17 @@ std::unique_ptr<Communicator> TransportCommunicator::split(int color, int key) {
     if (order[i] == rank_) me = static_cast<int>(i);
     members.push_back(members_[static_cast<std::size_t>(order[i])]);
   }
-  // Tags of its own, named by this communicator's and the split's number (sub-communicators of one split are
-  // disjoint: they never exchange messages).
-  ++splits_;
+  // Tags of its own, named by this communicator's id and the split's number, 1 to 63 and then again from 1:
+  // every exchange completes before its call returns, so sub-communicators that share an id never have
+  // messages in flight at once (and those of one split are disjoint: they never exchange messages).
+  splits_ = splits_ % 63 + 1;
   const std::int64_t id = id_ * 64 + splits_;
-  if (splits_ >= 64 || id > kMaxTag / kTagBlock) {
-    throw Error(ErrorKind::invalid_config, "split", std::to_string(splits_),
-                "too many nested splits of a " + transport_->name() + " communicator for its message tags");
+  if (id > kMaxTag / kTagBlock) {
+    throw Error(ErrorKind::invalid_config, "split", std::to_string(id_),
+                "splits of a " + transport_->name() + " communicator nested too deep for its message tags");
   }
   return std::unique_ptr<Communicator>(
-      new TransportCommunicator(transport_, std::move(members), me, timeout_, id));
+      new TransportCommunicator(transport_, std::move(members), me, timeout_, id, failed_));
 }
 
 }  // namespace cpattn

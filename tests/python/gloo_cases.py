@@ -1,5 +1,5 @@
 """Cases run by every process of a torch.distributed gloo group started by python3 -m cpattn.launch (test_gloo.py
-launches them): python3 gloo_cases.py CASE. The cases of any group (cases.py) on the default group, and the
+launches them): python3 gloo_cases.py CASE [CASE ...]. The cases of any group (cases.py) on the default group, and the
 process groups' own: data parallelism around context parallelism, bad groups, a rank that dies or stops. Each
 process asserts on its own results and prints "CASE ok rank R" at the end."""
 
@@ -71,6 +71,7 @@ def case_bad_groups():
         attn = ct.ContextParallelAttention(group=other, threads=1)
         assert attn.cp == 2
     expect_error(cpattn.ConfigError, lambda: ct.ContextParallelAttention(group="world"), "ProcessGroup")
+    expect_error(cpattn.ConfigError, lambda: ct.ContextParallelAttention(dist.group.WORLD), "goes in group=")
     expect_error(cpattn.ConfigError, lambda: ct.ContextParallelAttention(group=dist.group.WORLD, comm=object()),
                  "not both")
 
@@ -109,9 +110,9 @@ def case_stopped():
 
 
 if __name__ == "__main__":
-    name = sys.argv[1]
-    (globals().get("case_" + name) or getattr(cases, "case_" + name))()
-    print(f"{name} ok rank {RANK}", flush=True)
-    if name in ("dies", "stopped"):
-        os._exit(0)  # the process group cannot be torn down with a peer gone
+    for name in sys.argv[1:]:  # several cases in one start (each process imports torch once)
+        (globals().get("case_" + name) or getattr(cases, "case_" + name))()
+        print(f"{name} ok rank {RANK}", flush=True)
+        if name in ("dies", "stopped"):
+            os._exit(0)  # the process group cannot be torn down with a peer gone
     dist.destroy_process_group()

@@ -15,25 +15,33 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def launch(case, nproc=4, timeout=300):
+def launch(*names, nproc=4, timeout=300):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "cpattn.launch", "--nproc", str(nproc), "--grace", "20",
-           os.path.join(HERE, "gloo_cases.py"), case]
+           os.path.join(HERE, "gloo_cases.py"), *names]
     start = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     return out.returncode, out.stdout + out.stderr, time.monotonic() - start
 
 
-@pytest.mark.parametrize(
-    "case", ["strategies", "bfloat16", "side_by_side", "errors", "disagree", "many_shapes", "dp_cp", "bad_groups", "sdpa"]
-)
-def test_four_processes(case):
-    code, output, _ = launch(case)
-    assert code == 0, output
+CASES = ["strategies", "bfloat16", "side_by_side", "errors", "disagree", "many_shapes", "dp_cp", "bad_groups", "sdpa"]
+
+
+@pytest.fixture(scope="module")
+def all_cases():
+    """Every case in one start of 4 processes (a start costs seconds: each process imports torch)."""
+    return launch(*CASES, timeout=600)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_four_processes(all_cases, case):
+    code, output, _ = all_cases
     for rank in range(4):
         assert f"{case} ok rank {rank}" in output, output
+    if case == CASES[-1]:
+        assert code == 0, output
 
 
 def test_a_process_that_dies_raises_on_every_other():
