@@ -368,11 +368,16 @@ def write_out(out, history):
     xs = range(len(labels))
     right.bar([i - 0.2 for i in xs], last["full"], width=0.4, label="full context")
     right.bar([i + 0.2 for i in xs], last["cut"], width=0.4, label="context cut to 1k-byte blocks")
+    low = min(last["full"] + last["cut"])
+    right.set_ylim(0.9 * low, 1.02 * max(last["full"] + last["cut"]))  # the gap, not the bars' height, matters
+    for i in xs:
+        right.annotate(f"{last['cut'][i] - last['full'][i]:+.3f}", (i + 0.2, last["cut"][i]), ha="center",
+                       va="bottom", fontsize=8)
     right.set_xticks(list(xs))
     right.set_xticklabels(labels)
     right.set_xlabel("position within the file (bytes)")
     right.set_ylabel(f"held-out nats per byte, step {last['step']}")
-    right.legend()
+    right.legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "train_code_lm.png"), dpi=110)
     print(f"wrote {out}/train_code_lm.json and train_code_lm.png", flush=True)

@@ -40,6 +40,11 @@ struct BlockList {
 // Throws Error(invalid_input) naming the field when a list does not hold `ranks` blocks, or a shape, offset
 // or stride is negative or overflows.
 void check_block_list(const BlockList& list, int ranks, const char* side);
+// all_to_all_v's agreement, shared by the backends that check it before data moves: what a receiver says of
+// the first block it did not expect (ranks as the backend names them), and the error every rank raises once
+// the ranks agreed that some pair disagrees (`seen`: this rank's own words, empty when it saw none).
+std::string block_disagreement(int sender, int receiver, const BlockShape& sent, const BlockShape& expected);
+[[noreturn]] void throw_block_mismatch(int me, int sender, int receiver, const std::string& seen);
 
 // Copies one block's rows from src (laid out by `from`) to dst (laid out by `to`), both pointing at the
 // block.

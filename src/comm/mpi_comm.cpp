@@ -236,12 +236,7 @@ CollectiveCost MpiCommunicator::agree_on_blocks(const BlockList& send_blocks, co
     const BlockShape got{theirs[3 * p], theirs[3 * p + 1], theirs[3 * p + 2]};
     if (!(got == recv_blocks.shape[p])) {
       pair = 1 + static_cast<std::int64_t>(p) * size_ + rank_;
-      disagreement = "rank " + std::to_string(world(static_cast<int>(p))) + " sends rank " +
-                     std::to_string(world(rank_)) + " a block of " + std::to_string(got.outer) + "x" +
-                     std::to_string(got.inner) + " rows of " + std::to_string(got.row) + " but rank " +
-                     std::to_string(world(rank_)) + " expects " + std::to_string(recv_blocks.shape[p].outer) +
-                     "x" + std::to_string(recv_blocks.shape[p].inner) + " rows of " +
-                     std::to_string(recv_blocks.shape[p].row);
+      disagreement = block_disagreement(world(static_cast<int>(p)), world(rank_), got, recv_blocks.shape[p]);
     }
   }
   const std::int64_t e = static_cast<std::int64_t>(comm_dtype_size(dtype));
@@ -258,15 +253,9 @@ CollectiveCost MpiCommunicator::agree_on_blocks(const BlockList& send_blocks, co
                     std::to_string(INT_MAX) + " (split the call)");
   }
   if (agreed[0] != 0) {
-    const std::int64_t sender = (agreed[0] - 1) / size_, receiver = (agreed[0] - 1) % size_;
-    throw Error(
-        ErrorKind::communication, "collective", "all_to_all_v",
-        "collective mismatch in all_to_all_v (rank " + std::to_string(world(rank_)) + "): " +
-            (disagreement.empty()
-                 ? "the block rank " + std::to_string(world(static_cast<int>(sender))) + " sends rank " +
-                       std::to_string(world(static_cast<int>(receiver))) + " is not the block rank " +
-                       std::to_string(world(static_cast<int>(receiver))) + " expects"
-                 : disagreement));
+    const auto sender = static_cast<int>((agreed[0] - 1) / size_),
+               receiver = static_cast<int>((agreed[0] - 1) % size_);
+    throw_block_mismatch(world(rank_), world(sender), world(receiver), disagreement);
   }
   return {agreed[1], agreed[2]};
 }

@@ -30,6 +30,23 @@ void check_block_layout(const BlockShape& shape, const BlockStrides& send, const
   }
 }
 
+std::string block_disagreement(int sender, int receiver, const BlockShape& sent, const BlockShape& expected) {
+  auto rows = [](const BlockShape& b) {
+    return std::to_string(b.outer) + "x" + std::to_string(b.inner) + " rows of " + std::to_string(b.row);
+  };
+  return "rank " + std::to_string(sender) + " sends rank " + std::to_string(receiver) + " a block of " +
+         rows(sent) + " but rank " + std::to_string(receiver) + " expects " + rows(expected);
+}
+
+void throw_block_mismatch(int me, int sender, int receiver, const std::string& seen) {
+  throw Error(ErrorKind::communication, "collective", "all_to_all_v",
+              "collective mismatch in all_to_all_v (rank " + std::to_string(me) + "): " +
+                  (seen.empty() ? "the block rank " + std::to_string(sender) + " sends rank " +
+                                      std::to_string(receiver) + " is not the block rank " +
+                                      std::to_string(receiver) + " expects"
+                                : seen));
+}
+
 void check_block_list(const BlockList& list, int ranks, const char* side) {
   const std::string where = std::string("all_to_all_v: ") + side;
   if (static_cast<int>(list.shape.size()) != ranks || static_cast<int>(list.offset.size()) != ranks) {

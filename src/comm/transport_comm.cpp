@@ -128,25 +128,16 @@ void TransportCommunicator::all_to_all_v(const void* send, const BlockList& send
     const BlockShape got{theirs[3 * p], theirs[3 * p + 1], theirs[3 * p + 2]};
     if (!(got == recv_blocks.shape[p])) {
       pair = 1 + static_cast<std::int64_t>(p) * size() + rank_;
-      disagreement = "rank " + std::to_string(p) + " sends rank " + std::to_string(rank_) + " a block of " +
-                     std::to_string(got.outer) + "x" + std::to_string(got.inner) + " rows of " +
-                     std::to_string(got.row) + " but rank " + std::to_string(rank_) + " expects " +
-                     std::to_string(recv_blocks.shape[p].outer) + "x" +
-                     std::to_string(recv_blocks.shape[p].inner) + " rows of " +
-                     std::to_string(recv_blocks.shape[p].row);
+      disagreement = block_disagreement(static_cast<int>(p), rank_, got, recv_blocks.shape[p]);
     }
   }
   const auto el = static_cast<std::int64_t>(e);
   std::int64_t agreed[3] = {pair, operand * el, (operand - send_blocks.shape[rank_].count()) * el};
   all_reduce(agreed, 3, ReduceOp::max);
   if (agreed[0] != 0) {
-    const std::int64_t sender = (agreed[0] - 1) / size(), receiver = (agreed[0] - 1) % size();
-    throw Error(ErrorKind::communication, "collective", "all_to_all_v",
-                "collective mismatch in all_to_all_v (rank " + std::to_string(rank_) + "): " +
-                    (disagreement.empty() ? "the block rank " + std::to_string(sender) + " sends rank " +
-                                                std::to_string(receiver) + " is not the block rank " +
-                                                std::to_string(receiver) + " expects"
-                                          : disagreement));
+    const auto sender = static_cast<int>((agreed[0] - 1) / size()),
+               receiver = static_cast<int>((agreed[0] - 1) % size());
+    throw_block_mismatch(rank_, sender, receiver, disagreement);
   }
   // Packed: each peer's block contiguous, in a buffer per side.
   std::vector<std::size_t> soff(n + 1, 0), roff(n + 1, 0);
