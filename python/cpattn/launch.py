@@ -30,6 +30,15 @@ def _die_with_parent():
         pass
 
 
+class _Terminated(Exception):
+    """SIGTERM to the launcher, raised by its handler and acted on outside it (a handler that waited on the
+    processes could run inside Popen's own wait and block on its lock)."""
+
+
+def _terminated(signum, _frame):
+    raise _Terminated(signum)
+
+
 def _stop(procs, sig, wait_seconds):
     for p in procs:
         if p.poll() is None:
@@ -70,11 +79,7 @@ def main(argv=None):
                    LOCAL_WORLD_SIZE=str(a.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, a.script] + a.args, env=env, preexec_fn=_die_with_parent))
 
-    def forward(signum, _frame):
-        _stop(procs, signum, 10)
-        sys.exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGTERM, _terminated)
     status = 0
     failed_at = None
     try:
@@ -101,6 +106,9 @@ def main(argv=None):
     except KeyboardInterrupt:
         _stop(procs, signal.SIGINT, 10)
         return 130
+    except _Terminated:
+        _stop(procs, signal.SIGTERM, 10)
+        return 128 + signal.SIGTERM
     return status
 
 

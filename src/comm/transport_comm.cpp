@@ -226,6 +226,10 @@ class TransportShift final : public PendingShift {
         timeout_(timeout),
         failed_(std::move(failed)),
         counted_(std::move(counted)) {}
+  // Left unwaited (its rank is failing): its messages may still be in flight.
+  ~TransportShift() override {
+    if (pending_) *failed_ = true;
+  }
   void wait() override {
     if (pending_) {
       try {

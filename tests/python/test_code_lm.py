@@ -42,9 +42,8 @@ def test_cp4_on_gloo_and_cp1_agree_step_by_step(tmp_path):
     assert len(one["loss"]) == len(four["loss"]) == 30
     assert worst_relative(four["loss"], one["loss"]) < 1e-4, list(zip(four["loss"], one["loss"]))
     assert one["loss"][-1] < one["loss"][0]  # it learns: not two constant sequences
-    # the held-out evaluation at the end: the same numbers, with the full context and with 1k-byte blocks
-    for key in ("full_all", "cut_all"):
-        assert worst_relative([four["eval"][-1][key]], [one["eval"][-1][key]]) < 1e-4, key
+    # the held-out evaluation at the end: the same number (at 1024-byte rows the 1k-byte blocks are the rows)
+    assert worst_relative([four["eval"][-1]["full_all"]], [one["eval"][-1]["full_all"]]) < 1e-4
 
 
 def test_dp2_cp2_ring_zigzag_is_one_process_on_both_rows(tmp_path):
