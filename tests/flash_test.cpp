@@ -10,6 +10,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <random>
 
 #include "cpattn/error.hpp"
 #include "cpattn/flash.hpp"
@@ -192,6 +193,56 @@ TEST(FlashKernel, MatchesIndependentVectors) {
     }
   }
   EXPECT_EQ(cases, 6);
+}
+
+// Segment ids that are not runs of one document each: a document that comes back after another
+// ([0]*64 + [1]*128 + [0]*64, so a q block of the second 0-run first meets kv blocks it cannot see, then
+// visible ones again) and ids drawn at random per run of 1..40 tokens from {0, 1, 2}. A row whose running
+// maximum is first -inf and then finite must be rescaled correctly; fp32 on every SIMD target, bf16 on every
+// product path, causal and not, one and two threads.
+TEST(FlashKernel, SegmentsThatReturnToAnEarlierDocumentOnEveryPath) {
+  std::vector<std::int32_t> returning(256, 0);
+  std::fill(returning.begin() + 64, returning.begin() + 192, 1);
+  std::vector<std::int32_t> drawn;
+  std::mt19937 gen(11);
+  while (drawn.size() < 300) {
+    const auto id = static_cast<std::int32_t>(gen() % 3);
+    for (auto n = 1 + gen() % 40; n > 0 && drawn.size() < 300; --n) drawn.push_back(id);
+  }
+  auto check = [](const std::vector<std::int32_t>& seg, DType dtype, bool causal, int threads,
+                  FlashConfig cfg) {
+    const auto S = static_cast<std::int64_t>(seg.size());
+    Case c{1, S, 4, 2, dtype == DType::bf16 ? 128 : 64, causal, {}, dtype};
+    SCOPED_TRACE(c.name() + " threads " + std::to_string(threads));
+    const Inputs in = make_inputs(c, 23);
+    const AttentionMask mask{in.pos, in.pos, seg, seg, causal};
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim)),
+                 tol = dtype == DType::bf16 ? 2e-2 : 1e-5;
+    cfg.threads = threads;
+    const auto fwd = flash_attention_forward(in.q, in.k, in.v, mask, scale, cfg);
+    const auto bwd =
+        flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, mask, scale, cfg, DType::f32);
+    const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, mask, scale);
+    CPATTN_EXPECT_CLOSE(fwd.o.to_floats(), ref.o, tol, "o");
+    CPATTN_EXPECT_CLOSE(fwd.lse, ref.lse, tol, "lse");
+    CPATTN_EXPECT_CLOSE(bwd.dq.to_floats(), ref.dq, tol, "dq");
+    CPATTN_EXPECT_CLOSE(bwd.dk.to_floats(), ref.dk, tol, "dk");
+    CPATTN_EXPECT_CLOSE(bwd.dv.to_floats(), ref.dv, tol, "dv");
+  };
+  for (const std::vector<std::int32_t>* seg : {&returning, &drawn}) {
+    for (bool causal : {true, false}) {
+      for (const std::string& t : flash_vector_targets()) {
+        SCOPED_TRACE(t);
+        flash_force_vector_target(t);
+        for (int threads : {1, 2}) check(*seg, DType::f32, causal, threads, {});
+      }
+      flash_force_vector_target("");
+      for (const auto& [path, cfg] : testing::bf16_paths()) {
+        SCOPED_TRACE(to_string(path));
+        for (int threads : {1, 2}) check(*seg, DType::bf16, causal, threads, cfg);
+      }
+    }
+  }
 }
 
 TEST(FlashKernel, FullyMaskedRowsAreZeroWithMinusInfinityLse) {
