@@ -180,8 +180,9 @@ CPATTN_BF16_TARGET void dot_product(const std::uint16_t* left, std::int64_t left
       const std::uint16_t* l = left + m0 * left_stride;
       for (std::int64_t kp = 0; kp < depth / 2; ++kp) {
         const std::uint16_t* r = right + (kp * right_cols + n0) * 2;
-        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(r);
-        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(r + 32);
+        __m512bh b0 = (__m512bh)_mm512_loadu_si512(r);
+        __m512bh b1 = (__m512bh)_mm512_loadu_si512(r + 32);
+        asm("" : "+v"(b0), "+v"(b1));  // kept in registers (GCC would spill and reload one every step)
 #pragma GCC unroll 8
         for (int i = 0; i < kRows; ++i) {
           std::int32_t pair;
@@ -197,6 +198,85 @@ CPATTN_BF16_TARGET void dot_product(const std::uint16_t* left, std::int64_t left
         float* c = out + (m0 + i) * out_stride + n0;
         _mm512_storeu_ps(c, out_scale != 1.0f ? _mm512_mul_ps(acc[i][0], f) : acc[i][0]);
         _mm512_storeu_ps(c + 16, out_scale != 1.0f ? _mm512_mul_ps(acc[i][1], f) : acc[i][1]);
+      }
+    }
+  }
+}
+
+// One full tile's S = Q K^T and dP = dO V^T in registers, 4 rows x 32 keys at a time over the whole depth,
+// and from them P = exp2(S * factor - lse2) and dS = P (dP - delta), written only as bf16: P and dS in pairs
+// over rows ([rows/2][keys][2], the right operands of dV^T and dK^T) and dS as rows (the left operand of dQ).
+// Rows at or past `live` get P = dS = 0. Value for value the arithmetic of dot_product (the same pair order
+// over the depth), probabilities_and_ds_rows and to_bf16_pairs, without the fp32 S and dP in memory.
+// q, d_o: [rows][depth] bf16; k, v: [depth/2][keys][2]; rows a multiple of 4, keys of 32, depth of 2.
+CPATTN_BF16_TARGET void probabilities_and_ds_fused(const std::uint16_t* q, const std::uint16_t* d_o,
+                                                   const std::uint16_t* k, const std::uint16_t* v,
+                                                   std::int64_t rows, std::int64_t keys, std::int64_t depth,
+                                                   std::int64_t live, float factor, const float* lse2,
+                                                   const float* delta, std::uint16_t* p_pairs,
+                                                   std::uint16_t* ds_pairs, std::uint16_t* ds_rows) {
+  constexpr int kRows = 4;
+  alignas(64) std::uint16_t idx[32];  // as to_bf16_pairs: two rows' values interleaved
+  for (int t = 0; t < 16; ++t) {
+    idx[2 * t] = static_cast<std::uint16_t>(t);
+    idx[2 * t + 1] = static_cast<std::uint16_t>(32 + t);
+  }
+  const __m512i interleave = _mm512_load_si512(idx);
+  const __m512 f = _mm512_set1_ps(factor);
+  for (std::int64_t m0 = 0; m0 < rows; m0 += kRows) {
+    for (std::int64_t n0 = 0; n0 < keys; n0 += 32) {
+      __m512 s[kRows][2], dp[kRows][2];
+#pragma GCC unroll 4
+      for (int i = 0; i < kRows; ++i) {
+        s[i][0] = s[i][1] = dp[i][0] = dp[i][1] = _mm512_setzero_ps();
+      }
+      for (std::int64_t kp = 0; kp < depth / 2; ++kp) {
+        const std::int64_t at = (kp * keys + n0) * 2;
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512(k + at);
+        __m512bh k1 = (__m512bh)_mm512_loadu_si512(k + at + 32);
+        __m512bh v0 = (__m512bh)_mm512_loadu_si512(v + at);
+        __m512bh v1 = (__m512bh)_mm512_loadu_si512(v + at + 32);
+        // Opaque to the register allocator, which would otherwise load them again for every row.
+        asm("" : "+v"(k0), "+v"(k1), "+v"(v0), "+v"(v1));
+#pragma GCC unroll 4
+        for (int i = 0; i < kRows; ++i) {
+          std::int32_t qp, dop;
+          std::memcpy(&qp, q + (m0 + i) * depth + 2 * kp, sizeof(qp));
+          std::memcpy(&dop, d_o + (m0 + i) * depth + 2 * kp, sizeof(dop));
+          const __m512bh a = (__m512bh)_mm512_set1_epi32(qp), c = (__m512bh)_mm512_set1_epi32(dop);
+          s[i][0] = _mm512_dpbf16_ps(s[i][0], a, k0);
+          s[i][1] = _mm512_dpbf16_ps(s[i][1], a, k1);
+          dp[i][0] = _mm512_dpbf16_ps(dp[i][0], c, v0);
+          dp[i][1] = _mm512_dpbf16_ps(dp[i][1], c, v1);
+        }
+      }
+      __m256i pb[kRows][2], db[kRows][2];
+#pragma GCC unroll 4
+      for (int i = 0; i < kRows; ++i) {
+        const std::int64_t r = m0 + i;
+        for (int half = 0; half < 2; ++half) {
+          __m512 p = _mm512_setzero_ps(), ds = _mm512_setzero_ps();
+          if (r < live) {
+            p = exp2_avx512(_mm512_sub_ps(_mm512_mul_ps(s[i][half], f), _mm512_set1_ps(lse2[r])));
+            ds = _mm512_mul_ps(p, _mm512_sub_ps(dp[i][half], _mm512_set1_ps(delta[r])));
+          }
+          const __m256bh pc = _mm512_cvtneps_pbh(p), dc = _mm512_cvtneps_pbh(ds);
+          pb[i][half] = reinterpret_cast<const __m256i&>(pc);
+          db[i][half] = reinterpret_cast<const __m256i&>(dc);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ds_rows + r * keys + n0 + 16 * half), db[i][half]);
+        }
+      }
+#pragma GCC unroll 2
+      for (int i = 0; i < kRows; i += 2) {
+        for (int half = 0; half < 2; ++half) {
+          const std::int64_t at = (((m0 + i) / 2) * keys + n0 + 16 * half) * 2;
+          _mm512_storeu_si512(p_pairs + at,
+                              _mm512_permutex2var_epi16(_mm512_castsi256_si512(pb[i][half]), interleave,
+                                                        _mm512_castsi256_si512(pb[i + 1][half])));
+          _mm512_storeu_si512(ds_pairs + at,
+                              _mm512_permutex2var_epi16(_mm512_castsi256_si512(db[i][half]), interleave,
+                                                        _mm512_castsi256_si512(db[i + 1][half])));
+        }
       }
     }
   }
@@ -421,14 +501,17 @@ void flash_forward_bf16(const ConstTensorRef& q, const ConstTensorRef& k, const 
       for (std::int64_t r = 0; r < rows; ++r) {
         w.alpha[r] = softmax_row(w.s.data() + r * W, W, w.m[r], w.l[r], w.p.data() + r * W);
       }
-      // acc: [rows][D32] = acc * alpha + P V, a block at a time
-      bool first = true;
-      for (std::int64_t j = 0; j < 2; ++j) {
-        if (kinds[j] == TileKind::empty) continue;
+      // acc: [rows][D32] = acc * alpha + P V. Both blocks seen: one product over the pair (their packed V
+      // rows are consecutive), the same steps in the same order as a block at a time; else the one seen.
+      if (kinds[0] != TileKind::empty && kinds[1] != TileKind::empty) {
+        const std::int64_t at = (b * Hkv + hk) * kv_blocks + kv0;
+        product(amx, w.p.data(), W, vpack.data() + at * block_elems, D32, rows, D32, W, w.acc.data(), D32,
+                true, w.alpha.data());
+      } else {
+        const std::int64_t j = kinds[0] != TileKind::empty ? 0 : 1;
         const std::int64_t at = (b * Hkv + hk) * kv_blocks + kv0 + j;
         product(amx, w.p.data() + j * Bk, W, vpack.data() + at * block_elems, D32, rows, D32, Bk,
-                w.acc.data(), D32, true, first ? w.alpha.data() : nullptr);
-        first = false;
+                w.acc.data(), D32, true, w.alpha.data());
       }
     }
     release_tiles(amx);
@@ -529,44 +612,57 @@ AmxBackwardOperands pack_backward_operands(const ConstTensorRef& q, const ConstT
 }
 
 // One tile of (b, h, q block qi) against the kv block at kv_at: S = Q K^T and dP = dO V^T, P and dS, then
-// dV^T = dO^T P and dK^T = Q^T dS into the kv block's fp64 sums and dQ += dS K.
+// dV^T = dO^T P and dK^T = Q^T dS into the kv block's fp32 run (`accumulate`: added to it, else it starts
+// here) and dQ += dS K.
 void amx_backward_tile(const AmxBackwardCall& call, AmxBackwardWorkspace& w, std::int64_t b, std::int64_t h,
-                       std::int64_t qi, const BlockMeta& kb, std::size_t kv_at, TileKind kind) {
+                       std::int64_t qi, const BlockMeta& kb, std::size_t kv_at, TileKind kind,
+                       bool accumulate) {
   const std::int64_t Bk = call.Bk, D32 = call.D32, R32 = call.R32;
   const AmxBackwardOperands& ops = call.ops;
   const BlockMeta& qb = call.grid.q[b][qi];
   const std::size_t q_at = static_cast<std::size_t>(((b * call.Hq + h) * call.q_blocks + qi) * call.q_elems);
   const std::int64_t row0 = (b * call.Hq + h) * call.sq_padded + qb.begin;
-  // S = Q K^T, dP = dO V^T: [R32][Bk]
-  product(call.amx, ops.q_rows.data() + q_at, D32, ops.k_pairs_d.data() + kv_at, Bk, R32, Bk, D32, w.s.data(),
-          Bk, false);
-  product(call.amx, ops.do_rows.data() + q_at, D32, ops.v_pairs_d.data() + kv_at, Bk, R32, Bk, D32,
-          w.dp.data(), Bk, false);
-  // Rows past the block's length are zero rows of Q and dO; their P and dS are set to 0 here (their lse2
-  // would be another block's).
+  // Rows past the block's length are zero rows of Q and dO; their P and dS are set to 0 (their lse2 would be
+  // another block's).
   const std::int64_t live = qb.length;
-  probabilities_and_ds_rows(w.s.data(), w.dp.data(), live, Bk, call.factor, call.lse2.data() + row0,
-                            call.delta.data() + row0);
-  std::fill(w.s.begin() + live * Bk, w.s.end(), 0.0f);
-  std::fill(w.dp.begin() + live * Bk, w.dp.end(), 0.0f);
-  if (kind == TileKind::partial) {
-    apply_mask(w.s.data(), R32, Bk, Bk, 1, qb, kb, b, call.mask, call.Sq, call.Skv, 0.0f);
-    apply_mask(w.dp.data(), R32, Bk, Bk, 1, qb, kb, b, call.mask, call.Sq, call.Skv, 0.0f);
+  if (!call.amx && kind == TileKind::full) {
+    probabilities_and_ds_fused(ops.q_rows.data() + q_at, ops.do_rows.data() + q_at,
+                               ops.k_pairs_d.data() + kv_at, ops.v_pairs_d.data() + kv_at, R32, Bk, D32, live,
+                               call.factor, call.lse2.data() + row0, call.delta.data() + row0,
+                               w.p_pairs.data(), w.ds_pairs.data(), w.ds_rows.data());
+  } else {
+    // S = Q K^T, dP = dO V^T: [R32][Bk]
+    product(call.amx, ops.q_rows.data() + q_at, D32, ops.k_pairs_d.data() + kv_at, Bk, R32, Bk, D32,
+            w.s.data(), Bk, false);
+    product(call.amx, ops.do_rows.data() + q_at, D32, ops.v_pairs_d.data() + kv_at, Bk, R32, Bk, D32,
+            w.dp.data(), Bk, false);
+    probabilities_and_ds_rows(w.s.data(), w.dp.data(), live, Bk, call.factor, call.lse2.data() + row0,
+                              call.delta.data() + row0);
+    std::fill(w.s.begin() + live * Bk, w.s.end(), 0.0f);
+    std::fill(w.dp.begin() + live * Bk, w.dp.end(), 0.0f);
+    if (kind == TileKind::partial) {
+      apply_mask(w.s.data(), R32, Bk, Bk, 1, qb, kb, b, call.mask, call.Sq, call.Skv, 0.0f);
+      apply_mask(w.dp.data(), R32, Bk, Bk, 1, qb, kb, b, call.mask, call.Sq, call.Skv, 0.0f);
+    }
+    to_bf16_pairs(w.s.data(), R32, Bk, w.p_pairs.data(), nullptr);
+    to_bf16_pairs(w.dp.data(), R32, Bk, w.ds_pairs.data(), w.ds_rows.data());
   }
-  to_bf16_pairs(w.s.data(), R32, Bk, w.p_pairs.data(), nullptr);
-  to_bf16_pairs(w.dp.data(), R32, Bk, w.ds_pairs.data(), w.ds_rows.data());
-  // dV^T = dO^T P, dK^T = Q^T dS: [D32][Bk], summed over q blocks in fp64
+  // dV^T = dO^T P, dK^T = Q^T dS: [D32][Bk]
   product(call.amx, ops.do_cols.data() + q_at, R32, w.p_pairs.data(), Bk, D32, Bk, R32, w.dvt.data(), Bk,
-          false);
+          accumulate);
   product(call.amx, ops.q_cols.data() + q_at, R32, w.ds_pairs.data(), Bk, D32, Bk, R32, w.dkt.data(), Bk,
-          false);
+          accumulate);
+  // dQ += dS K: [R32][D32], continuing each row's sum over the kv blocks in order
+  product(call.amx, w.ds_rows.data(), Bk, ops.k_pairs_r.data() + kv_at, D32, R32, D32, Bk,
+          call.dq_acc.data() + q_at, D32, true);
+}
+
+// The kv block's fp32 run of dK^T, dV^T added into its fp64 sums.
+void flush_kv_run(const AmxBackwardCall& call, AmxBackwardWorkspace& w) {
   for (std::int64_t i = 0; i < call.kv_elems; ++i) {
     w.sum_k[i] += w.dkt[i];
     w.sum_v[i] += w.dvt[i];
   }
-  // dQ += dS K: [R32][D32], continuing each row's sum over the kv blocks in order
-  product(call.amx, w.ds_rows.data(), Bk, ops.k_pairs_r.data() + kv_at, D32, R32, D32, Bk,
-          call.dq_acc.data() + q_at, D32, true);
 }
 
 // [D32][Bk] sums -> rows of dK (times scale) and dV.
@@ -584,8 +680,13 @@ void store_kv_rows(const AmxBackwardCall& call, AmxBackwardWorkspace& w, std::in
   }
 }
 
+// Tiles whose dK^T and dV^T sum in fp32 before they join the kv block's fp64 sums: the fp64 pass once per
+// four tiles, the fp32 run's error that of a 4 * Bq-row sum (far inside bf16's).
+constexpr std::int64_t kFp32RunTiles = 4;
+
 // Task `task` of the stripe [s0, s1): one q head's tiles, each kv block against the q blocks in order, its
-// dK^T and dV^T summed in fp64 and then stored (G = 1) or left as the head's partial.
+// dK^T and dV^T summed in fp32 runs of kFp32RunTiles tiles, the runs in fp64, and then stored (G = 1) or left
+// as the head's partial.
 void amx_backward_head(const AmxBackwardCall& call, std::int64_t task, std::int64_t s0, std::int64_t s1,
                        AmxBackwardWorkspace& w) {
   const std::int64_t b = task / call.Hq, h = task % call.Hq, hk = h / call.G;
@@ -604,13 +705,19 @@ void amx_backward_head(const AmxBackwardCall& call, std::int64_t task, std::int6
         static_cast<std::size_t>(((b * call.Hkv + hk) * call.kv_blocks + kvi) * call.kv_elems);
     w.sum_k.assign(static_cast<std::size_t>(call.kv_elems), 0.0);
     w.sum_v.assign(static_cast<std::size_t>(call.kv_elems), 0.0);
+    std::int64_t run = 0;  // tiles in the fp32 run of dK^T, dV^T
     for (std::int64_t qi = 0; qi < call.q_blocks; ++qi) {
       const TileKind kind = classify_tile(call.grid.q[b][qi], kb, call.mask.causal, call.segments, call.Bk);
       if (kind == TileKind::empty) continue;
       ++computed;
       computed_full += kind == TileKind::full;
-      amx_backward_tile(call, w, b, h, qi, kb, kv_at, kind);
+      amx_backward_tile(call, w, b, h, qi, kb, kv_at, kind, run > 0);
+      if (++run == kFp32RunTiles) {
+        flush_kv_run(call, w);
+        run = 0;
+      }
     }
+    if (run > 0) flush_kv_run(call, w);
     if (call.G > 1) {
       const std::size_t at = static_cast<std::size_t>((task * call.stripe + (kvi - s0)) * call.kv_elems);
       std::copy(w.sum_k.begin(), w.sum_k.end(), call.head_dk.begin() + at);
