@@ -7,6 +7,12 @@ const fs = require("fs");
 const path = require("path");
 const ort = require("onnxruntime-node");
 
+// VmHWM or VmRSS of this process in KiB (getrusage's peak would start at the parent's, carried across exec).
+function statusKib(key) {
+  const line = fs.readFileSync("/proc/self/status", "utf8").split("\n").find((l) => l.startsWith(key + ":"));
+  return Number(line.split(/\s+/)[1]);
+}
+
 async function main() {
   const [model, dir, dtype, seqArg, hiddenArg, repeatsArg, out, gqa] = process.argv.slice(2);
   const seq = Number(seqArg), hidden = Number(hiddenArg), repeats = Number(repeatsArg);
@@ -23,6 +29,7 @@ async function main() {
     const data = dtype === "fp16" ? new Uint16Array(buf) : new Float32Array(buf);
     feeds[name] = new ort.Tensor(dtype === "fp16" ? "float16" : "float32", data, [1, seq, hidden]);
   }
+  const baseKib = statusKib("VmRSS");
   if (gqa === "1") {
     feeds.seqlens_k = new ort.Tensor("int32", Int32Array.from([seq - 1]), [1]);
     feeds.total_sequence_length = new ort.Tensor("int32", Int32Array.from([seq]), []);
@@ -36,7 +43,9 @@ async function main() {
   }
   const o = result.output.data;
   fs.writeFileSync(out, Buffer.from(o.buffer, o.byteOffset, o.byteLength));
-  console.log(JSON.stringify({ forward: best, ort: ort.env.versions ? ort.env.versions.common : null }));
+  // peak resident set beyond what the process held once the inputs were read (KiB -> MiB)
+  const peakMib = (statusKib("VmHWM") - baseKib) / 1024;
+  console.log(JSON.stringify({ forward: best, peak_mib: peakMib }));
 }
 
 main().catch((e) => {

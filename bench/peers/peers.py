@@ -39,6 +39,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 ORT_VERSION = "1.31.1"
+# bf16: PyTorch's naive attention rounds its scores and P to bf16 (errors up to ~1.9e-2 at S 4096); cpattn's bf16
+# and ONNX Runtime's fp16 stay under 5e-3.
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 3e-2}
 
 
@@ -170,10 +172,14 @@ def run_torch(dtype, arrays, causal, repeats):
     return {"forward": fwd, "backward": bwd, "torch": torch.__version__}, res
 
 
-def peak_rss_bytes():
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def memory_bytes(key):
+    """VmHWM (peak) or VmRSS of this process from /proc: ru_maxrss would start at the parent's peak (Linux
+    carries it across exec), and the parent held the float64 reference's S x S arrays."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
 
 
 def run_one(args):
@@ -183,9 +189,9 @@ def run_one(args):
         import torch  # noqa: F401 (its libraries loaded before the baseline)
     else:
         import cpattn  # noqa: F401
-    base = peak_rss_bytes()
+    base = memory_bytes("VmRSS")
     times, res = {"cpattn": run_cpattn, "torch": run_torch}[kind](dtype, arrays, args.causal, args.repeats)
-    times["peak_mib"] = (peak_rss_bytes() - base) / 2**20  # beyond the inputs and the libraries
+    times["peak_mib"] = (memory_bytes("VmHWM") - base) / 2**20  # beyond the inputs and the libraries
     for name, a in res.items():
         np.save(os.path.join(args.dir, f"out-{args.one.replace(':', '-')}-{name}.npy"), a)
     print(json.dumps(times))
@@ -282,7 +288,7 @@ def run_ort(ort_dir, op, dtype, arrays, work, repeats, causal):
                           str(repeats), out, "1" if op == "GroupQueryAttention" else "0"],
                          env=env, capture_output=True, text=True)
     if run.returncode != 0:
-        return {"error": (run.stderr or run.stdout).strip().splitlines()[-1:]}, None
+        return {"error": "failed: " + " ".join((run.stderr or run.stdout).strip().splitlines()[-1:])}, None
     times = json.loads(run.stdout.strip().splitlines()[-1])
     o = np.fromfile(out, dtype=np_dtype).astype(np.float32).reshape(arrays[0].shape)
     return times, {"o": o}
@@ -298,6 +304,7 @@ def flops(seq, heads, head_dim, causal):
 def contender(args, work, name):
     env = dict(os.environ)
     env.pop("MALLOC_CONF", None)
+    env.pop("LD_PRELOAD", None)
     if name.endswith("+jemalloc"):
         env["LD_PRELOAD"] = JEMALLOC
         env["MALLOC_CONF"] = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
@@ -305,7 +312,7 @@ def contender(args, work, name):
     run = subprocess.run([sys.executable, __file__, "--one", one, "--dir", work, "--repeats", str(args.repeats)]
                          + (["--causal"] if args.causal else []), env=env, capture_output=True, text=True)
     if run.returncode != 0:
-        return {"error": run.stderr.strip().splitlines()[-1:]}, None
+        return {"error": "failed: " + " ".join(run.stderr.strip().splitlines()[-1:])}, None
     times = json.loads(run.stdout.strip().splitlines()[-1])
     tag = one.replace(":", "-")
     res = {n: np.load(os.path.join(work, f"out-{tag}-{n}.npy")) for n in ("o", "dq", "dk", "dv")}
@@ -357,7 +364,7 @@ def main():
             times, res = contender(args, work, name)
             for pass_, outs in (("forward", ("o",)), ("backward", ("dq", "dk", "dv"))):
                 if res is None:
-                    rows.append((dtype, pass_, name, None, times["error"], "", None))
+                    rows.append((dtype, pass_, name, None, times["error"], "FAILED", None))
                     continue
                 err = max(relative_error(res[o], refs[dtype][o]) for o in outs)
                 ok = err <= TOLERANCE[dtype]
@@ -371,20 +378,23 @@ def main():
                     times, res = run_ort(args.ort, op, dtype, arrays, work, args.repeats, args.causal)
                     name = f"ort {op}:{dtype}"
                     if res is None:
-                        rows.append((dtype, "forward", name, None, times["error"], "", None))
+                        rows.append((dtype, "forward", name, None, times["error"], "FAILED", None))
                         continue
                     err = relative_error(res["o"], refs[dtype]["o"])
                     ok = err <= TOLERANCE[dtype]
                     rows.append((dtype, "forward", name, times["forward"] if ok else None, err,
-                                 "" if ok else "WRONG", None))
+                                 "" if ok else "WRONG", times.get("peak_mib")))
         else:
             print(f"note: onnxruntime-node not under {args.ort} (--install-ort installs {ORT_VERSION} there with npm)")
-    print(f"\n{'dtype':6} {'pass':9} {'contender':34} {'seconds':>9} {'GFLOP/s':>8} {'max err':>9} {'peak MiB':>9}")
+    print("\nGFLOP/s: the flash kernel's FLOPs over each contender's time (the naive attention computes the hidden half")
+    print("when causal, and four products in its backward to the flash backward's five). peak MiB: the process's")
+    print("peak resident set beyond the inputs and libraries, forward and backward together.")
+    print(f"{'dtype':6} {'pass':9} {'contender':34} {'seconds':>9} {'GFLOP/s':>8} {'max err':>9} {'peak MiB':>9}")
     for dtype, pass_, name, sec, err, note, peak in rows:
         f = fl * (2.5 if pass_ == "backward" else 1.0)
         s = f"{sec:9.4f} {f / sec / 1e9:8.1f}" if sec else f"{'-':>9} {'-':>8}"
         e = f"{err:9.2e}" if isinstance(err, float) else f"  {err}"
-        m = f"{peak:9.0f}" if peak is not None and pass_ == "backward" else f"{'':9}"
+        m = f"{peak:9.0f}" if peak is not None and (pass_ == "backward" or name.startswith("ort")) else f"{'':9}"
         print(f"{dtype:6} {pass_:9} {name:34} {s} {e} {m} {note}")
     print("\ncpattn against the best peer of the same dtype and pass (bf16 against fp16 peers too, forward):")
     table = []
@@ -393,7 +403,10 @@ def main():
             ours = next((r[3] for r in rows if r[0] == dtype and r[1] == pass_ and r[2].startswith("cpattn")), None)
             peers = [r for r in rows if r[1] == pass_ and not r[2].startswith("cpattn") and r[3]
                      and (r[0] == dtype or (dtype == "bf16" and r[0] == "fp16"))]
-            if ours is None or not peers:
+            if ours is None:
+                print(f"  {dtype} {pass_:9} cpattn failed or was wrong: no ratio")
+                continue
+            if not peers:
                 continue
             best = min(peers, key=lambda r: r[3])
             table.append({"dtype": dtype, "pass": pass_, "cpattn": ours, "peer": best[2], "peer_seconds": best[3],
