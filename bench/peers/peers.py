@@ -316,6 +316,8 @@ def contender(args, work, name):
     times = json.loads(run.stdout.strip().splitlines()[-1])
     tag = one.replace(":", "-")
     res = {n: np.load(os.path.join(work, f"out-{tag}-{n}.npy")) for n in ("o", "dq", "dk", "dv")}
+    if name == args.wrong:  # the negative control: tokens in reverse order
+        res = {n: a[:, ::-1] for n, a in res.items()}
     return times, res
 
 
@@ -331,6 +333,7 @@ def main():
     p.add_argument("--allocators", choices=("both", "jemalloc", "glibc"), default="both",
                    help="PyTorch under which allocator (default both; the faster one counts)")
     p.add_argument("--json", default=None, help="also write every figure to this file")
+    p.add_argument("--wrong", default=None, help=argparse.SUPPRESS)  # a contender's outputs reversed (tests)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
