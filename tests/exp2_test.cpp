@@ -46,6 +46,7 @@ HWY_AFTER_NAMESPACE();
 #include <gtest/gtest.h>
 
 #include "cpattn/flash.hpp"
+#include "kernels/exp2_avx512.hpp"
 
 namespace cpattn::test {
 HWY_EXPORT(exp2_many);
@@ -53,6 +54,12 @@ HWY_EXPORT(exp2_target);
 HWY_EXPORT(exp2_fused);
 
 namespace {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+__attribute__((target("avx512f,avx512dq"))) void exp2_bf16_block(const float* in, float* out) {
+  _mm512_storeu_ps(out, kernels::exp2_bf16_avx512(_mm512_loadu_ps(in)));
+}
+#endif
+
 std::uint32_t bits(float x) {
   std::uint32_t u = 0;
   std::memcpy(&u, &x, sizeof u);
@@ -122,6 +129,46 @@ TEST(Exp2, EveryTargetKeepsItsPromisesAndThoseWithFmaGiveTheSameValues) {
   }
   flash_force_vector_target("");
 }
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The bf16 product paths' probabilities (exp2_bf16_avx512, degree 3): the same range handling as the kernels'
+// exp2 (NaN stays NaN, exactly +0 below -126, exactly 2^k at integers, 1 at 0) and at most 1.02e-4 relative
+// error elsewhere, 1/19 of bf16's half-ulp.
+TEST(Exp2, TheBf16PolynomialKeepsItsPromises) {
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512dq")) {
+    GTEST_SKIP() << "no AVX512F/AVX512DQ on this CPU";
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  std::vector<float> in;
+  for (int i = 0; i <= 262144; ++i) in.push_back(-130.0f + 130.5f * static_cast<float>(i) / 262144.0f);
+  for (int k = 0; k <= 126; ++k) in.push_back(-static_cast<float>(k));
+  for (float x : {-inf, -1000.0f, -127.0f, -126.5f, std::nextafter(-126.0f, -inf), -126.0f, 0.0f, -0.0f,
+                  std::numeric_limits<float>::quiet_NaN()}) {
+    in.push_back(x);
+  }
+  while (in.size() % 16 != 0) in.push_back(0.0f);
+  std::vector<float> out(in.size());
+  for (std::size_t i = 0; i < in.size(); i += 16) exp2_bf16_block(in.data() + i, out.data() + i);
+  double worst = 0.0;
+  std::int64_t wrong = 0;
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    const float x = in[i], y = out[i];
+    if (std::isnan(x)) {
+      wrong += !std::isnan(y);
+    } else if (x < -126.0f) {
+      wrong += bits(y) != 0;
+    } else if (x == std::round(x)) {
+      wrong += y != std::ldexp(1.0f, static_cast<int>(x));
+    } else {
+      const double want = std::exp2(static_cast<double>(x));
+      worst = std::max(worst, std::fabs(y - want) / want);
+    }
+  }
+  EXPECT_EQ(wrong, 0);
+  EXPECT_LT(worst, 1.02e-4);
+  EXPECT_GT(worst, 1e-5) << "not the degree-3 polynomial";
+}
+#endif
 
 }  // namespace cpattn::test
 #endif  // HWY_ONCE

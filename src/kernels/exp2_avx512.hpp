@@ -26,5 +26,17 @@ __attribute__((target("avx512f,avx512dq"))) inline __m512 exp2_avx512(__m512 x) 
   return _mm512_maskz_scalef_ps(keep, p, xi);
 }
 
+// 2^x as exp2_avx512 with kExp2PolyBf16: for probabilities rounded to bf16 next (the same range handling:
+// exactly 0 below -126, exactly 1 at 0, NaN for NaN).
+__attribute__((target("avx512f,avx512dq"))) inline __m512 exp2_bf16_avx512(__m512 x) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+  const __m512 f = _mm512_reduce_round_ps(x, 0, _MM_FROUND_NO_EXC);
+  const __m512 xi = _mm512_sub_ps(x, f);
+  __m512 p = _mm512_set1_ps(kExp2PolyBf16[0]);
+#pragma GCC unroll 3
+  for (int i = 1; i < 4; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2PolyBf16[i]));
+  return _mm512_maskz_scalef_ps(keep, p, xi);
+}
+
 }  // namespace cpattn::kernels
 #endif

@@ -17,4 +17,10 @@ inline constexpr float kExp2Poly[7] = {1.5345812004000534e-04f,
                                        6.931472057372673e-01f,
                                        1.0f};
 
+// 2^f for f in [-0.5, 0.5] to bf16's needs: degree 3, exactly 1 at 0, relative error 1.01e-4 (Lawson
+// iterations on the relative error with f^0 fixed at 1), 1/19 of bf16's half-ulp (2^-9). The bf16 product
+// paths round P to bf16 before anything reads it; their statistics' rescale factors keep kExp2Poly.
+inline constexpr float kExp2PolyBf16[4] = {5.500892922282219e-02f, 2.4221095442771912e-01f,
+                                           6.932829022407532e-01f, 1.0f};
+
 }  // namespace cpattn::kernels

@@ -203,6 +203,51 @@ CPATTN_BF16_TARGET void dot_product(const std::uint16_t* left, std::int64_t left
   }
 }
 
+// probabilities_and_ds_fused's epilogue for rows [m0, m0 + 4) and keys [n0, n0 + 32): P and dS from the
+// accumulators, stored as bf16 pairs over rows and dS rows. A function of its own (the accumulators pass
+// through memory): inlined, its constants would stay live across the products' loop and GCC would spill the
+// loop's operands instead.
+__attribute__((noinline)) CPATTN_BF16_TARGET void ds_epilogue(
+    const __m512 (&s)[4][2], const __m512 (&dp)[4][2], std::int64_t m0, std::int64_t n0, std::int64_t keys,
+    std::int64_t live, float factor, const float* lse2, const float* delta, std::uint16_t* p_pairs,
+    std::uint16_t* ds_pairs, std::uint16_t* ds_rows) {
+  constexpr int kRows = 4;
+  alignas(64) static constexpr std::uint16_t kInterleave[32] = {// as to_bf16_pairs: two rows interleaved
+                                                                0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                                37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                                11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512 f = _mm512_set1_ps(factor);
+  __m256i pb[kRows][2], db[kRows][2];
+#pragma GCC unroll 4
+  for (int i = 0; i < kRows; ++i) {
+    const std::int64_t r = m0 + i;
+    for (int half = 0; half < 2; ++half) {
+      __m512 p = _mm512_setzero_ps(), ds = _mm512_setzero_ps();
+      if (r < live) {
+        p = exp2_bf16_avx512(_mm512_sub_ps(_mm512_mul_ps(s[i][half], f), _mm512_set1_ps(lse2[r])));
+        ds = _mm512_mul_ps(p, _mm512_sub_ps(dp[i][half], _mm512_set1_ps(delta[r])));
+      }
+      const __m256bh pc = _mm512_cvtneps_pbh(p), dc = _mm512_cvtneps_pbh(ds);
+      pb[i][half] = reinterpret_cast<const __m256i&>(pc);
+      db[i][half] = reinterpret_cast<const __m256i&>(dc);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ds_rows + r * keys + n0 + 16 * half), db[i][half]);
+    }
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < kRows; i += 2) {
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t at = (((m0 + i) / 2) * keys + n0 + 16 * half) * 2;
+      _mm512_storeu_si512(p_pairs + at,
+                          _mm512_permutex2var_epi16(_mm512_castsi256_si512(pb[i][half]), interleave,
+                                                    _mm512_castsi256_si512(pb[i + 1][half])));
+      _mm512_storeu_si512(ds_pairs + at,
+                          _mm512_permutex2var_epi16(_mm512_castsi256_si512(db[i][half]), interleave,
+                                                    _mm512_castsi256_si512(db[i + 1][half])));
+    }
+  }
+}
+
 // One full tile's S = Q K^T and dP = dO V^T in registers, 4 rows x 32 keys at a time over the whole depth,
 // and from them P = exp2(S * factor - lse2) and dS = P (dP - delta), written only as bf16: P and dS in pairs
 // over rows ([rows/2][keys][2], the right operands of dV^T and dK^T) and dS as rows (the left operand of dQ).
@@ -216,13 +261,6 @@ CPATTN_BF16_TARGET void probabilities_and_ds_fused(const std::uint16_t* q, const
                                                    const float* delta, std::uint16_t* p_pairs,
                                                    std::uint16_t* ds_pairs, std::uint16_t* ds_rows) {
   constexpr int kRows = 4;
-  alignas(64) std::uint16_t idx[32];  // as to_bf16_pairs: two rows' values interleaved
-  for (int t = 0; t < 16; ++t) {
-    idx[2 * t] = static_cast<std::uint16_t>(t);
-    idx[2 * t + 1] = static_cast<std::uint16_t>(32 + t);
-  }
-  const __m512i interleave = _mm512_load_si512(idx);
-  const __m512 f = _mm512_set1_ps(factor);
   for (std::int64_t m0 = 0; m0 < rows; m0 += kRows) {
     for (std::int64_t n0 = 0; n0 < keys; n0 += 32) {
       __m512 s[kRows][2], dp[kRows][2];
@@ -250,34 +288,7 @@ CPATTN_BF16_TARGET void probabilities_and_ds_fused(const std::uint16_t* q, const
           dp[i][1] = _mm512_dpbf16_ps(dp[i][1], c, v1);
         }
       }
-      __m256i pb[kRows][2], db[kRows][2];
-#pragma GCC unroll 4
-      for (int i = 0; i < kRows; ++i) {
-        const std::int64_t r = m0 + i;
-        for (int half = 0; half < 2; ++half) {
-          __m512 p = _mm512_setzero_ps(), ds = _mm512_setzero_ps();
-          if (r < live) {
-            p = exp2_avx512(_mm512_sub_ps(_mm512_mul_ps(s[i][half], f), _mm512_set1_ps(lse2[r])));
-            ds = _mm512_mul_ps(p, _mm512_sub_ps(dp[i][half], _mm512_set1_ps(delta[r])));
-          }
-          const __m256bh pc = _mm512_cvtneps_pbh(p), dc = _mm512_cvtneps_pbh(ds);
-          pb[i][half] = reinterpret_cast<const __m256i&>(pc);
-          db[i][half] = reinterpret_cast<const __m256i&>(dc);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ds_rows + r * keys + n0 + 16 * half), db[i][half]);
-        }
-      }
-#pragma GCC unroll 2
-      for (int i = 0; i < kRows; i += 2) {
-        for (int half = 0; half < 2; ++half) {
-          const std::int64_t at = (((m0 + i) / 2) * keys + n0 + 16 * half) * 2;
-          _mm512_storeu_si512(p_pairs + at,
-                              _mm512_permutex2var_epi16(_mm512_castsi256_si512(pb[i][half]), interleave,
-                                                        _mm512_castsi256_si512(pb[i + 1][half])));
-          _mm512_storeu_si512(ds_pairs + at,
-                              _mm512_permutex2var_epi16(_mm512_castsi256_si512(db[i][half]), interleave,
-                                                        _mm512_castsi256_si512(db[i + 1][half])));
-        }
-      }
+      ds_epilogue(s, dp, m0, n0, keys, live, factor, lse2, delta, p_pairs, ds_pairs, ds_rows);
     }
   }
 }
@@ -318,7 +329,7 @@ CPATTN_AMX_TARGET float softmax_row(const float* s, std::int64_t keys, float& m,
   const __m512 mu = _mm512_set1_ps(m_use);
   __m512 sum = _mm512_setzero_ps();
   for (std::int64_t j = 0; j < keys; j += 16) {
-    const __m512 p = exp2_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mu));
+    const __m512 p = exp2_bf16_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + j), mu));
     const __m256bh pb = _mm512_cvtneps_pbh(p);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_out + j), reinterpret_cast<const __m256i&>(pb));
     const __m512 rounded = _mm512_castsi512_ps(
@@ -344,7 +355,8 @@ CPATTN_AMX_TARGET void probabilities_and_ds_rows(float* s, float* dp, std::int64
   for (std::int64_t r = 0; r < rows; ++r) {
     const __m512 l2 = _mm512_set1_ps(lse2[r]), dl = _mm512_set1_ps(delta[r]);
     for (std::int64_t j = 0; j < keys; j += 16) {
-      const __m512 p = exp2_avx512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + r * keys + j), f), l2));
+      const __m512 p =
+          exp2_bf16_avx512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + r * keys + j), f), l2));
       _mm512_storeu_ps(s + r * keys + j, p);
       _mm512_storeu_ps(dp + r * keys + j,
                        _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(dp + r * keys + j), dl)));
