@@ -1,7 +1,8 @@
 // One ONNX Runtime attention model on its CPU provider, one intra-op thread: times session.run (best of the
 // repeats after one warm-up run) and writes the output's raw values. Called by peers.py:
-//   node ort_peer.js MODEL DIR fp32|fp16 SEQ HIDDEN REPEATS OUT GQA
-// DIR holds ort-query.bin, ort-key.bin, ort-value.bin ([1, SEQ, HIDDEN] raw values of the dtype); GQA 1 adds
+//   node ort_peer.js MODEL DIR fp32|fp16 SEQ HIDDEN KV_HIDDEN REPEATS OUT GQA
+// DIR holds ort-query.bin ([1, SEQ, HIDDEN] raw values of the dtype), ort-key.bin and ort-value.bin ([1, SEQ,
+// KV_HIDDEN]); GQA 1 adds
 // the GroupQueryAttention inputs for a prompt of SEQ tokens (seqlens_k = SEQ - 1, total_sequence_length = SEQ).
 const fs = require("fs");
 const path = require("path");
@@ -14,8 +15,8 @@ function statusKib(key) {
 }
 
 async function main() {
-  const [model, dir, dtype, seqArg, hiddenArg, repeatsArg, out, gqa] = process.argv.slice(2);
-  const seq = Number(seqArg), hidden = Number(hiddenArg), repeats = Number(repeatsArg);
+  const [model, dir, dtype, seqArg, hiddenArg, kvHiddenArg, repeatsArg, out, gqa] = process.argv.slice(2);
+  const seq = Number(seqArg), repeats = Number(repeatsArg);
   const session = await ort.InferenceSession.create(model, {
     intraOpNumThreads: 1,
     interOpNumThreads: 1,
@@ -27,7 +28,8 @@ async function main() {
     const bytes = fs.readFileSync(path.join(dir, `ort-${name}.bin`));
     const buf = bytes.buffer.slice(bytes.byteOffset, bytes.byteOffset + bytes.byteLength);
     const data = dtype === "fp16" ? new Uint16Array(buf) : new Float32Array(buf);
-    feeds[name] = new ort.Tensor(dtype === "fp16" ? "float16" : "float32", data, [1, seq, hidden]);
+    const width = Number(name === "query" ? hiddenArg : kvHiddenArg);
+    feeds[name] = new ort.Tensor(dtype === "fp16" ? "float16" : "float32", data, [1, seq, width]);
   }
   const baseKib = statusKib("VmRSS");
   if (gqa === "1") {

@@ -2,8 +2,9 @@
 """cpattn's kernels against CPU peers on one core, in one run, every output checked before its time counts.
 
     env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE PYTHONPATH=build/python \\
-        /usr/bin/python3 bench/peers/peers.py [--seq 4096] [--heads 8] [--head-dim 128] [--repeats 3] [--causal]
-        [--ort DIR] [--install-ort]
+        /usr/bin/python3 bench/peers/peers.py [--seq 4096] [--heads 8] [--kv-heads 8] [--head-dim 128] [--repeats 3]
+        [--causal]
+        [--allocators both|jemalloc|glibc] [--ort DIR] [--install-ort]
 
 Peers:
 - PyTorch's naive attention (Debian's python3-torch: einsum scores, softmax, einsum; autograd's backward),
@@ -64,34 +65,40 @@ def rounded(x, dtype):
     return x
 
 
-def inputs(seq, heads, head_dim, seed=0):
+def inputs(seq, heads, head_dim, seed=0, kv_heads=None):
+    """q, k, v, dO as [1, S, H, D] float32 (k and v with kv_heads heads, default heads)."""
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal((1, seq, heads, head_dim), dtype=np.float32) for _ in range(4)]
+    kv = heads if kv_heads is None else kv_heads
+    return [rng.standard_normal((1, seq, h, head_dim), dtype=np.float32) for h in (heads, kv, kv, heads)]
 
 
 def reference(q, k, v, do, causal, backward):
-    """float64 attention per head: O and, when asked, dQ, dK, dV; [1, S, H, D] arrays."""
+    """float64 attention per q head (q head h reads kv head h // (Hq / Hkv)): O and, when asked, dQ, dK, dV (a kv
+    head's summed over its q heads); [1, S, H, D] arrays."""
     q, k, v, do = (t[0].astype(np.float64).transpose(1, 0, 2) for t in (q, k, v, do))  # [H, S, D]
     scale = q.shape[-1] ** -0.5
+    group = q.shape[0] // k.shape[0]
     out = {"o": np.empty_like(q)}
     if backward:
-        for name in ("dq", "dk", "dv"):
-            out[name] = np.empty_like(q)
+        out["dq"] = np.empty_like(q)
+        out["dk"] = np.zeros_like(k)
+        out["dv"] = np.zeros_like(k)
     seq = q.shape[1]
     hide = np.triu(np.ones((seq, seq), dtype=bool), 1) if causal else None
     for h in range(q.shape[0]):
-        s = q[h] @ k[h].T * scale
+        hk = h // group
+        s = q[h] @ k[hk].T * scale
         if hide is not None:
             s[hide] = -np.inf
         p = np.exp(s - s.max(axis=1, keepdims=True))
         p /= p.sum(axis=1, keepdims=True)
-        out["o"][h] = p @ v[h]
+        out["o"][h] = p @ v[hk]
         if backward:
-            dp = do[h] @ v[h].T
+            dp = do[h] @ v[hk].T
             ds = p * (dp - (dp * p).sum(axis=1, keepdims=True))
-            out["dv"][h] = p.T @ do[h]
-            out["dq"][h] = ds @ k[h] * scale
-            out["dk"][h] = ds.T @ q[h] * scale
+            out["dv"][hk] += p.T @ do[h]
+            out["dq"][h] = ds @ k[hk] * scale
+            out["dk"][hk] += ds.T @ q[h] * scale
     return {name: a.transpose(1, 0, 2)[None] for name, a in out.items()}
 
 
@@ -133,10 +140,12 @@ def run_torch(dtype, arrays, causal, repeats):
     torch.set_num_threads(1)
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
     q, k, v, do = (torch.from_numpy(a).to(tdt) for a in arrays)
-    seq, head_dim = q.shape[1], q.shape[3]
+    seq, head_dim, group = q.shape[1], q.shape[3], q.shape[2] // k.shape[2]
     hide = torch.ones(seq, seq, dtype=torch.bool).triu(1) if causal else None
 
     def forward(q, k, v):
+        if group > 1:  # GQA as models write it without a fused kernel: each kv head repeated for its q heads
+            k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
         s = torch.einsum("bqhd,bkhd->bhqk", q, k) * head_dim ** -0.5
         if hide is not None:
             s = s.masked_fill(hide, float("-inf"))
@@ -235,27 +244,28 @@ def attribute_float(name, value):
     return field(1, 2, name) + field(20, 0, 1) + field(2, 5, value)
 
 
-def ort_model(op, dtype, seq, heads, head_dim, causal):
-    """MultiHeadAttention or GroupQueryAttention (com.microsoft) on [1, S, H*D] inputs, as ONNX bytes."""
+def ort_model(op, dtype, seq, heads, kv_heads, head_dim, causal):
+    """MultiHeadAttention or GroupQueryAttention (com.microsoft) on [1, S, H*D] inputs (key and value [1, S,
+    Hkv*D]), as ONNX bytes."""
     elem = {"fp32": 1, "fp16": 10}[dtype]
     hidden = heads * head_dim
     ins = ["query", "key", "value"]
-    infos = [value_info(n, elem, [1, seq, hidden]) for n in ins]
+    infos = [value_info(n, elem, [1, seq, (heads if n == "query" else kv_heads) * head_dim]) for n in ins]
     if op == "GroupQueryAttention":
         ins += ["", "", "seqlens_k", "total_sequence_length"]
         infos += [value_info("seqlens_k", 6, [1]), value_info("total_sequence_length", 6, [])]
     node = b"".join(field(1, 2, n) for n in ins) + field(2, 2, "output") + field(3, 2, "attention")
-    node += field(4, 2, op) + field(7, 2, "com.microsoft") + attributes_of(op, heads, head_dim, causal)
+    node += field(4, 2, op) + field(7, 2, "com.microsoft") + attributes_of(op, heads, kv_heads, head_dim, causal)
     graph = field(1, 2, node) + field(2, 2, "peer") + b"".join(field(11, 2, i) for i in infos)
     graph += field(12, 2, value_info("output", elem, [1, seq, hidden]))
     opsets = field(8, 2, field(1, 2, "") + field(2, 0, 17)) + field(8, 2, field(1, 2, "com.microsoft") + field(2, 0, 1))
     return field(1, 0, 8) + opsets + field(7, 2, graph)
 
 
-def attributes_of(op, heads, head_dim, causal):
+def attributes_of(op, heads, kv_heads, head_dim, causal):
     attrs = [attribute_int("num_heads", heads), attribute_float("scale", head_dim ** -0.5)]
     if op == "GroupQueryAttention":
-        attrs.append(attribute_int("kv_num_heads", heads))  # causal by construction
+        attrs.append(attribute_int("kv_num_heads", kv_heads))  # causal by construction
     elif causal:
         attrs.append(attribute_int("unidirectional", 1))
     return b"".join(field(5, 2, a) for a in attrs)
@@ -274,18 +284,18 @@ def install_ort(ort_dir):
 
 def run_ort(ort_dir, op, dtype, arrays, work, repeats, causal):
     q, k, v = (a.reshape(1, a.shape[1], -1) for a in arrays[:3])
-    seq, hidden = q.shape[1], q.shape[2]
-    heads = arrays[0].shape[2]
+    seq, hidden, kv_hidden = q.shape[1], q.shape[2], k.shape[2]
+    heads, kv_heads = arrays[0].shape[2], arrays[1].shape[2]
     model = os.path.join(work, f"{op}-{dtype}.onnx")
     with open(model, "wb") as f:
-        f.write(ort_model(op, dtype, seq, heads, hidden // heads, causal))
+        f.write(ort_model(op, dtype, seq, heads, kv_heads, hidden // heads, causal))
     np_dtype = np.float16 if dtype == "fp16" else np.float32
     for name, a in zip(("query", "key", "value"), (q, k, v)):
         a.astype(np_dtype).tofile(os.path.join(work, f"ort-{name}.bin"))
     out = os.path.join(work, f"ort-{op}-{dtype}.bin")
     env = dict(os.environ, NODE_PATH=os.path.join(ort_dir, "node_modules"))
     run = subprocess.run(["node", os.path.join(HERE, "ort_peer.js"), model, work, dtype, str(seq), str(hidden),
-                          str(repeats), out, "1" if op == "GroupQueryAttention" else "0"],
+                          str(kv_hidden), str(repeats), out, "1" if op == "GroupQueryAttention" else "0"],
                          env=env, capture_output=True, text=True)
     if run.returncode != 0:
         return {"error": "failed: " + " ".join((run.stderr or run.stdout).strip().splitlines()[-1:])}, None
@@ -325,6 +335,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default --heads; GQA below)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--causal", action="store_true")
@@ -342,13 +353,17 @@ def main():
         return
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     mask = "causal" if args.causal else "non-causal"
-    print(f"S={args.seq} H={args.heads} D={args.head_dim} {mask}, one thread, best of {args.repeats}; {cpu}")
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
+    if kv_heads < 1 or args.heads % kv_heads != 0:
+        p.error(f"--kv-heads {kv_heads} must divide --heads {args.heads}")
+    print(f"S={args.seq} Hq={args.heads} Hkv={kv_heads} D={args.head_dim} {mask}, one thread, best of "
+          f"{args.repeats}; {cpu}")
     if args.install_ort and not ort_dir_ready(args.ort):
         install_ort(args.ort)
     fl = flops(args.seq, args.heads, args.head_dim, args.causal)
     rows = []  # (dtype, pass, contender, seconds or None, error, note, peak MiB or None)
     with tempfile.TemporaryDirectory() as work:
-        arrays = inputs(args.seq, args.heads, args.head_dim)
+        arrays = inputs(args.seq, args.heads, args.head_dim, kv_heads=kv_heads)
         for n, a in zip(("q", "k", "v", "do"), arrays):
             np.save(os.path.join(work, f"{n}.npy"), a)
         refs = {}
@@ -377,6 +392,8 @@ def main():
             for op in ("MultiHeadAttention", "GroupQueryAttention"):
                 if op == "GroupQueryAttention" and not args.causal:
                     continue  # the op is causal only
+                if op == "MultiHeadAttention" and kv_heads != args.heads:
+                    continue  # one head count for q, k and v
                 for dtype in ("fp32", "fp16"):
                     times, res = run_ort(args.ort, op, dtype, arrays, work, args.repeats, args.causal)
                     name = f"ort {op}:{dtype}"
@@ -417,7 +434,7 @@ def main():
             print(f"  {dtype} {pass_:9} cpattn {ours:.4f} s, {best[2]} {best[3]:.4f} s: {best[3] / ours:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpu": cpu, "seq": args.seq, "heads": args.heads, "head_dim": args.head_dim,
+            json.dump({"cpu": cpu, "seq": args.seq, "heads": args.heads, "kv_heads": kv_heads, "head_dim": args.head_dim,
                        "causal": args.causal, "rows": [list(r) for r in rows], "table": table}, f, indent=1)
 
 

@@ -25,7 +25,7 @@ def load_peers():
 
 def test_reference_matches_cpattn():
     peers = load_peers()
-    q, k, v, do = peers.inputs(40, 2, 16, seed=3)
+    q, k, v, do = peers.inputs(40, 4, 16, seed=3, kv_heads=2)  # GQA: the kv heads' gradients sum two q heads
     for causal in (True, False):
         ref = peers.reference(q, k, v, do, causal, backward=True)
         o, lse = cpattn.attention(q, k, v, causal=causal, threads=1)
@@ -51,7 +51,8 @@ def test_bf16_words_round_like_torch():
 
 
 def test_a_run_checks_every_output_and_leaves_a_wrong_one_out(tmp_path):
-    run = subprocess.run([sys.executable, PEERS, "--seq", "64", "--heads", "2", "--head-dim", "16", "--repeats", "1",
+    run = subprocess.run([sys.executable, PEERS, "--seq", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+                          "--repeats", "1",
                           "--allocators", "glibc", "--ort", str(tmp_path / "no-ort"), "--wrong", "torch:bf16"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
