@@ -1,6 +1,6 @@
 // The kernels' exp2 polynomial, shared by its Highway form (flash_simd.hpp exp2_approx) and its AVX-512 one
-// (exp2_avx512.hpp), which must give the same bits; the bf16 product paths' shorter one for probabilities; and
-// log2(e), since the scores are base 2.
+// (exp2_avx512.hpp), which must give the same bits; the bf16 product paths' shorter one for probabilities;
+// and log2(e), since the scores are base 2.
 #pragma once
 
 namespace cpattn::kernels {
