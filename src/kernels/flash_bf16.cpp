@@ -203,6 +203,21 @@ CPATTN_BF16_TARGET void dot_product(const std::uint16_t* left, std::int64_t left
   }
 }
 
+// The word indices of _mm512_permutex2var_epi16 that interleave two rows of 16 bf16 values: 2t from the first
+// (t), 2t + 1 from the second (32 + t).
+alignas(64) constexpr std::uint16_t kInterleaveRows[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                           37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                           11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+
+// P = exp2(S * factor - lse2) and dS = P (dP - delta) of 16 scores: one formula for the fused tiles and the
+// separate passes, so both give the same values.
+CPATTN_BF16_TARGET inline __m512 probability_and_ds(__m512 s, __m512 dp, __m512 factor, __m512 lse2,
+                                                    __m512 delta, __m512& ds) {
+  const __m512 p = exp2_bf16_avx512(_mm512_sub_ps(_mm512_mul_ps(s, factor), lse2));
+  ds = _mm512_mul_ps(p, _mm512_sub_ps(dp, delta));
+  return p;
+}
+
 // probabilities_and_ds_fused's epilogue for rows [m0, m0 + 4) and keys [n0, n0 + 32): P and dS from the
 // accumulators, stored as bf16 pairs over rows and dS rows. A function of its own (the accumulators pass
 // through memory): inlined, its constants would stay live across the products' loop and GCC would spill the
@@ -212,11 +227,7 @@ __attribute__((noinline)) CPATTN_BF16_TARGET void ds_epilogue(
     std::int64_t live, float factor, const float* lse2, const float* delta, std::uint16_t* p_pairs,
     std::uint16_t* ds_pairs, std::uint16_t* ds_rows) {
   constexpr int kRows = 4;
-  alignas(64) static constexpr std::uint16_t kInterleave[32] = {// as to_bf16_pairs: two rows interleaved
-                                                                0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
-                                                                37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
-                                                                11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512i interleave = _mm512_load_si512(kInterleaveRows);
   const __m512 f = _mm512_set1_ps(factor);
   __m256i pb[kRows][2], db[kRows][2];
 #pragma GCC unroll 4
@@ -225,8 +236,8 @@ __attribute__((noinline)) CPATTN_BF16_TARGET void ds_epilogue(
     for (int half = 0; half < 2; ++half) {
       __m512 p = _mm512_setzero_ps(), ds = _mm512_setzero_ps();
       if (r < live) {
-        p = exp2_bf16_avx512(_mm512_sub_ps(_mm512_mul_ps(s[i][half], f), _mm512_set1_ps(lse2[r])));
-        ds = _mm512_mul_ps(p, _mm512_sub_ps(dp[i][half], _mm512_set1_ps(delta[r])));
+        p = probability_and_ds(s[i][half], dp[i][half], f, _mm512_set1_ps(lse2[r]), _mm512_set1_ps(delta[r]),
+                               ds);
       }
       const __m256bh pc = _mm512_cvtneps_pbh(p), dc = _mm512_cvtneps_pbh(ds);
       pb[i][half] = reinterpret_cast<const __m256i&>(pc);
@@ -355,11 +366,11 @@ CPATTN_AMX_TARGET void probabilities_and_ds_rows(float* s, float* dp, std::int64
   for (std::int64_t r = 0; r < rows; ++r) {
     const __m512 l2 = _mm512_set1_ps(lse2[r]), dl = _mm512_set1_ps(delta[r]);
     for (std::int64_t j = 0; j < keys; j += 16) {
-      const __m512 p =
-          exp2_bf16_avx512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + r * keys + j), f), l2));
+      __m512 ds;
+      const __m512 p = probability_and_ds(_mm512_loadu_ps(s + r * keys + j),
+                                          _mm512_loadu_ps(dp + r * keys + j), f, l2, dl, ds);
       _mm512_storeu_ps(s + r * keys + j, p);
-      _mm512_storeu_ps(dp + r * keys + j,
-                       _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(dp + r * keys + j), dl)));
+      _mm512_storeu_ps(dp + r * keys + j, ds);
     }
   }
 }
@@ -368,13 +379,7 @@ CPATTN_AMX_TARGET void probabilities_and_ds_rows(float* s, float* dp, std::int64
 // `row_major` is given, to bf16 rows too.
 CPATTN_AMX_TARGET void to_bf16_pairs(const float* x, std::int64_t rows, std::int64_t keys,
                                      std::uint16_t* pairs, std::uint16_t* row_major) {
-  // idx[2t] = t (from a), idx[2t+1] = 32 + t (from b): the two rows' values interleaved.
-  alignas(64) std::uint16_t idx[32];
-  for (int t = 0; t < 16; ++t) {
-    idx[2 * t] = static_cast<std::uint16_t>(t);
-    idx[2 * t + 1] = static_cast<std::uint16_t>(32 + t);
-  }
-  const __m512i interleave = _mm512_load_si512(idx);
+  const __m512i interleave = _mm512_load_si512(kInterleaveRows);
   for (std::int64_t r = 0; r < rows; r += 2) {
     for (std::int64_t j = 0; j < keys; j += 16) {
       const __m256bh a = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * keys + j));
