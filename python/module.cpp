@@ -182,6 +182,33 @@ std::optional<std::int64_t> read_count(const py::handle& obj, const std::string&
   return std::nullopt;
 }
 
+// window=: None, an int LEFT, or a pair (LEFT, RIGHT) whose sides are ints or None (unbounded); the sides'
+// ranges are validation's (window_left, window_right).
+struct WindowSides {
+  std::optional<std::int64_t> left, right;
+};
+
+WindowSides read_window(const py::handle& obj, Problems& problems) {
+  constexpr std::int64_t lo = std::numeric_limits<std::int64_t>::min(),
+                         hi = std::numeric_limits<std::int64_t>::max();
+  WindowSides w;
+  if (obj.is_none()) return w;
+  if (py::isinstance<py::tuple>(obj) || py::isinstance<py::list>(obj)) {
+    const auto items = py::reinterpret_borrow<py::sequence>(obj);
+    if (py::len(items) != 2) {
+      problems.add("window", repr_of(obj),
+                   "window: expected an int LEFT or a pair (LEFT, RIGHT), got a " + type_of(obj) + " of " +
+                       std::to_string(py::len(items)) + " items");
+      return w;
+    }
+    w.left = read_count(items[0], "window_left", lo, hi, problems);
+    w.right = read_count(items[1], "window_right", lo, hi, problems);
+    return w;
+  }
+  w.left = read_count(obj, "window", lo, hi, problems);
+  return w;
+}
+
 std::optional<double> read_number(const py::handle& obj, const std::string& field, double min, double max,
                                   Problems& problems) {
   if (obj.is_none()) return std::nullopt;
@@ -309,10 +336,12 @@ std::vector<std::int32_t> read_segments(const py::handle& obj, std::int64_t batc
 // collected in `problems`.
 AttentionSpec spec_of(const std::optional<ArrayRef>& q, const std::optional<ArrayRef>& k,
                       const std::optional<ArrayRef>& v, bool causal, std::optional<double> scale,
-                      Problems& problems) {
+                      const WindowSides& window, Problems& problems) {
   AttentionSpec a;
   a.causal = causal;
   a.softmax_scale = scale;
+  a.window_left = window.left;
+  a.window_right = window.right;
   if (!q || !k || !v) return a;
   const Shape4 &sq = q->ref.shape, &sk = k->ref.shape, &sv = v->ref.shape;
   if (!(sk == sv)) {
@@ -375,17 +404,19 @@ std::vector<std::int32_t> natural_positions(std::int64_t batch, std::int64_t seq
   return pos;
 }
 
-// The one-process functions' options: causal, scale and threads, read as their flags are.
+// The one-process functions' options: causal, window, scale and threads, read as their flags are.
 struct KernelOptions {
   bool causal = true;
+  WindowSides window;
   std::optional<double> scale;
   FlashConfig config;
 };
 
-KernelOptions kernel_options(const py::object& causal, const py::object& scale, const py::object& threads,
-                             Problems& problems) {
+KernelOptions kernel_options(const py::object& causal, const py::object& window, const py::object& scale,
+                             const py::object& threads, Problems& problems) {
   KernelOptions out;
   out.causal = read_switch(causal, "causal", problems).value_or(true);
+  out.window = read_window(window, problems);
   out.scale = read_number(scale, "scale", kMinScale, kMaxScale, problems);
   const auto t = read_count(threads, "threads", 1, kMaxThreads, problems);
   out.config.threads =
@@ -395,12 +426,13 @@ KernelOptions kernel_options(const py::object& causal, const py::object& scale, 
 
 py::tuple attention(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
                     const py::object& causal_obj, const py::object& segment_ids, const py::object& scale,
-                    const py::object& threads) {
+                    const py::object& threads, const py::object& window_obj) {
   Problems problems;
-  const auto [causal, scale_value, config] = kernel_options(causal_obj, scale, threads, problems);
+  const auto [causal, window, scale_value, config] =
+      kernel_options(causal_obj, window_obj, scale, threads, problems);
   auto q = read_tensor(q_obj, "q", problems), k = read_tensor(k_obj, "k", problems),
        v = read_tensor(v_obj, "v", problems);
-  const AttentionSpec a = spec_of(q, k, v, causal, scale_value, problems);
+  const AttentionSpec a = spec_of(q, k, v, causal, scale_value, window, problems);
   if (problems.empty()) add_rule_errors(a, ParallelSpec{}, problems);
   problems.raise();
   const auto seg = read_segments(segment_ids, a.batch, a.seq_len, problems);
@@ -410,7 +442,7 @@ py::tuple attention(const py::object& q_obj, const py::object& k_obj, const py::
   std::vector<float> lse(static_cast<std::size_t>(a.batch * a.num_q_heads * a.seq_len));
   {
     const KernelCall call;  // the GIL released, Ctrl-C an interrupt
-    const AttentionMask mask{pos, pos, seg, seg, causal};
+    const AttentionMask mask = a.mask(pos, pos, seg, seg);
     flash_forward(q->ref, k->ref, v->ref, mask, a.scale(), config, ref(o), lse.data());
   }
   return py::make_tuple(to_numpy(std::move(o)),
@@ -420,13 +452,15 @@ py::tuple attention(const py::object& q_obj, const py::object& k_obj, const py::
 py::tuple attention_backward(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
                              const py::object& o_obj, const py::object& lse_obj, const py::object& do_obj,
                              const py::object& causal_obj, const py::object& segment_ids,
-                             const py::object& scale, const py::object& threads) {
+                             const py::object& scale, const py::object& threads,
+                             const py::object& window_obj) {
   Problems problems;
-  const auto [causal, scale_value, config] = kernel_options(causal_obj, scale, threads, problems);
+  const auto [causal, window, scale_value, config] =
+      kernel_options(causal_obj, window_obj, scale, threads, problems);
   auto q = read_tensor(q_obj, "q", problems), k = read_tensor(k_obj, "k", problems),
        v = read_tensor(v_obj, "v", problems), o = read_tensor(o_obj, "o", problems),
        d_out = read_tensor(do_obj, "do", problems);
-  const AttentionSpec a = spec_of(q, k, v, causal, scale_value, problems);
+  const AttentionSpec a = spec_of(q, k, v, causal, scale_value, window, problems);
   if (problems.empty()) add_rule_errors(a, ParallelSpec{}, problems);
   if (q) {
     for (const auto& [x, name] : {std::pair{&o, "o"}, std::pair{&d_out, "do"}}) {
@@ -463,7 +497,7 @@ py::tuple attention_backward(const py::object& q_obj, const py::object& k_obj, c
   Tensor dq(a.dtype, q->ref.shape), dk(a.dtype, k->ref.shape), dv(a.dtype, v->ref.shape);
   {
     const KernelCall call;  // the GIL released, Ctrl-C an interrupt
-    const AttentionMask mask{pos, pos, seg, seg, causal};
+    const AttentionMask mask = a.mask(pos, pos, seg, seg);
     flash_backward(q->ref, k->ref, v->ref, o->ref, static_cast<const float*>(lse.data()), d_out->ref, mask,
                    a.scale(), config, ref(dq), ref(dk), ref(dv));
   }
@@ -655,6 +689,7 @@ class ContextParallel {
     parallel_.ulysses_degree =
         read_count(get("ulysses_degree"), "ulysses_degree", 1, kMaxRanks, problems).value_or(0);
     causal_ = read_switch(get("causal"), "causal", problems).value_or(true);
+    window_ = read_window(get("window"), problems);
     scale_ = read_number(get("scale"), "scale", kMinScale, kMaxScale, problems);
     options_.remat = read_switch(get("remat"), "remat", problems).value_or(false);
     options_.threads =
@@ -678,6 +713,8 @@ class ContextParallel {
     cpattn::Agreement agreement;
     agreement.add_text("strategy", strategy_text)
         .add("causal", causal_)
+        .add("window_left", window_.left.value_or(-1))
+        .add("window_right", window_.right.value_or(-1))
         .add("load_balance", parallel_.load_balance)
         .add_text("layout", layout_text)
         .add("ulysses_degree", parallel_.ulysses_degree)
@@ -719,7 +756,7 @@ class ContextParallel {
       k = read_tensor(k_obj, "k", problems);
       v = read_tensor(v_obj, "v", problems);
     }
-    AttentionSpec a = spec_of(q, k, v, causal_, scale_, problems);
+    AttentionSpec a = spec_of(q, k, v, causal_, scale_, window_, problems);
     std::vector<std::int32_t> seg;
     if (problems.empty()) seg = read_segments(segment_ids, a.batch, a.seq_len, problems);
     const std::int64_t local_seq = a.seq_len;
@@ -872,6 +909,7 @@ class ContextParallel {
 
   ParallelSpec parallel_;
   bool causal_ = true;
+  WindowSides window_;
   std::optional<double> scale_;
   ContextParallelOptions options_;
   std::unique_ptr<Communicator> comm_;
@@ -920,10 +958,11 @@ PYBIND11_MODULE(_cpattn, m) {
 
   m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("causal") = py::bool_(true), py::arg("segment_ids") = py::none(),
-        py::arg("scale") = py::none(), py::arg("threads") = py::none());
+        py::arg("scale") = py::none(), py::arg("threads") = py::none(), py::arg("window") = py::none());
   m.def("attention_backward", &attention_backward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
         py::arg("lse"), py::arg("do"), py::arg("causal") = py::bool_(true),
-        py::arg("segment_ids") = py::none(), py::arg("scale") = py::none(), py::arg("threads") = py::none());
+        py::arg("segment_ids") = py::none(), py::arg("scale") = py::none(), py::arg("threads") = py::none(),
+        py::arg("window") = py::none());
   m.def("local_positions", &local_positions_of, py::arg("seq_len"), py::arg("cp"), py::arg("rank"),
         py::arg("layout") = py::str("contiguous"));
   m.def("_run_document", &run_document);

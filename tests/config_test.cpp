@@ -158,6 +158,17 @@ std::vector<BadCase> bad_cases() {
       },
       {"num_q_heads", "head_dim"}, {"num_q_heads (0)", "head_dim (0)"});
   add("zero_cp", [](AttentionSpec&, ParallelSpec& p) { p.cp = 0; }, {"cp"}, {"cp (0)"});
+  add("negative_window", [](AttentionSpec& a, ParallelSpec&) { a.window_left = -1; }, {"window_left"},
+      {"window_left (-1) is not a window side; valid: 0..2147483647"});
+  add("window_side_past_int32",
+      [](AttentionSpec& a, ParallelSpec&) {
+        a.causal = false;
+        a.window_left = 5;
+        a.window_right = std::int64_t{1} << 31;
+      },
+      {"window_right"}, {"window_right (2147483648)"});
+  add("window_right_with_causal", [](AttentionSpec& a, ParallelSpec&) { a.window_right = 4; },
+      {"window_right"}, {"for non-causal attention"});
   add("head_dim_too_large", [](AttentionSpec& a, ParallelSpec&) { a.head_dim = 513; }, {"head_dim"},
       {"1..512"});
   add("too_many_heads",
@@ -356,6 +367,32 @@ dtype: bfloat16
   EXPECT_EQ(s.attention.dtype, DType::bf16);
   EXPECT_EQ(s.parallel.strategy, Strategy::ulysses);
   EXPECT_TRUE(validation_errors(s.attention, s.parallel).empty());
+}
+
+// sliding_window_size W is W keys, the query's included: window_left W - 1; 0 is none (the seed framework's
+// default); a negative one is refused naming the key. --window's sides pass through to the rules.
+TEST(ConfigFile, SlidingWindowSizeIsTheKeysAQuerySees) {
+  EXPECT_EQ(parse_config_yaml("sliding_window_size: 1024\n", "w.yml").window_left.value(), 1023);
+  EXPECT_EQ(parse_config_yaml("sliding_window_size: 1\n", "w.yml").window_left.value(), 0);
+  EXPECT_FALSE(parse_config_yaml("sliding_window_size: 0\n", "w.yml").window_left.has_value());
+  for (const char* text : {"sliding_window_size: -3\n", "sliding_window_size: 2147483649\n"}) {
+    try {
+      parse_config_yaml(text, "w.yml");
+      ADD_FAILURE() << text;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.items().at(0).fields.at(0), "sliding_window_size") << e.what();
+    }
+  }
+  ConfigValues v = parse_config_yaml("sliding_window_size: 4096\nmax_target_length: 65536\n", "w.yml");
+  v.num_q_heads = 8;
+  v.num_kv_heads = 8;
+  v.head_dim = 64;
+  Specs specs;
+  EXPECT_TRUE(all_config_errors(v, specs).empty());
+  EXPECT_EQ(specs.attention.window_left.value(), 4095);
+  EXPECT_FALSE(specs.attention.window_right.has_value());
+  EXPECT_EQ(specs.attention.band().left, 4095);
+  EXPECT_EQ(specs.attention.band().right, 0);
 }
 
 // Attention's own key decides where it is given (the seed: GDN contiguous, attention balanced); the general

@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "cpattn/context_parallel.hpp"
@@ -24,7 +25,8 @@ struct CpCase {
   std::int64_t cp = 4, hq = 32, hkv = 2, dim = 64, seq = 256, batch = 1;
   std::int64_t ulysses_degree = 0;  // hybrid: U
   bool causal = true;
-  std::vector<std::int64_t> segments;  // document lengths; empty: one document
+  std::optional<std::int64_t> window_left, window_right;  // sliding window sides; unset: unbounded
+  std::vector<std::int64_t> segments;                     // document lengths; empty: one document
   DType dtype = DType::f32;
   NegativeControl control = NegativeControl::none;
   FlashConfig kernel;  // block sizes and the bf16 path, for the ranks and the single-device kernel alike
@@ -36,6 +38,10 @@ struct CpCase {
                     std::to_string(hq) + "_Hkv" + std::to_string(hkv) + "_D" + std::to_string(dim) + "_S" +
                     std::to_string(seq) + "_B" + std::to_string(batch) + (causal ? "_causal" : "_full") +
                     (segments.empty() ? "" : "_packed") + "_" + to_string(dtype);
+    if (window_left || window_right) {
+      s += "_window" + (window_left ? std::to_string(*window_left) : std::string("inf")) + "," +
+           (window_right ? std::to_string(*window_right) : std::string("inf"));
+    }
     if (dtype == DType::bf16) s += std::string("_") + to_string(flash_bf16_path(kernel));
     return s;
   }
@@ -47,6 +53,8 @@ struct CpCase {
     a.num_kv_heads = hkv;
     a.head_dim = dim;
     a.causal = causal;
+    a.window_left = window_left;
+    a.window_right = window_right;
     a.dtype = dtype;
     return a;
   }
@@ -103,7 +111,7 @@ inline CpRun run_context_parallel(const CpCase& c, const WholeInputs& in, int th
 
 inline CpRun run_single_device(const CpCase& c, const WholeInputs& in) {
   const auto pos = natural_positions(c.batch, c.seq);
-  const AttentionMask mask{pos, pos, in.segment_ids, in.segment_ids, c.causal};
+  const AttentionMask mask = c.attention().mask(pos, pos, in.segment_ids, in.segment_ids);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
   FlashConfig cfg = c.kernel;
   cfg.threads = 1;
@@ -122,7 +130,7 @@ inline CpRun run_single_device(const CpCase& c, const WholeInputs& in) {
 inline ReferenceResult run_reference(const CpCase& c, const WholeInputs& in) {
   const auto pos = natural_positions(c.batch, c.seq);
   return reference_attention(in.q, in.k, in.v, &in.d_out,
-                             {pos, pos, in.segment_ids, in.segment_ids, c.causal},
+                             c.attention().mask(pos, pos, in.segment_ids, in.segment_ids),
                              1.0 / std::sqrt(static_cast<double>(c.dim)));
 }
 

@@ -2,6 +2,7 @@
 // determinism contract (bit-identical rows whatever the shard, order or thread count).
 #include <gtest/gtest.h>
 
+#include <array>
 #include <limits>
 #include <tuple>
 
@@ -243,6 +244,102 @@ TEST(FlashKernel, SegmentsThatReturnToAnEarlierDocumentOnEveryPath) {
         for (int threads : {1, 2}) check(*seg, DType::bf16, causal, threads, cfg);
       }
     }
+  }
+}
+
+// Sliding windows (flash-attention's window_size) against the float64 reference: causal windows of 0, 1, 7,
+// 64, 1000 keys back and two-sided ones without the causal mask, on a packed row whose documents are shorter
+// and longer than the windows; D 64, 80, 128; GQA and MQA. fp32 on every SIMD target (O within 2e-6 of max
+// |O|, gradients 1e-5; two threads on the default target), bf16 on every product path (1e-2 / 2e-2).
+TEST(FlashKernel, SlidingWindowsMatchTheReferenceOnEveryPath) {
+  auto check = [](DType dtype, bool causal, std::int64_t left, std::int64_t right, std::int64_t dim,
+                  std::int64_t hkv, int threads, FlashConfig cfg) {
+    Case c{1, 300, 4, hkv, dim, causal, {40, 200, 60}, dtype};
+    SCOPED_TRACE(c.name() + " window " + std::to_string(left) + "," + std::to_string(right) + " threads " +
+                 std::to_string(threads));
+    const Inputs in = make_inputs(c, 29);
+    AttentionMask mask = in.mask(causal);
+    mask.window_left = left;
+    mask.window_right = right;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
+    const double tol_o = dtype == DType::bf16 ? 1e-2 : 2e-6, tol_grad = dtype == DType::bf16 ? 2e-2 : 1e-5;
+    cfg.threads = threads;
+    const auto fwd = flash_attention_forward(in.q, in.k, in.v, mask, scale, cfg);
+    const auto bwd =
+        flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, mask, scale, cfg, DType::f32);
+    const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, mask, scale);
+    CPATTN_EXPECT_CLOSE(fwd.o.to_floats(), ref.o, tol_o, "o");
+    CPATTN_EXPECT_CLOSE(fwd.lse, ref.lse, tol_o, "lse");
+    CPATTN_EXPECT_CLOSE(bwd.dq.to_floats(), ref.dq, tol_grad, "dq");
+    CPATTN_EXPECT_CLOSE(bwd.dk.to_floats(), ref.dk, tol_grad, "dk");
+    CPATTN_EXPECT_CLOSE(bwd.dv.to_floats(), ref.dv, tol_grad, "dv");
+  };
+  const std::int64_t windows[] = {0, 1, 7, 64, 1000};
+  for (std::size_t i = 0; i < std::size(windows); ++i) {
+    const std::int64_t w = windows[i], dim = std::array<std::int64_t, 3>{64, 80, 128}[i % 3],
+                       hkv = i % 2 == 0 ? 2 : 1;
+    for (const bool causal : {true, false}) {
+      const std::int64_t right = causal ? kUnboundedWindow : w / 2 + 3;
+      for (const std::string& t : flash_vector_targets()) {
+        SCOPED_TRACE(t);
+        flash_force_vector_target(t);
+        check(DType::f32, causal, w, right, dim, hkv, 1, {});
+      }
+      flash_force_vector_target("");
+      check(DType::f32, causal, w, right, dim, hkv, 2, {});
+      for (const auto& [path, cfg] : testing::bf16_paths()) {
+        SCOPED_TRACE(to_string(path));
+        check(DType::bf16, causal, w, right, dim, hkv, 1 + static_cast<int>(i % 2), cfg);
+      }
+    }
+  }
+}
+
+// A window that reaches past the row (left >= S, or the widest side) is no window: the same bits, fp32 and
+// bf16, forward and backward; and the tiles a window leaves are those it reaches.
+TEST(FlashKernel, AWindowPastTheRowIsNoWindowBitForBit) {
+  for (const DType dtype : {DType::f32, DType::bf16}) {
+    for (const bool causal : {true, false}) {
+      Case c{1, 200, 4, 2, 64, causal, {120, 80}, dtype};
+      SCOPED_TRACE(c.name());
+      const Inputs in = make_inputs(c, 31);
+      const AttentionMask plain = in.mask(causal);
+      const auto fwd = flash_attention_forward(in.q, in.k, in.v, plain, 0.125, {});
+      const auto bwd =
+          flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, plain, 0.125, {}, DType::f32);
+      for (const std::int64_t side : {std::int64_t{200}, (std::int64_t{1} << 31) - 1}) {
+        AttentionMask m = plain;
+        m.window_left = side;
+        if (!causal) m.window_right = side;
+        const auto wf = flash_attention_forward(in.q, in.k, in.v, m, 0.125, {});
+        const auto wb =
+            flash_attention_backward(in.q, in.k, in.v, wf.o, wf.lse, in.d_out, m, 0.125, {}, DType::f32);
+        EXPECT_EQ(testing::count_bit_differences(wf.o.to_floats(), fwd.o.to_floats()), 0) << side;
+        EXPECT_EQ(testing::count_bit_differences(wf.lse, fwd.lse), 0) << side;
+        EXPECT_EQ(testing::count_bit_differences(wb.dq.to_floats(), bwd.dq.to_floats()), 0) << side;
+        EXPECT_EQ(testing::count_bit_differences(wb.dk.to_floats(), bwd.dk.to_floats()), 0) << side;
+        EXPECT_EQ(testing::count_bit_differences(wb.dv.to_floats(), bwd.dv.to_floats()), 0) << side;
+        EXPECT_EQ(wf.tiles.per_head, fwd.tiles.per_head);
+      }
+    }
+  }
+  // 1024 tokens, 64-token blocks, a causal window of 100 keys (left 99): q block 0 computes 1 tile, block 1
+  // two, every later one three (its first query reaches back into the block two before it); forward and
+  // backward alike. Two-sided 10,10: a block and both neighbours.
+  Case c{1, 1024, 1, 1, 8, true, {}};
+  const Inputs in = make_inputs(c, 3);
+  for (const auto& [causal, left, right, tiles] :
+       {std::tuple<bool, std::int64_t, std::int64_t, std::int64_t>{true, 99, kUnboundedWindow,
+                                                                   1 + 2 + 14 * 3},
+        std::tuple<bool, std::int64_t, std::int64_t, std::int64_t>{false, 10, 10, 16 + 2 * 15}}) {
+    AttentionMask m = in.mask(causal);
+    m.window_left = left;
+    m.window_right = right;
+    const auto fwd = flash_attention_forward(in.q, in.k, in.v, m, 1.0, {});
+    const auto bwd =
+        flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, m, 1.0, {}, DType::f32);
+    EXPECT_EQ(fwd.tiles.total(), tiles);
+    EXPECT_EQ(bwd.tiles.total(), tiles);
   }
 }
 

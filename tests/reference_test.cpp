@@ -1,12 +1,15 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "cpattn/npy.hpp"
 #include "cpattn/reference.hpp"
+#include "cpattn/shard.hpp"
 #include "test_support.hpp"
 
 namespace cpattn {
@@ -54,6 +57,37 @@ TEST(Reference, HandComputedTinyCase) {
   EXPECT_NEAR(r.dk[0], p0 * (10 - o1) * 2.0, 1e-12);
   EXPECT_NEAR(r.dk[1], p1 * (20 - o1) * 2.0, 1e-12);
   EXPECT_DOUBLE_EQ(r.dq[0], 0.0);
+}
+
+// The window's meaning, from outside the mask code: query i of a windowed problem is plain attention (no
+// mask) of that one query over the keys i - left .. i + right only (flash-attention's window_size; causal:
+// right 0), cut out of the row. O and LSE of every row, causal and two-sided windows, GQA.
+TEST(Reference, AWindowIsPlainAttentionOverTheKeysItReaches) {
+  const std::int64_t S = 40, H = 2, D = 8;
+  const Problem p = make_problem({1, S, H, D}, 1, 7);
+  for (const auto& [causal, left, right] : {std::tuple{true, std::int64_t{5}, std::int64_t{0}},
+                                            std::tuple{true, std::int64_t{0}, std::int64_t{0}},
+                                            std::tuple{false, std::int64_t{3}, std::int64_t{6}}}) {
+    AttentionMask mask = p.mask(causal);
+    mask.window_left = left;
+    if (!causal) mask.window_right = right;
+    const ReferenceResult whole = reference_attention(p.q, p.k, p.v, nullptr, mask, 0.3);
+    for (std::int64_t i = 0; i < S; ++i) {
+      std::vector<std::int64_t> keys;
+      for (std::int64_t j = std::max<std::int64_t>(0, i - left); j <= std::min(S - 1, i + right); ++j)
+        keys.push_back(j);
+      const auto n = static_cast<std::int64_t>(keys.size());
+      const auto q_pos = natural_positions(1, 1), kv_pos = natural_positions(1, n);
+      const AttentionMask plain{q_pos, kv_pos, {}, {}, false};
+      const ReferenceResult one = reference_attention(take_tokens(p.q, {i}), take_tokens(p.k, keys),
+                                                      take_tokens(p.v, keys), nullptr, plain, 0.3);
+      for (std::int64_t h = 0; h < H; ++h) {
+        EXPECT_NEAR(one.lse[h], whole.lse[h * S + i], 1e-12) << "row " << i << " head " << h;
+        for (std::int64_t d = 0; d < D; ++d)
+          EXPECT_NEAR(one.o[h * D + d], whole.o[(i * H + h) * D + d], 1e-12) << "row " << i;
+      }
+    }
+  }
 }
 
 TEST(Reference, FullyMaskedRowsGiveZeroAndMinusInfinity) {

@@ -1,5 +1,6 @@
 // The planner's tile count without visiting every pair (count_nonempty_tiles) against classify_tile pair by
-// pair, over random blocks: contiguous, scattered (a block that straddles two chunks), packed or not.
+// pair, over random blocks: contiguous, scattered (a block that straddles two chunks), packed or not; causal,
+// non-causal and sliding-window bands.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -9,11 +10,11 @@
 namespace cpattn::kernels {
 namespace {
 
-std::int64_t count_by_pairs(const std::vector<BlockMeta>& q, const std::vector<BlockMeta>& kv, bool causal,
-                            bool segments) {
+std::int64_t count_by_pairs(const std::vector<BlockMeta>& q, const std::vector<BlockMeta>& kv,
+                            const PositionBand& band, bool segments) {
   std::int64_t n = 0;
   for (const auto& a : q) {
-    for (const auto& b : kv) n += classify_tile(a, b, causal, segments, 64) != TileKind::empty;
+    for (const auto& b : kv) n += classify_tile(a, b, band, segments, 64) != TileKind::empty;
   }
   return n;
 }
@@ -40,12 +41,16 @@ std::vector<BlockMeta> random_blocks(std::mt19937& rng, int count, bool segments
 
 TEST(TileCount, AgreesWithClassifyingEveryPair) {
   std::mt19937 rng(5);
-  for (int trial = 0; trial < 400; ++trial) {
-    const bool causal = trial % 2 == 0, segments = trial % 4 < 2;
+  // Bands: none, causal, causal windows (left 0, 30, 200), two-sided windows, a right side only.
+  const PositionBand bands[] = {causal_band(false), causal_band(true), {0, 0},    {30, 0},
+                                {200, 0},           {5, 17},           {90, 300}, {kUnboundedWindow, 40}};
+  for (int trial = 0; trial < 800; ++trial) {
+    const PositionBand band = bands[trial % 8];
+    const bool segments = trial % 16 < 8;
     const auto q = random_blocks(rng, 1 + trial % 37, segments);
     const auto kv = random_blocks(rng, 1 + trial % 53, segments);
-    ASSERT_EQ(count_nonempty_tiles(q, kv, causal, segments), count_by_pairs(q, kv, causal, segments))
-        << "trial " << trial << " causal " << causal << " segments " << segments;
+    ASSERT_EQ(count_nonempty_tiles(q, kv, band, segments), count_by_pairs(q, kv, band, segments))
+        << "trial " << trial << " band " << band.left << "," << band.right << " segments " << segments;
   }
   // Real layouts: a packed causal sequence, blocks from the natural order.
   std::vector<std::int32_t> positions(1000), seg(1000);
@@ -54,8 +59,14 @@ TEST(TileCount, AgreesWithClassifyingEveryPair) {
     seg[static_cast<std::size_t>(i)] = i < 300 ? 0 : (i < 310 ? 1 : 2);
   }
   const auto blocks = block_meta(positions, seg, 0, 1000, 64);
-  EXPECT_EQ(count_nonempty_tiles(blocks, blocks, true, true), count_by_pairs(blocks, blocks, true, true));
-  EXPECT_EQ(count_nonempty_tiles(blocks, blocks, true, false), 16 * 17 / 2);
+  const PositionBand causal = causal_band(true);
+  EXPECT_EQ(count_nonempty_tiles(blocks, blocks, causal, true), count_by_pairs(blocks, blocks, causal, true));
+  EXPECT_EQ(count_nonempty_tiles(blocks, blocks, causal, false), 16 * 17 / 2);
+  // A causal window of 100 keys (left 99) on 64-token blocks: each q block sees itself and 2 before it at
+  // most (block i's first query reaches back to 64 i - 99, inside block i - 2 for i >= 2).
+  EXPECT_EQ(count_nonempty_tiles(blocks, blocks, PositionBand{99, 0}, false), 1 + 2 + 14 * 3);
+  // Two-sided 10 and 10: a block and its neighbours where the band crosses into them.
+  EXPECT_EQ(count_nonempty_tiles(blocks, blocks, PositionBand{10, 10}, false), 16 + 2 * 15);
 }
 
 }  // namespace

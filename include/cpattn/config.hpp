@@ -4,10 +4,12 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "cpattn/error.hpp"
+#include "cpattn/mask.hpp"
 #include "cpattn/strategy.hpp"
 #include "cpattn/tensor.hpp"
 
@@ -41,6 +43,9 @@ inline constexpr std::int64_t kMaxRanks = 65536;
 // infinite and every output NaN; far wider than any model's (1/sqrt(head_dim), a soft-capped logit's).
 inline constexpr double kMinScale = 1e-30;
 inline constexpr double kMaxScale = 1e30;
+// The widest side of a sliding window (--window LEFT,RIGHT): positions are int32, so a side of 2^31 - 1 or
+// more sees the whole row.
+inline constexpr std::int64_t kMaxWindowSide = (std::int64_t{1} << 31) - 1;
 // The most kernel threads per rank (the program's --threads, Python's threads=): above any machine's cores,
 // low enough that a pool of them can be made.
 inline constexpr std::int64_t kMaxThreads = 1024;
@@ -54,8 +59,18 @@ struct AttentionSpec {
   bool causal = true;
   DType dtype = DType::f32;
   std::optional<double> softmax_scale;  // default 1/sqrt(head_dim)
+  // Sliding window (flash-attention's window_size): a query at position p sees keys p - window_left ..
+  // p + window_right, within its document; unset: no bound on that side. Causal attention takes window_left
+  // only (its right side is 0): the YAML's sliding_window_size W is window_left = W - 1.
+  std::optional<std::int64_t> window_left, window_right;
 
   double scale() const;
+  bool windowed() const { return window_left.has_value() || window_right.has_value(); }
+  // The positions a query sees (causal and window together), and the mask over the given token metadata.
+  PositionBand band() const;
+  AttentionMask mask(std::span<const std::int32_t> q_positions, std::span<const std::int32_t> kv_positions,
+                     std::span<const std::int32_t> q_segments,
+                     std::span<const std::int32_t> kv_segments) const;
   std::int64_t group_size() const { return num_q_heads / num_kv_heads; }  // G = Hq / Hkv
 };
 

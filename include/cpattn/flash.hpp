@@ -9,6 +9,7 @@
 // exact no-ops.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -145,6 +146,23 @@ inline double attention_forward_flops(std::int64_t batch, std::int64_t seq_len, 
                        static_cast<double>(seq_len) * static_cast<double>(q_heads) *
                        static_cast<double>(head_dim);
   return causal ? flops / 2 : flops;
+}
+// The same over the (query, key) pairs a band leaves on one row of S tokens at positions 0..S-1 (a sliding
+// window: 4 B Hq D times the pairs, each query i seeing keys max(0, i-L)..min(S-1, i+R)); plain and causal
+// bands, the formula above.
+inline double attention_forward_flops(std::int64_t batch, std::int64_t seq_len, std::int64_t q_heads,
+                                      std::int64_t head_dim, const PositionBand& band) {
+  if (!band.bounded()) return attention_forward_flops(batch, seq_len, q_heads, head_dim, false);
+  if (!band.windowed() && band.right == 0)
+    return attention_forward_flops(batch, seq_len, q_heads, head_dim, true);
+  double pairs = 0;
+  for (std::int64_t i = 0; i < seq_len; ++i) {
+    const std::int64_t lo = std::max<std::int64_t>(0, i - band.left),
+                       hi = std::min<std::int64_t>(seq_len - 1, i + band.right);
+    pairs += static_cast<double>(std::max<std::int64_t>(0, hi - lo + 1));
+  }
+  return 4.0 * static_cast<double>(batch) * static_cast<double>(q_heads) * static_cast<double>(head_dim) *
+         pairs;
 }
 inline constexpr double kBackwardFlopsPerForward = 2.5;
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,14 @@ double parse_real(const std::string& text, const std::string& field, double min,
 // "6144,2048" -> {6144, 2048}: packed document lengths, each a positive integer, their sum at most 2^63 - 1;
 // else Error(invalid_input) naming `field`.
 std::vector<std::int64_t> parse_document_lengths(const std::string& text, const std::string& field);
+
+// "LEFT" or "LEFT,RIGHT" (--window): one or two decimal integers, the second absent for "LEFT"; their ranges
+// are validation's (window_left, window_right). Else Error(invalid_input) naming `field`.
+struct WindowText {
+  std::int64_t left = 0;
+  std::optional<std::int64_t> right;
+};
+WindowText parse_window(const std::string& text, const std::string& field);
 
 // "a, b" -> the text made safe to quote in a message: control characters and bytes that are not UTF-8 as
 // \xNN escapes, at most 200 characters (the rest as "...").

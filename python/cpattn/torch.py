@@ -87,12 +87,13 @@ def _check(*pairs):
 
 class _Attention(_torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segment_ids, causal, scale, threads):
+    def forward(ctx, q, k, v, segment_ids, causal, scale, threads, window):
         qa, ka, va, seg = _check(_to_numpy(q, "q"), _to_numpy(k, "k"), _to_numpy(v, "v"), _segments(segment_ids))
-        o, lse = _cpattn.attention(qa, ka, va, causal=causal, segment_ids=seg, scale=scale, threads=threads)
+        o, lse = _cpattn.attention(qa, ka, va, causal=causal, segment_ids=seg, scale=scale, threads=threads,
+                                   window=window)
         o = _to_torch(o)
         ctx.save_for_backward(q, k, v, o)
-        ctx.lse, ctx.seg, ctx.causal, ctx.scale, ctx.threads = lse, seg, causal, scale, threads
+        ctx.lse, ctx.seg, ctx.causal, ctx.scale, ctx.threads, ctx.window = lse, seg, causal, scale, threads, window
         return o
 
     @staticmethod
@@ -104,17 +105,19 @@ class _Attention(_torch.autograd.Function):
         )
         dq, dk, dv = _cpattn.attention_backward(
             qa, ka, va, oa, ctx.lse, da, causal=ctx.causal, segment_ids=ctx.seg, scale=ctx.scale,
-            threads=ctx.threads,
+            threads=ctx.threads, window=ctx.window,
         )
-        # one gradient per argument of forward: None for segment_ids, causal, scale, threads
-        return _to_torch(dq), _to_torch(dk), _to_torch(dv), None, None, None, None
+        # one gradient per argument of forward: None for segment_ids, causal, scale, threads, window
+        return _to_torch(dq), _to_torch(dk), _to_torch(dv), None, None, None, None, None
 
 
-def attention(q, k, v, causal=True, segment_ids=None, scale=None, threads=None):
+def attention(q, k, v, causal=True, segment_ids=None, scale=None, threads=None, window=None):
     """Attention over cpattn's flash kernels with autograd. q [B, S, Hq, D]; k, v [B, S, Hkv, D] (Hq a
     multiple of Hkv: GQA and MQA without repeating K/V); float32 or bfloat16, o in the same dtype. scale:
-    default 1/sqrt(D). threads: kernel threads (default: every hardware thread)."""
-    return _Attention.apply(q, k, v, segment_ids, causal, scale, threads)
+    default 1/sqrt(D). threads: kernel threads (default: every hardware thread). window: a sliding window as
+    flash-attention's window_size: LEFT (causal: query i sees keys i-LEFT..i) or (LEFT, RIGHT) (keys
+    i-LEFT..i+RIGHT; None for an unbounded side), always within a document of segment_ids."""
+    return _Attention.apply(q, k, v, segment_ids, causal, scale, threads, window)
 
 
 class _ContextParallel(_torch.autograd.Function):
@@ -226,7 +229,8 @@ class ContextParallelAttention(_torch.nn.Module):
     gets its shard of O, with autograd.
 
     strategy: "ulysses" (KV heads replicated in grouped order when there are fewer than ranks), "all_gather",
-    "ring" or "hybrid" (ulysses inside groups of ulysses_degree ranks, a ring across them). load_balance:
+    "ring" or "hybrid" (ulysses inside groups of ulysses_degree ranks, a ring across them). window: a sliding
+    window as attention()'s (LEFT, or (LEFT, RIGHT) without the causal mask). load_balance:
     the dual-chunk-swap layout (local_positions says which tokens a rank holds). Other options: layout
     ("contiguous" or "dual_chunk_swap"), scale (default 1/sqrt(D)), threads (kernel threads per process;
     default the machine's hardware threads over the communicator's size), remat, timeout (seconds any wait
@@ -239,9 +243,9 @@ class ContextParallelAttention(_torch.nn.Module):
     """
 
     def __init__(self, comm=None, strategy="ulysses", causal=True, load_balance=False, layout=None,
-                 ulysses_degree=None, scale=None, threads=None, remat=False, timeout=None, group=None):
+                 ulysses_degree=None, scale=None, threads=None, remat=False, timeout=None, group=None, window=None):
         super().__init__()
-        options = dict(strategy=strategy, causal=causal, load_balance=load_balance, layout=layout,
+        options = dict(strategy=strategy, causal=causal, window=window, load_balance=load_balance, layout=layout,
                        ulysses_degree=ulysses_degree, scale=scale, threads=threads, remat=remat, timeout=timeout)
         self.strategy = strategy
         if comm is None:
@@ -294,7 +298,7 @@ _SDPA_KEPT = 16
 
 def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
                           segment_ids=None, group=None, strategy="ulysses", load_balance=False, layout=None,
-                          ulysses_degree=None, threads=None, timeout=None):
+                          ulysses_degree=None, threads=None, timeout=None, window=None):
     """torch.nn.functional.scaled_dot_product_attention's arguments and layout, context-parallel over a
     torch.distributed process group (None: the default group): query [B, Hq, S/cp, D], key and value
     [B, Hkv, S/cp, D] (GQA: Hq a multiple of Hkv), each process its shard of the sequence in the layout of
@@ -304,7 +308,8 @@ def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_c
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         o = cpattn.torch.context_parallel_sdpa(q, k, v, is_causal=True, group=cp_group)
 
-    attn_mask and dropout_p are not supported (packed documents: segment_ids [B, S/cp]). One
+    attn_mask and dropout_p are not supported (packed documents: segment_ids [B, S/cp]; a sliding window:
+    window=LEFT with is_causal, or (LEFT, RIGHT), as ContextParallelAttention's). One
     ContextParallelAttention per (group, options) is made on first use (a collective: every process of the
     group makes the same calls) and kept."""
     reasons = []
@@ -318,7 +323,7 @@ def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_c
             reasons.append(f"{name}: expected a 4-dimensional torch.Tensor [B, H, S, D]")
     if reasons:
         raise _config_error(reasons)
-    options = dict(strategy=strategy, causal=is_causal, load_balance=load_balance, layout=layout,
+    options = dict(strategy=strategy, causal=is_causal, window=window, load_balance=load_balance, layout=layout,
                    ulysses_degree=ulysses_degree, scale=scale,
                    threads=threads, timeout=timeout)
     dist = _torch.distributed

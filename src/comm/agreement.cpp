@@ -159,6 +159,15 @@ void add_specs(Agreement& agreement, const AttentionSpec& a, const ParallelSpec&
   } else {
     agreement.add_named("softmax_scale", 0, "unset (1/sqrt(head_dim))");
   }
+  for (const auto& [field, side] :
+       {std::pair<const char*, std::optional<std::int64_t>>{"window_left", a.window_left},
+        {"window_right", a.window_right}}) {
+    if (side) {
+      agreement.add(field, *side);
+    } else {
+      agreement.add_named(field, -1, "unset (unbounded)");
+    }
+  }
   agreement.add("cp", p.cp).add("tp", p.tp);
   const bool known =
       std::find(std::begin(kStrategies), std::end(kStrategies), p.strategy) != std::end(kStrategies);

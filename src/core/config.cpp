@@ -72,6 +72,20 @@ double AttentionSpec::scale() const {
   return softmax_scale.value_or(1.0 / std::sqrt(static_cast<double>(head_dim)));
 }
 
+AttentionMask AttentionSpec::mask(std::span<const std::int32_t> q_positions,
+                                  std::span<const std::int32_t> kv_positions,
+                                  std::span<const std::int32_t> q_segments,
+                                  std::span<const std::int32_t> kv_segments) const {
+  AttentionMask m{q_positions, kv_positions, q_segments, kv_segments, causal};
+  m.window_left = window_left.value_or(kUnboundedWindow);
+  m.window_right = window_right.value_or(kUnboundedWindow);
+  return m;
+}
+
+PositionBand AttentionSpec::band() const {
+  return mask({}, {}, {}, {}).band();
+}
+
 namespace {
 
 // Collects broken rules; each names its field(s), the value(s) and what would be valid.
@@ -149,6 +163,26 @@ void hybrid_rules(Rules& rules, const AttentionSpec& a, const ParallelSpec& p, b
   }
 }
 
+// The sliding window: each side 0..kMaxWindowSide (0: the query's own position only); causal attention has
+// no right side to bound (its keys end at the query).
+void window_rules(Rules& rules, const AttentionSpec& a) {
+  for (const auto& [field, side] :
+       {std::pair<const char*, std::optional<std::int64_t>>{"window_left", a.window_left},
+        {"window_right", a.window_right}}) {
+    if (!side || (*side >= 0 && *side <= kMaxWindowSide)) continue;
+    rules.add({field}, str(*side),
+              std::string(field) + " (" + str(*side) + ") is not a window side; valid: 0.." +
+                  str(kMaxWindowSide) + " tokens (0: the query's own position only)");
+  }
+  if (a.causal && a.window_right) {
+    rules.add(
+        {"window_right", "causal"}, str(*a.window_right),
+        "window_right (" + str(*a.window_right) +
+            ") is for non-causal attention: a causal query sees no key after it; give the window's left "
+            "side only (--window LEFT), or causal false");
+  }
+}
+
 }  // namespace
 
 std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelSpec& p) {
@@ -179,6 +213,7 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
         {"seq_len"}, str(a.seq_len),
         "seq_len (" + str(a.seq_len) + ") is too long; token positions are int32, valid: 1..2147483647");
   }
+  window_rules(rules, a);
   if (a.head_dim > kMaxHeadDim) {
     rules.add({"head_dim"}, str(a.head_dim),
               "head_dim (" + str(a.head_dim) + ") is larger than the kernels support; valid: 1.." +

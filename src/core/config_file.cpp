@@ -22,7 +22,7 @@ void take(std::optional<T>& into, const std::optional<T>& from) {
 }
 
 [[noreturn]] void bad_value(const std::string& name, const std::string& key, const YAML::Node& node,
-                            const char* wanted) {
+                            const std::string& wanted) {
   const std::string text = node.IsNull()     ? "no value (null)"
                            : node.IsScalar() ? "'" + quoted(node.Scalar()) + "'"
                                              : (node.IsMap() ? "a mapping" : "a sequence");
@@ -98,6 +98,14 @@ constexpr KeyReader kKeys[] = {
      }},
     {"dtype", [](ConfigValues& v, const std::string& n, const std::string& k,
                  const YAML::Node& x) { v.dtype = as_string(n, k, x); }},
+    {"sliding_window_size",
+     [](ConfigValues& v, const std::string& n, const std::string& k, const YAML::Node& x) {
+       const std::int64_t w = as_int(n, k, x);
+       if (w < 0 || w - 1 > kMaxWindowSide) {
+         bad_value(n, k, x, "a window of 0 (none) or 1.." + std::to_string(kMaxWindowSide + 1) + " keys");
+       }
+       if (w > 0) v.window_left = w - 1;
+     }},
     {"base_emb_dim", [](ConfigValues& v, const std::string& n, const std::string& k,
                         const YAML::Node& x) { v.emb_dim = as_int(n, k, x); }},
     {"base_num_decoder_layers", [](ConfigValues& v, const std::string& n, const std::string& k,
@@ -128,6 +136,8 @@ void ConfigValues::merge_from(const ConfigValues& o) {
   take(attention_load_balance, o.attention_load_balance);
   take(causal, o.causal);
   take(dtype, o.dtype);
+  take(window_left, o.window_left);
+  take(window_right, o.window_right);
   take(emb_dim, o.emb_dim);
   take(num_layers, o.num_layers);
   take(attention_every, o.attention_every);
@@ -256,6 +266,8 @@ Specs to_specs(const ConfigValues& v, std::vector<ErrorItem>& errors) {
   required(v.head_dim, "head_dim", "--head-dim", s.attention.head_dim);
   s.attention.batch = v.batch.value_or(1);
   s.attention.causal = v.causal.value_or(true);
+  s.attention.window_left = v.window_left;
+  s.attention.window_right = v.window_right;
   s.parallel.cp = v.cp.value_or(1);
   s.parallel.tp = v.tp.value_or(1);
   s.parallel.ulysses_degree = v.ulysses_degree.value_or(0);

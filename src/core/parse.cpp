@@ -178,6 +178,23 @@ std::uint64_t open_input_file(const std::string& path, std::ifstream& in) {
   return static_cast<std::uint64_t>(st.st_size);
 }
 
+WindowText parse_window(const std::string& text, const std::string& field) {
+  const std::size_t comma = text.find(',');
+  if (comma != std::string::npos && text.find(',', comma + 1) != std::string::npos) {
+    throw Error(ErrorKind::invalid_input, field, text,
+                field + " '" + quoted(text) +
+                    "' has more than two sides; valid: LEFT (causal) or LEFT,RIGHT (non-causal)");
+  }
+  WindowText w;
+  w.left = parse_integer(text.substr(0, comma), field, std::numeric_limits<std::int64_t>::min(),
+                         std::numeric_limits<std::int64_t>::max(), "a window side");
+  if (comma != std::string::npos) {
+    w.right = parse_integer(text.substr(comma + 1), field, std::numeric_limits<std::int64_t>::min(),
+                            std::numeric_limits<std::int64_t>::max(), "a window side");
+  }
+  return w;
+}
+
 std::vector<std::int64_t> parse_document_lengths(const std::string& text, const std::string& flag) {
   if (text.empty())
     throw Error(ErrorKind::invalid_input, flag, text, flag + " is empty; give lengths like 6144,2048");

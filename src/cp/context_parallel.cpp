@@ -106,7 +106,7 @@ AttentionMask ContextParallelAttention::Impl::mask(const std::vector<std::int32_
                                                    const std::vector<std::int32_t>& kv_pos,
                                                    const std::vector<std::int32_t>& q_seg,
                                                    const std::vector<std::int32_t>& kv_seg) const {
-  return {q_pos, kv_pos, q_seg, kv_seg, attention.causal};
+  return attention.mask(q_pos, kv_pos, q_seg, kv_seg);
 }
 
 void ContextParallelAttention::Impl::check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -239,6 +239,7 @@ AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const T
                                   const std::vector<std::int32_t>& seg_local,
                                   const std::vector<std::int32_t>& seg_full) {
   const AttentionSpec& a = ring.attention;
+  const PositionBand band = a.band();
   const std::int64_t B = a.batch, S = a.seq_len, D = a.head_dim;
   const std::int64_t R = ring.comm.size(), rank = ring.comm.rank();
   const std::int64_t L = q.shape().s, heads = q.shape().h, n = L / ring.parts;
@@ -266,8 +267,8 @@ AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const T
     if (keep_steps) ring.step_lses->emplace_back(static_cast<std::size_t>(B * heads * L));
     for (const Piece& qp : mine) {
       for (const Piece& kp : theirs) {
-        if (a.causal && qp.hi < kp.lo) continue;  // every key in the future of every query
-        const AttentionMask m{qp.pos, kp.pos, qp.seg, kp.seg, a.causal};
+        if (!band.sees_any(qp.lo, qp.hi, kp.lo, kp.hi)) continue;  // every key out of every query's band
+        const AttentionMask m = a.mask(qp.pos, kp.pos, qp.seg, kp.seg);
         for (std::size_t i = 0; i < ring.calls.size(); ++i) {
           const KernelCall& c = ring.calls[i];
           TileCounts t;
@@ -301,6 +302,7 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
                                  const std::vector<std::int32_t>& seg_local,
                                  const std::vector<std::int32_t>& seg_full) {
   const AttentionSpec& a = ring.attention;
+  const PositionBand band = a.band();
   const std::int64_t B = a.batch, S = a.seq_len, D = a.head_dim;
   const std::int64_t R = ring.comm.size(), rank = ring.comm.rank();
   const std::int64_t L = q.shape().s, heads = q.shape().h, n = L / ring.parts;
@@ -337,8 +339,8 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
       for (const KernelCall& c : ring.calls)
         lse_piece.push_back(lse_rows(lse, B, heads, L, qp.first, n, c.q0, c.nq));
       for (const Piece& kp : theirs) {
-        if (a.causal && qp.hi < kp.lo) continue;
-        const AttentionMask m{qp.pos, kp.pos, qp.seg, kp.seg, a.causal};
+        if (!band.sees_any(qp.lo, qp.hi, kp.lo, kp.hi)) continue;
+        const AttentionMask m = a.mask(qp.pos, kp.pos, qp.seg, kp.seg);
         for (std::size_t i = 0; i < ring.calls.size(); ++i) {
           const KernelCall& c = ring.calls[i];
           flash_backward(rows(cref(q), qp.first, n).heads(c.q0, c.nq),

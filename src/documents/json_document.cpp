@@ -23,9 +23,27 @@ nlohmann::json value_json(const std::string& v) {
 }  // namespace
 
 nlohmann::ordered_json attention_to_json(const AttentionSpec& a) {
-  return {{"batch", a.batch},           {"seq", a.seq_len},       {"q_heads", a.num_q_heads},
-          {"kv_heads", a.num_kv_heads}, {"head_dim", a.head_dim}, {"causal", a.causal},
-          {"dtype", to_string(a.dtype)}};
+  nlohmann::ordered_json doc = {{"batch", a.batch},           {"seq", a.seq_len},
+                                {"q_heads", a.num_q_heads},   {"kv_heads", a.num_kv_heads},
+                                {"head_dim", a.head_dim},     {"causal", a.causal},
+                                {"dtype", to_string(a.dtype)}};
+  // The window as the keys a query sees: {"left": L, "right": R} (null: unbounded; causal: right 0), or null.
+  doc["window"] = nullptr;
+  if (a.windowed()) {
+    const PositionBand band = a.band();
+    const auto side = [](std::int64_t v) {
+      return v < kUnboundedWindow ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr);
+    };
+    doc["window"] = {{"left", side(band.left)}, {"right", side(band.right)}};
+  }
+  return doc;
+}
+
+std::string window_text(const AttentionSpec& a) {
+  if (!a.windowed()) return "";
+  const PositionBand band = a.band();
+  const auto side = [](std::int64_t v) { return v < kUnboundedWindow ? std::to_string(v) : "unbounded"; };
+  return ", window " + side(band.left) + " back" + (a.causal ? "" : ", " + side(band.right) + " ahead");
 }
 
 std::string errors_to_json(const std::vector<ErrorItem>& errors) {

@@ -87,6 +87,12 @@ std::vector<Keyword> problem_keywords() {
              if (v) r.values.load_balance = r.values.attention_load_balance = true;
            }),
       flag("causal", [](Request& r, bool v) { r.values.causal = v; }),  // false: --no-causal
+      text("window",
+           [](Request& r, const std::string& v) {
+             const WindowText w = parse_window(v, "window");
+             r.values.window_left = w.left;
+             r.values.window_right = w.right;
+           }),
   };
 }
 

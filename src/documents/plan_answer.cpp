@@ -223,7 +223,8 @@ void print_plan(const PlanRequest& req, const Plan& plan, const std::string& seg
   out << "cpattn plan: " << req.model.name << ", S=" << req.attention.seq_len << " B=" << req.attention.batch
       << " Hq=" << req.attention.num_q_heads << " Hkv=" << req.attention.num_kv_heads
       << " D=" << req.attention.head_dim << " " << to_string(req.attention.dtype)
-      << ", cp=" << req.parallel.cp << " tp=" << req.parallel.tp << ", block " << req.block << ", "
+      << window_text(req.attention) << ", cp=" << req.parallel.cp << " tp=" << req.parallel.tp << ", block "
+      << req.block << ", "
       << (req.hardware.ranks_per_host > 0 && req.parallel.cp > req.hardware.ranks_per_host
               ? std::to_string(req.hardware.ranks_per_host) + " ranks per host, "
               : std::string())

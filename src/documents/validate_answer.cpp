@@ -60,6 +60,7 @@ DocumentAnswer validate_answer(const ConfigValues& values) {
     }
     doc["load_balance"] = p.load_balance;
     doc["layout"] = to_string(p.effective_layout());
+    doc["window"] = attention_to_json(a)["window"];
     doc["replication"] = rep;
     doc["work_skew"] = ulysses ? u.work_skew() : 1.0;
     if (ulysses) doc["kv_head_order"] = u.kv_head_order();
@@ -78,7 +79,7 @@ DocumentAnswer validate_answer(const ConfigValues& values) {
                  : std::string())
       << ", tp=" << p.tp << ", q heads " << a.num_q_heads << ", kv heads " << a.num_kv_heads << ", head dim "
       << a.head_dim << ", seq " << a.seq_len << ", batch " << a.batch << ", " << to_string(a.dtype)
-      << (p.load_balance ? ", load balance (dual chunk swap)" : "") << "\n";
+      << (p.load_balance ? ", load balance (dual chunk swap)" : "") << window_text(a) << "\n";
   if (p.tp > 1) out << "heads below are local to one tp rank (heads / tp)\n";
   if (ulysses) {
     out << "replication: " << rep << " (kv head order before the all-to-all: [";

@@ -19,7 +19,7 @@ WholeCheck check_whole_result(const AttentionSpec& a, Strategy strategy, const W
   c.tolerances = tolerances(strategy, a.dtype);
   const Tolerances& tol = c.tolerances;
   const std::vector<std::int32_t> pos = natural_positions(a.batch, a.seq_len);
-  const AttentionMask mask{pos, pos, problem.segment_ids, problem.segment_ids, a.causal};
+  const AttentionMask mask = a.mask(pos, pos, problem.segment_ids, problem.segment_ids);
   FlashConfig config;
   config.threads = threads;
   const auto fwd = flash_attention_forward(problem.q, problem.k, problem.v, mask, a.scale(), config);

@@ -124,7 +124,7 @@ HWY_INLINE void tile_ds(const BackwardCall& call, Workspace& w, const float* qs,
 HWY_INLINE bool sees_any(const BackwardCall& call, std::int64_t b, std::int64_t qi, std::int64_t a0,
                          std::int64_t a1) {
   for (std::int64_t kvi = a0; kvi < a1; ++kvi) {
-    if (classify_tile(call.grid.q[b][qi], call.grid.kv[b][kvi], call.mask.causal, call.segments, call.Bk) !=
+    if (classify_tile(call.grid.q[b][qi], call.grid.kv[b][kvi], call.mask.band(), call.segments, call.Bk) !=
         TileKind::empty)
       return true;
   }
@@ -192,7 +192,7 @@ HWY_INLINE void q_block_tiles(const BackwardCall& call, HeadTask& t, Workspace& 
   PrefetchQueue& pf = w.prefetch;
   for (std::int64_t kvi = g0; kvi < g1; ++kvi) {
     const BlockMeta& kb = call.grid.kv[t.b][kvi];
-    const TileKind kind = classify_tile(qb, kb, call.mask.causal, call.segments, Bk);
+    const TileKind kind = classify_tile(qb, kb, call.mask.band(), call.segments, Bk);
     if (kind == TileKind::empty) continue;
     ++t.computed;
     t.computed_full += kind == TileKind::full;

@@ -496,7 +496,7 @@ void flash_forward_bf16(const ConstTensorRef& q, const ConstTensorRef& k, const 
     for (std::int64_t kv0 = 0; kv0 < kv_blocks; kv0 += 2) {
       TileKind kinds[2] = {TileKind::empty, TileKind::empty};
       for (std::int64_t j = 0; j < 2 && kv0 + j < kv_blocks; ++j) {
-        kinds[j] = classify_tile(qb, grid.kv[b][kv0 + j], mask.causal, segments, Bk);
+        kinds[j] = classify_tile(qb, grid.kv[b][kv0 + j], mask.band(), segments, Bk);
       }
       if (kinds[0] == TileKind::empty && kinds[1] == TileKind::empty) continue;
       for (std::int64_t j = 0; j < 2; ++j) {
@@ -724,7 +724,7 @@ void amx_backward_head(const AmxBackwardCall& call, std::int64_t task, std::int6
     w.sum_v.assign(static_cast<std::size_t>(call.kv_elems), 0.0);
     std::int64_t run = 0;  // tiles in the fp32 run of dK^T, dV^T
     for (std::int64_t qi = 0; qi < call.q_blocks; ++qi) {
-      const TileKind kind = classify_tile(call.grid.q[b][qi], kb, call.mask.causal, call.segments, call.Bk);
+      const TileKind kind = classify_tile(call.grid.q[b][qi], kb, call.mask.band(), call.segments, call.Bk);
       if (kind == TileKind::empty) continue;
       ++computed;
       computed_full += kind == TileKind::full;

@@ -121,7 +121,7 @@ HWY_INLINE void plan_kv_blocks(const ForwardCall& call, Group& g, Workspace& w) 
     GroupKinds kinds{};
     bool any = false;
     for (std::int64_t qi = g.qi0; qi < g.qi1; ++qi) {
-      const TileKind kind = classify_tile(call.grid.q[g.b][qi], kb, call.mask.causal, call.segments, call.Bk);
+      const TileKind kind = classify_tile(call.grid.q[g.b][qi], kb, call.mask.band(), call.segments, call.Bk);
       kinds[qi - g.qi0] = kind;
       if (kind == TileKind::empty) continue;
       any = true;

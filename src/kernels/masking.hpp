@@ -1,9 +1,11 @@
-// The attention mask on a score tile, by selection: the scores of pairs a row may not see become a fill value
-// (-inf before the softmax, 0 for P and dS), a visible score keeps its bits.
+// The attention mask on a score tile (segments, and the positions' band: causal, sliding window), by
+// selection: the scores of pairs a row may not see become a fill value (-inf before the softmax, 0 for P and
+// dS), a visible score keeps its bits.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "cpattn/error.hpp"
 #include "cpattn/mask.hpp"
@@ -12,20 +14,32 @@
 namespace cpattn::kernels {
 
 namespace mask_detail {
-// One visible run: x[i * step] for i < n keeps its score when the pair is visible, else `fill`. `other` is
-// the fixed side (a key's position and segment against n query rows, or a query row's against n keys).
-template <bool kCausal, bool kSegments, bool kKeysVary>
+// int32 positions v with lo <= v <= hi: the band's bounds around one position, clamped to int32.
+struct PosRange {
+  std::int32_t lo, hi;
+};
+inline PosRange clamp_range(std::int64_t lo, std::int64_t hi) {
+  constexpr std::int64_t kMin = std::numeric_limits<std::int32_t>::min(),
+                         kMax = std::numeric_limits<std::int32_t>::max();
+  return {static_cast<std::int32_t>(std::clamp(lo, kMin, kMax)),
+          static_cast<std::int32_t>(std::clamp(hi, kMin, kMax))};
+}
+
+// One visible run: x[i * step] for i < n keeps its score when the pair is visible, else `fill`. The fixed
+// side (a query row against n keys, or a key against n query rows) gives the segment id and the range of the
+// varying side's positions its band admits.
+template <bool kBand, bool kSegments>
 inline void select_run(float* x, std::int64_t step, std::int64_t n, const std::int32_t* pos,
-                       const std::int32_t* seg, std::int32_t other_pos, std::int32_t other_seg, float fill) {
+                       const std::int32_t* seg, PosRange range, std::int32_t other_seg, float fill) {
   for (std::int64_t i = 0; i < n; ++i) {
     bool seen = true;
     if constexpr (kSegments) seen = seen && seg[i] == other_seg;
-    if constexpr (kCausal) seen = seen && (kKeysVary ? pos[i] <= other_pos : other_pos <= pos[i]);
+    if constexpr (kBand) seen = seen && pos[i] >= range.lo && pos[i] <= range.hi;
     x[i * step] = seen ? x[i * step] : fill;
   }
 }
 
-template <bool kCausal, bool kSegments>
+template <bool kBand, bool kSegments>
 inline void apply_mask_as(float* s, std::int64_t q_rows, std::int64_t keys, std::int64_t q_stride,
                           std::int64_t key_stride, const BlockMeta& qb, const BlockMeta& kb, std::int64_t b,
                           const AttentionMask& mask, std::int64_t sq, std::int64_t skv, float fill) {
@@ -33,23 +47,26 @@ inline void apply_mask_as(float* s, std::int64_t q_rows, std::int64_t keys, std:
   const std::int32_t* kpos = mask.kv_positions.data() + b * skv + kb.begin;
   const std::int32_t* qseg = kSegments ? mask.q_segments.data() + b * sq + qb.begin : nullptr;
   const std::int32_t* kseg = kSegments ? mask.kv_segments.data() + b * skv + kb.begin : nullptr;
+  const PositionBand band = mask.band();
   const std::int64_t qn = std::min(q_rows, qb.length), kn = std::min(keys, kb.length);
-  if (key_stride == 1) {  // S: a query row's keys are contiguous
+  if (key_stride == 1) {  // S: a query row's keys are contiguous; keys p - left .. p + right
     for (std::int64_t r = 0; r < q_rows; ++r) {
       float* row = s + r * q_stride;
       const std::int64_t valid = r < qn ? kn : 0;
-      select_run<kCausal, kSegments, true>(row, 1, valid, kpos, kseg, qpos[r < qn ? r : 0],
-                                           kSegments ? qseg[r < qn ? r : 0] : 0, fill);
+      const std::int64_t p = qpos[r < qn ? r : 0];
+      select_run<kBand, kSegments>(row, 1, valid, kpos, kseg, clamp_range(p - band.left, p + band.right),
+                                   kSegments ? qseg[r < qn ? r : 0] : 0, fill);
       std::fill(row + valid, row + keys, fill);
     }
     return;
   }
-  // S^T: a key's query rows are contiguous (q_stride == 1)
+  // S^T: a key's query rows are contiguous (q_stride == 1); the key at p is seen from p - right .. p + left
   for (std::int64_t j = 0; j < keys; ++j) {
     float* col = s + j * key_stride;
     const std::int64_t valid = j < kn ? qn : 0;
-    select_run<kCausal, kSegments, false>(col, q_stride, valid, qpos, qseg, kpos[j < kn ? j : 0],
-                                          kSegments ? kseg[j < kn ? j : 0] : 0, fill);
+    const std::int64_t p = kpos[j < kn ? j : 0];
+    select_run<kBand, kSegments>(col, q_stride, valid, qpos, qseg, clamp_range(p - band.right, p + band.left),
+                                 kSegments ? kseg[j < kn ? j : 0] : 0, fill);
     for (std::int64_t r = valid; r < q_rows; ++r) col[r * q_stride] = fill;
   }
 }
@@ -69,10 +86,11 @@ inline void apply_mask(float* s, std::int64_t q_rows, std::int64_t keys, std::in
     return;
   }
   const bool segments = mask.has_segments();
-  if (mask.causal && segments) {
+  const bool banded = mask.band().bounded();
+  if (banded && segments) {
     mask_detail::apply_mask_as<true, true>(s, q_rows, keys, q_stride, key_stride, qb, kb, b, mask, sq, skv,
                                            fill);
-  } else if (mask.causal) {
+  } else if (banded) {
     mask_detail::apply_mask_as<true, false>(s, q_rows, keys, q_stride, key_stride, qb, kb, b, mask, sq, skv,
                                             fill);
   } else if (segments) {

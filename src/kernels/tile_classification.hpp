@@ -48,27 +48,59 @@ inline std::vector<BlockMeta> block_meta(std::span<const std::int32_t> positions
 }
 
 // `kv_block` is the kernel's Bk: a kv block shorter than that (the sequence tail) has padded keys, which only
-// the masked path hides, so it is never full.
-inline TileKind classify_tile(const BlockMeta& q, const BlockMeta& kv, bool causal, bool segments,
-                              std::int64_t kv_block) {
+// the masked path hides, so it is never full. `band`: the positions a query sees (AttentionMask::band).
+inline TileKind classify_tile(const BlockMeta& q, const BlockMeta& kv, const PositionBand& band,
+                              bool segments, std::int64_t kv_block) {
   if (segments && (q.seg_max < kv.seg_min || kv.seg_max < q.seg_min)) return TileKind::empty;
-  if (causal && kv.pos_min > q.pos_max) return TileKind::empty;
-  const bool causal_full = !causal || kv.pos_max <= q.pos_min;
+  if (!band.sees_any(q.pos_min, q.pos_max, kv.pos_min, kv.pos_max)) return TileKind::empty;
+  const bool band_full = band.sees_all(q.pos_min, q.pos_max, kv.pos_min, kv.pos_max);
   const bool segment_full =
       !segments || (q.seg_min == q.seg_max && kv.seg_min == kv.seg_max && q.seg_min == kv.seg_min);
-  return causal_full && segment_full && kv.length == kv_block ? TileKind::full : TileKind::partial;
+  return band_full && segment_full && kv.length == kv_block ? TileKind::full : TileKind::partial;
+}
+
+// With a left bound (a sliding window) each q block sees a run of kv blocks near its positions: the kv blocks
+// in order of pos_min, each q block checking those whose pos_min is within its band widened by the widest kv
+// block. O(nk log nk + nq log nk + the pairs checked), the pairs near the band.
+inline std::int64_t count_nonempty_tiles_windowed(const std::vector<BlockMeta>& q,
+                                                  const std::vector<BlockMeta>& kv, const PositionBand& band,
+                                                  bool segments) {
+  std::vector<std::size_t> order(kv.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](std::size_t x, std::size_t y) { return kv[x].pos_min < kv[y].pos_min; });
+  std::vector<std::int64_t> starts(order.size());
+  std::int64_t widest = 0;
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    starts[i] = kv[order[i]].pos_min;
+    widest = std::max<std::int64_t>(widest, std::int64_t{kv[order[i]].pos_max} - kv[order[i]].pos_min);
+  }
+  std::int64_t total = 0;
+  for (const BlockMeta& b : q) {
+    // pos_max >= b.pos_min - left needs pos_min >= b.pos_min - left - widest; pos_min <= b.pos_max + right.
+    auto it = std::lower_bound(starts.begin(), starts.end(), b.pos_min - band.left - widest);
+    for (; it != starts.end() && *it <= b.pos_max + band.right; ++it) {
+      const BlockMeta& k = kv[order[static_cast<std::size_t>(it - starts.begin())]];
+      if (segments && (b.seg_max < k.seg_min || k.seg_max < b.seg_min)) continue;
+      total += band.sees_any(b.pos_min, b.pos_max, k.pos_min, k.pos_max);
+    }
+  }
+  return total;
 }
 
 // How many (q block, kv block) pairs classify_tile calls non-empty, without visiting the pairs: O((nq + nk)
 // log nk) rather than nq * nk, so that the planner's count stays quick at any grid. A pair is empty where its
-// segment ranges are disjoint (kv.seg_max < q.seg_min or kv.seg_min > q.seg_max) or, causal, where
-// kv.pos_min > q.pos_max. Since seg_min <= seg_max, "kv.seg_max < q.seg_min" already implies "kv.seg_min <=
-// q.seg_max", so the kv blocks a q block sees are #(pos_min <= P, seg_min <= b) - #(pos_min <= P, seg_max <
-// a): two prefix counts over the kv blocks admitted so far, in order of pos_min, as the q blocks are taken in
-// order of P = pos_max.
+// segment ranges are disjoint (kv.seg_max < q.seg_min or kv.seg_min > q.seg_max) or where the band hides it:
+// with a right bound (causal: 0), kv.pos_min > q.pos_max + right; a left bound is counted by
+// count_nonempty_tiles_windowed. Since seg_min <= seg_max, "kv.seg_max < q.seg_min" already implies
+// "kv.seg_min <= q.seg_max", so the kv blocks a q block sees are #(pos_min <= P, seg_min <= b) - #(pos_min <=
+// P, seg_max < a): two prefix counts over the kv blocks admitted so far, in order of pos_min, as the q blocks
+// are taken in order of P = pos_max + right.
 inline std::int64_t count_nonempty_tiles(const std::vector<BlockMeta>& q, const std::vector<BlockMeta>& kv,
-                                         bool causal, bool segments) {
+                                         const PositionBand& band, bool segments) {
+  if (band.windowed()) return count_nonempty_tiles_windowed(q, kv, band, segments);
   const auto nk = static_cast<std::int64_t>(kv.size());
+  const bool causal = band.bounded();  // a right bound only
   if (!causal && !segments) return static_cast<std::int64_t>(q.size()) * nk;
   // Segment ids in rank order (both bounds of every kv block), for two Fenwick trees over them.
   std::vector<std::int32_t> ids;
@@ -105,7 +137,7 @@ inline std::int64_t count_nonempty_tiles(const std::vector<BlockMeta>& q, const 
   for (const std::size_t qi : q_order) {
     const BlockMeta& b = q[qi];
     while (admitted < nk &&
-           (!causal || kv[kv_order[static_cast<std::size_t>(admitted)]].pos_min <= b.pos_max)) {
+           (!causal || kv[kv_order[static_cast<std::size_t>(admitted)]].pos_min <= b.pos_max + band.right)) {
       const BlockMeta& k = kv[kv_order[static_cast<std::size_t>(admitted)]];
       if (segments) {
         add(by_min, rank_of(k.seg_min));

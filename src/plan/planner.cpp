@@ -62,8 +62,9 @@ std::vector<kernels::BlockMeta> blocks_of(const std::vector<std::int32_t>& posit
 // without visiting every pair (kernels::count_nonempty_tiles), so any accepted grid plans in little time.
 std::int64_t count_tiles(const std::vector<std::int32_t>& q_positions,
                          const std::vector<std::int32_t>& q_segments,
-                         const std::vector<kernels::BlockMeta>& kb, bool causal, std::int64_t block) {
-  return kernels::count_nonempty_tiles(blocks_of(q_positions, q_segments, block), kb, causal,
+                         const std::vector<kernels::BlockMeta>& kb, const PositionBand& band,
+                         std::int64_t block) {
+  return kernels::count_nonempty_tiles(blocks_of(q_positions, q_segments, block), kb, band,
                                        !q_segments.empty());
 }
 
@@ -296,28 +297,28 @@ CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
     if (c.heads_split() && !c.ring_like()) {  // the whole row in one kernel call per head
       if (!ulysses_per_head) {
         ulysses_per_head =
-            kernels::count_nonempty_tiles(natural_blocks, natural_blocks, c.a.causal, !segments.empty());
+            kernels::count_nonempty_tiles(natural_blocks, natural_blocks, c.a.band(), !segments.empty());
       }
       per_head = *ulysses_per_head;
-      calls.push_back({{{per_head, c.S, c.S, c.a.causal}}});
+      calls.push_back({{{per_head, c.S, c.S, c.a.band().bounded()}}});
     } else if (c.ring_like()) {
       // The kernel's calls of a step (ring_strategy.cpp): the ring rank's rows whole, or chunk by chunk with
-      // load balance, each on a grid of its own; calls the causal mask hides whole are skipped.
+      // load balance, each on a grid of its own; calls the mask's band hides whole are skipped.
       const std::int64_t ring_rank = c.p.ring_rank(r);
       auto& steps = ring_steps[static_cast<std::size_t>(ring_rank)];
       if (!steps) {
         steps.emplace();
+        const PositionBand band = c.a.band();
         const auto& mine = ring_pieces[static_cast<std::size_t>(ring_rank)];
         for (std::int64_t step = 0; step < c.R; ++step) {
           const auto& theirs = ring_pieces[static_cast<std::size_t>((ring_rank - step + c.R) % c.R)];
           std::vector<KernelCall> step_calls;
           for (const Piece& qp : mine) {
             for (const Piece& kp : theirs) {
-              if (c.a.causal && qp.pos_max < kp.pos_min) continue;
-              const std::int64_t tiles =
-                  kernels::count_nonempty_tiles(qp.blocks, kp.blocks, c.a.causal, c.packed);
+              if (!band.sees_any(qp.pos_min, qp.pos_max, kp.pos_min, kp.pos_max)) continue;
+              const std::int64_t tiles = kernels::count_nonempty_tiles(qp.blocks, kp.blocks, band, c.packed);
               if (tiles == 0) continue;
-              const bool diagonal = c.a.causal && kp.pos_max > qp.pos_min;
+              const bool diagonal = !band.sees_all(qp.pos_min, qp.pos_max, kp.pos_min, kp.pos_max);
               step_calls.push_back(
                   {tiles, c.S / c.R / c.p.ring_parts(), c.S / c.R / c.p.ring_parts(), diagonal});
             }
@@ -336,8 +337,8 @@ CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
       calls.push_back(*steps);
     } else {
       const auto [q_pos, q_seg] = tokens(layout, c.cp, r);
-      per_head = count_tiles(q_pos, q_seg, natural_blocks, c.a.causal, c.req.block);
-      calls.push_back({{{per_head, c.sl, c.S, c.a.causal}}});
+      per_head = count_tiles(q_pos, q_seg, natural_blocks, c.a.band(), c.req.block);
+      calls.push_back({{{per_head, c.sl, c.S, c.a.band().bounded()}}});
     }
     s.tiles_per_rank_per_q_head.push_back(per_head);
     s.tiles_per_rank.push_back(per_head * c.local_q_heads(r) * c.B);
@@ -472,9 +473,9 @@ std::pair<double, double> cell_tiles(const KernelRate& k, std::int64_t block) {
   for (std::int64_t i = 0; i < k.kv; ++i) kv_pos[i] = static_cast<std::int32_t>(i);
   for (std::int64_t i = 0; i < k.q; ++i)
     q_pos[i] = static_cast<std::int32_t>(std::max<std::int64_t>(k.kv - k.q, 0) + i);
-  const auto tiles =
-      kernels::count_nonempty_tiles(kernels::block_meta(q_pos, {}, 0, k.q, block),
-                                    kernels::block_meta(kv_pos, {}, 0, k.kv, block), k.causal, false);
+  const auto tiles = kernels::count_nonempty_tiles(kernels::block_meta(q_pos, {}, 0, k.q, block),
+                                                   kernels::block_meta(kv_pos, {}, 0, k.kv, block),
+                                                   causal_band(k.causal), false);
   return {static_cast<double>(tiles), k.causal ? static_cast<double>((k.q + block - 1) / block) : 0.0};
 }
 

@@ -85,6 +85,7 @@ case_of --threads "1 on rank 0; 2 on rank 1" "" "--threads 2"
 case_of --comm-timeout "30 on rank 0; 20 on rank 1" "" "--comm-timeout 20"
 case_of --remat "false on rank 0; true on rank 1" "" "--remat"
 case_of --forward-only "false on rank 0; true on rank 1" "" "--forward-only"
+case_of window_left "unset (unbounded) on rank 0; 8 on rank 1" "" "--window 8"
 
 # The same flags on both ranks: agreed, computed, checked.
 printf '%s\n' "$cpattn" "${base[@]}" >"$work/rank1.args"

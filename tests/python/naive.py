@@ -3,8 +3,9 @@
 import torch
 
 
-def attention(q, k, v, causal=True, segment_ids=None, scale=None):
-    """q [B, S, Hq, D], k and v [B, S, Hkv, D] (any float dtype, computed in it); GQA by repeating K/V."""
+def attention(q, k, v, causal=True, segment_ids=None, scale=None, window=None):
+    """q [B, S, Hq, D], k and v [B, S, Hkv, D] (any float dtype, computed in it); GQA by repeating K/V.
+    window: LEFT or (LEFT, RIGHT), flash-attention's window_size: query i sees keys i-LEFT..i+RIGHT."""
     group = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(group, 2)
     v = v.repeat_interleave(group, 2)
@@ -14,6 +15,14 @@ def attention(q, k, v, causal=True, segment_ids=None, scale=None):
     visible = torch.ones(n, n, dtype=torch.bool)
     if causal:
         visible = torch.tril(visible)
+    if window is not None:
+        left, right = (window, 0) if isinstance(window, int) else window
+        i = torch.arange(n)[:, None]
+        j = torch.arange(n)[None, :]
+        if left is not None:
+            visible = visible & (j >= i - left)
+        if right is not None:
+            visible = visible & (j <= i + right)
     visible = visible[None, None]
     if segment_ids is not None:
         visible = visible & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])

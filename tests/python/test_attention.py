@@ -75,6 +75,49 @@ def test_bfloat16_keeps_its_dtype_within_3e_2(case):
         assert naive.relative_error(got, ref) < 3e-2, name
 
 
+WINDOWS = [
+    # (causal, window, packed)
+    (True, 0, False),
+    (True, 7, True),
+    (True, 64, False),
+    (False, (20, 5), True),
+    (False, (3, None), False),
+]
+
+
+@pytest.mark.parametrize("causal,window,packed", WINDOWS)
+def test_sliding_windows_match_float64_with_autograd(causal, window, packed):
+    q, k, v, do, seg = make(2, 150, 8, 2, 32, packed)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    o = ct.attention(qg, kg, vg, causal=causal, segment_ids=seg, window=window)
+    o.backward(do)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = naive.attention(q64, k64, v64, causal, seg, window=window)
+    ref.backward(do.double())
+    for name, got, want in zip(("o", "dq", "dk", "dv"), (o, qg.grad, kg.grad, vg.grad),
+                               (ref, q64.grad, k64.grad, v64.grad)):
+        if want.abs().max() > 0:
+            assert naive.relative_error(got, want) < 1e-5, name
+        else:  # window 0: each query sees itself only, P = 1, dq exactly 0 in exact arithmetic
+            assert got.abs().max() < 1e-5, name
+    # the numpy level takes the same window; one off is far off (the comparison can fail)
+    o_np, _ = cpattn.attention(q.numpy(), k.numpy(), v.numpy(), causal=causal,
+                               segment_ids=None if seg is None else seg.numpy(), window=window)
+    assert naive.relative_error(torch.from_numpy(o_np), ref.detach()) < 1e-5
+    left = window if isinstance(window, int) else window[0]
+    wider = left + 1 if isinstance(window, int) else (left + 1, window[1])
+    assert naive.relative_error(o, naive.attention(q.double(), k.double(), v.double(), causal, seg, window=wider)) > 1e-3
+
+
+@pytest.mark.parametrize("window,field", [(-1, "window"), ((4, -2), "window_right"), ((1, 2, 3), "window"),
+                                          ("8", "window"), (True, "window"), ((5, 5), "window_right")])
+def test_bad_windows_name_their_field(window, field):
+    q, k, v, _, _ = make(1, 16, 2, 1, 8, False)
+    with pytest.raises(cpattn.ConfigError) as e:
+        cpattn.attention(q.numpy(), k.numpy(), v.numpy(), causal=True, window=window)
+    assert field in str(e.value)
+
+
 def test_negative_control_a_wrong_mask_is_caught():
     # The comparison can fail: causal output against a non-causal reference is far off.
     q, k, v, do, _ = make(1, 128, 4, 2, 32, False)
@@ -126,9 +169,10 @@ def test_backward_gives_none_for_every_non_tensor_argument():
     q, k, v, do, seg = make(1, 64, 4, 2, 16, True)
     o = ct.attention(q.clone().requires_grad_(), k, v, segment_ids=seg)
     # The Function's own backward, as autograd calls it: one entry per argument of forward (q, k, v,
-    # segment_ids, causal, scale, threads), None for each that is not a differentiable tensor (yunchang #149).
+    # segment_ids, causal, scale, threads, window), None for each that is not a differentiable tensor
+    # (yunchang #149).
     out = o.grad_fn.apply(do)
-    assert len(out) == 7
+    assert len(out) == 8
     assert all(isinstance(g, torch.Tensor) for g in out[:3])
     assert all(g is None for g in out[3:])
 

@@ -433,7 +433,7 @@ int bench_strategy(const CLI::App& app, const StrategyOptions& opt) {
   }
   std::cout << "bench strategy: B=" << a.batch << " S=" << a.seq_len << " Hq=" << a.num_q_heads
             << " Hkv=" << a.num_kv_heads << " D=" << a.head_dim << (a.causal ? " causal " : " ")
-            << to_string(a.dtype) << ", " << std::thread::hardware_concurrency()
+            << to_string(a.dtype) << window_text(a) << ", " << std::thread::hardware_concurrency()
             << " cores; each rank max(1, cores/cp) threads\n";
   for (const auto& r : out["results"]) {
     std::cout << std::left << std::setw(31) << r["name"].get<std::string>() << " cp " << std::setw(4)

@@ -157,8 +157,8 @@ void print_kernel_report(const nlohmann::ordered_json& out, const AttentionSpec&
     fp32 = Fp32{num("fp32_forward_seconds"), num("fp32_backward_seconds")};
   std::cout << std::setprecision(4) << "bench kernel: B=" << a.batch << " S=" << a.seq_len
             << " Hq=" << a.num_q_heads << " Hkv=" << a.num_kv_heads << " D=" << a.head_dim
-            << (a.causal ? " causal " : " non-causal ") << to_string(a.dtype) << ", " << opt.threads
-            << " thread(s)\n"
+            << (a.causal ? " causal " : " non-causal ") << to_string(a.dtype) << window_text(a) << ", "
+            << opt.threads << " thread(s)\n"
             << "fp32 FMA peak   " << fma_peak << " GFLOP/s (before " << peak_before << ", after "
             << peak_after << ")\ntile ceiling    " << tile_peak
             << " GFLOP/s (the forward's 8 x 3 register tile on L1 data; before " << tile_before << ", after "
@@ -223,7 +223,7 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
   const Tensor &q = problem.q, &k = problem.k, &v = problem.v, &d_out = problem.d_out;
   const Shape4 q_shape = q.shape(), kv_shape = k.shape();
   const std::vector<std::int32_t> positions = natural_positions(a.batch, a.seq_len);
-  const AttentionMask mask{positions, positions, {}, {}, a.causal};
+  const AttentionMask mask = a.mask(positions, positions, {}, {});
   const double scale = 1.0 / std::sqrt(static_cast<double>(a.head_dim));
   if (!opt.simd_target.empty()) flash_force_vector_target(opt.simd_target);
 
@@ -252,7 +252,7 @@ int bench_kernel(const CLI::App& app, const KernelOptions& opt) {
   const double bf16_peak = measure_bf16_dot_peak_gflops(peak_threads);
 
   const double forward_flops =
-      attention_forward_flops(a.batch, a.seq_len, a.num_q_heads, a.head_dim, a.causal);
+      attention_forward_flops(a.batch, a.seq_len, a.num_q_heads, a.head_dim, a.band());
   const double backward_flops = kBackwardFlopsPerForward * forward_flops;
   const double forward_gflops = forward_flops / forward_s * 1e-9;
   const double backward_gflops = backward_flops / backward_s * 1e-9;

@@ -35,6 +35,18 @@ void ProblemFlags::add_to(CLI::App& app, bool parallel) {
     app.add_flag("--load-balance", load_balance,
                  strategy_names(&StrategyTraits::load_balance) + " with dual-chunk-swap load balance");
   }
+  // --window LEFT or LEFT,RIGHT: read as decimal int64 here, the sides' rules are validation's.
+  app.add_option_function<std::string>(
+         "--window",
+         [this](const std::string& text) {
+           const WindowText w = parse_window(text, "--window");
+           values.window_left = w.left;
+           values.window_right = w.right;
+         },
+         "sliding window: a query at p sees keys p-LEFT..p (causal) or p-LEFT..p+RIGHT (--no-causal), "
+         "within its document; 0.." +
+             std::to_string(kMaxWindowSide) + " each")
+      ->type_name("LEFT[,RIGHT]");
   CLI::Option* yes = app.add_flag("--causal", causal, "causal mask (the default)");
   CLI::Option* no = app.add_flag("--no-causal", no_causal, "no causal mask");
   yes->excludes(no);

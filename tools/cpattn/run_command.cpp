@@ -423,7 +423,7 @@ void print_text(const RunOptions& opt, const AttentionSpec& a, const ParallelSpe
             << out["problem"]["threads_per_rank"].get<int>() << " thread(s) per rank); B=" << a.batch
             << " S=" << a.seq_len << " Hq=" << a.num_q_heads << " Hkv=" << a.num_kv_heads
             << " D=" << a.head_dim << (a.causal ? " causal" : " non-causal") << " " << to_string(a.dtype)
-            << (opt.segments.empty() ? "" : " segments " + opt.segments) << "\n";
+            << (opt.segments.empty() ? "" : " segments " + opt.segments) << window_text(a) << "\n";
   if (p.traits().heads != HeadSplit::none) {
     const UlyssesHeads u = ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, p.head_group_size());
     std::cout << "placement: replication " << u.replication() << ";";
