@@ -289,6 +289,32 @@ std::optional<ArrayRef> read_tensor(const py::handle& obj, const std::string& na
 }
 
 // segment_ids [B, S] of int32 or int64 as int32 (values outside int32 refused).
+// sinks=: None, or a float32 array [Hq] (one logit per q head); copied.
+std::vector<float> read_sinks(const py::handle& obj, std::int64_t q_heads, Problems& problems) {
+  if (obj.is_none()) return {};
+  py::array a;
+  try {
+    a = py::array::ensure(obj);
+  } catch (const py::error_already_set&) {
+  }
+  if (!a) PyErr_Clear();
+  if (!a || !a.dtype().is(py::dtype::of<float>())) {
+    problems.add("sinks", a ? dtype_text(a) : py::str(py::type::of(obj)).cast<std::string>(),
+                 "sinks: expected a float32 array [" + std::to_string(q_heads) + "] (one logit per q head)");
+    return {};
+  }
+  if (a.ndim() != 1 || a.shape(0) != q_heads) {
+    problems.add("sinks", shape_text(a),
+                 "sinks: shape " + shape_text(a) + "; expected [" + std::to_string(q_heads) +
+                     "] (one logit per q head)");
+    return {};
+  }
+  auto v = a.cast<py::array_t<float, py::array::forcecast>>().unchecked<1>();
+  std::vector<float> out(static_cast<std::size_t>(q_heads));
+  for (std::int64_t h = 0; h < q_heads; ++h) out[static_cast<std::size_t>(h)] = v(h);
+  return out;
+}
+
 std::vector<std::int32_t> read_segments(const py::handle& obj, std::int64_t batch, std::int64_t seq,
                                         Problems& problems) {
   if (obj.is_none()) return {};
@@ -336,10 +362,11 @@ std::vector<std::int32_t> read_segments(const py::handle& obj, std::int64_t batc
 // collected in `problems`.
 AttentionSpec spec_of(const std::optional<ArrayRef>& q, const std::optional<ArrayRef>& k,
                       const std::optional<ArrayRef>& v, bool causal, std::optional<double> scale,
-                      const WindowSides& window, Problems& problems) {
+                      const WindowSides& window, std::optional<double> softcap, Problems& problems) {
   AttentionSpec a;
   a.causal = causal;
   a.softmax_scale = scale;
+  a.softcap = softcap;
   a.window_left = window.left;
   a.window_right = window.right;
   if (!q || !k || !v) return a;
@@ -408,15 +435,17 @@ std::vector<std::int32_t> natural_positions(std::int64_t batch, std::int64_t seq
 struct KernelOptions {
   bool causal = true;
   WindowSides window;
+  std::optional<double> softcap;
   std::optional<double> scale;
   FlashConfig config;
 };
 
-KernelOptions kernel_options(const py::object& causal, const py::object& window, const py::object& scale,
-                             const py::object& threads, Problems& problems) {
+KernelOptions kernel_options(const py::object& causal, const py::object& window, const py::object& softcap,
+                             const py::object& scale, const py::object& threads, Problems& problems) {
   KernelOptions out;
   out.causal = read_switch(causal, "causal", problems).value_or(true);
   out.window = read_window(window, problems);
+  out.softcap = read_number(softcap, "softcap", kMinSoftcap, kMaxSoftcap, problems);
   out.scale = read_number(scale, "scale", kMinScale, kMaxScale, problems);
   const auto t = read_count(threads, "threads", 1, kMaxThreads, problems);
   out.config.threads =
@@ -426,23 +455,26 @@ KernelOptions kernel_options(const py::object& causal, const py::object& window,
 
 py::tuple attention(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
                     const py::object& causal_obj, const py::object& segment_ids, const py::object& scale,
-                    const py::object& threads, const py::object& window_obj) {
+                    const py::object& threads, const py::object& window_obj, const py::object& softcap_obj,
+                    const py::object& sinks_obj) {
   Problems problems;
-  const auto [causal, window, scale_value, config] =
-      kernel_options(causal_obj, window_obj, scale, threads, problems);
+  const auto [causal, window, softcap, scale_value, config] =
+      kernel_options(causal_obj, window_obj, softcap_obj, scale, threads, problems);
   auto q = read_tensor(q_obj, "q", problems), k = read_tensor(k_obj, "k", problems),
        v = read_tensor(v_obj, "v", problems);
-  const AttentionSpec a = spec_of(q, k, v, causal, scale_value, window, problems);
+  const AttentionSpec a = spec_of(q, k, v, causal, scale_value, window, softcap, problems);
   if (problems.empty()) add_rule_errors(a, ParallelSpec{}, problems);
   problems.raise();
   const auto seg = read_segments(segment_ids, a.batch, a.seq_len, problems);
+  const auto sinks = read_sinks(sinks_obj, a.num_q_heads, problems);
   problems.raise();
   const auto pos = natural_positions(a.batch, a.seq_len);
   Tensor o(a.dtype, {a.batch, a.seq_len, a.num_q_heads, a.head_dim});
   std::vector<float> lse(static_cast<std::size_t>(a.batch * a.num_q_heads * a.seq_len));
   {
     const KernelCall call;  // the GIL released, Ctrl-C an interrupt
-    const AttentionMask mask = a.mask(pos, pos, seg, seg);
+    AttentionMask mask = a.mask(pos, pos, seg, seg);
+    mask.sinks = sinks;
     flash_forward(q->ref, k->ref, v->ref, mask, a.scale(), config, ref(o), lse.data());
   }
   return py::make_tuple(to_numpy(std::move(o)),
@@ -452,15 +484,15 @@ py::tuple attention(const py::object& q_obj, const py::object& k_obj, const py::
 py::tuple attention_backward(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
                              const py::object& o_obj, const py::object& lse_obj, const py::object& do_obj,
                              const py::object& causal_obj, const py::object& segment_ids,
-                             const py::object& scale, const py::object& threads,
-                             const py::object& window_obj) {
+                             const py::object& scale, const py::object& threads, const py::object& window_obj,
+                             const py::object& softcap_obj, const py::object& sinks_obj) {
   Problems problems;
-  const auto [causal, window, scale_value, config] =
-      kernel_options(causal_obj, window_obj, scale, threads, problems);
+  const auto [causal, window, softcap, scale_value, config] =
+      kernel_options(causal_obj, window_obj, softcap_obj, scale, threads, problems);
   auto q = read_tensor(q_obj, "q", problems), k = read_tensor(k_obj, "k", problems),
        v = read_tensor(v_obj, "v", problems), o = read_tensor(o_obj, "o", problems),
        d_out = read_tensor(do_obj, "do", problems);
-  const AttentionSpec a = spec_of(q, k, v, causal, scale_value, window, problems);
+  const AttentionSpec a = spec_of(q, k, v, causal, scale_value, window, softcap, problems);
   if (problems.empty()) add_rule_errors(a, ParallelSpec{}, problems);
   if (q) {
     for (const auto& [x, name] : {std::pair{&o, "o"}, std::pair{&d_out, "do"}}) {
@@ -492,16 +524,23 @@ py::tuple attention_backward(const py::object& q_obj, const py::object& k_obj, c
   }
   problems.raise();
   const auto seg = read_segments(segment_ids, a.batch, a.seq_len, problems);
+  const auto sinks = read_sinks(sinks_obj, a.num_q_heads, problems);
   problems.raise();
   const auto pos = natural_positions(a.batch, a.seq_len);
   Tensor dq(a.dtype, q->ref.shape), dk(a.dtype, k->ref.shape), dv(a.dtype, v->ref.shape);
+  std::vector<float> dsinks(sinks.size());
   {
     const KernelCall call;  // the GIL released, Ctrl-C an interrupt
-    const AttentionMask mask = a.mask(pos, pos, seg, seg);
+    AttentionMask mask = a.mask(pos, pos, seg, seg);
+    mask.sinks = sinks;
     flash_backward(q->ref, k->ref, v->ref, o->ref, static_cast<const float*>(lse.data()), d_out->ref, mask,
-                   a.scale(), config, ref(dq), ref(dk), ref(dv));
+                   a.scale(), config, ref(dq), ref(dk), ref(dv), nullptr,
+                   sinks.empty() ? nullptr : dsinks.data());
   }
-  return py::make_tuple(to_numpy(std::move(dq)), to_numpy(std::move(dk)), to_numpy(std::move(dv)));
+  if (sinks.empty())
+    return py::make_tuple(to_numpy(std::move(dq)), to_numpy(std::move(dk)), to_numpy(std::move(dv)));
+  return py::make_tuple(to_numpy(std::move(dq)), to_numpy(std::move(dk)), to_numpy(std::move(dv)),
+                        py::array_t<float>(static_cast<py::ssize_t>(dsinks.size()), dsinks.data()));
 }
 
 // The most positions local_positions returns (1 GiB of int64): a rank's share of any real row is far less,
@@ -690,6 +729,7 @@ class ContextParallel {
         read_count(get("ulysses_degree"), "ulysses_degree", 1, kMaxRanks, problems).value_or(0);
     causal_ = read_switch(get("causal"), "causal", problems).value_or(true);
     window_ = read_window(get("window"), problems);
+    softcap_ = read_number(get("softcap"), "softcap", kMinSoftcap, kMaxSoftcap, problems);
     scale_ = read_number(get("scale"), "scale", kMinScale, kMaxScale, problems);
     options_.remat = read_switch(get("remat"), "remat", problems).value_or(false);
     options_.threads =
@@ -715,6 +755,7 @@ class ContextParallel {
         .add("causal", causal_)
         .add("window_left", window_.left.value_or(-1))
         .add("window_right", window_.right.value_or(-1))
+        .add("softcap", softcap_.value_or(0.0))
         .add("load_balance", parallel_.load_balance)
         .add_text("layout", layout_text)
         .add("ulysses_degree", parallel_.ulysses_degree)
@@ -756,7 +797,7 @@ class ContextParallel {
       k = read_tensor(k_obj, "k", problems);
       v = read_tensor(v_obj, "v", problems);
     }
-    AttentionSpec a = spec_of(q, k, v, causal_, scale_, window_, problems);
+    AttentionSpec a = spec_of(q, k, v, causal_, scale_, window_, softcap_, problems);
     std::vector<std::int32_t> seg;
     if (problems.empty()) seg = read_segments(segment_ids, a.batch, a.seq_len, problems);
     const std::int64_t local_seq = a.seq_len;
@@ -910,6 +951,7 @@ class ContextParallel {
   ParallelSpec parallel_;
   bool causal_ = true;
   WindowSides window_;
+  std::optional<double> softcap_;
   std::optional<double> scale_;
   ContextParallelOptions options_;
   std::unique_ptr<Communicator> comm_;
@@ -958,11 +1000,12 @@ PYBIND11_MODULE(_cpattn, m) {
 
   m.def("attention", &attention, py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("causal") = py::bool_(true), py::arg("segment_ids") = py::none(),
-        py::arg("scale") = py::none(), py::arg("threads") = py::none(), py::arg("window") = py::none());
+        py::arg("scale") = py::none(), py::arg("threads") = py::none(), py::arg("window") = py::none(),
+        py::arg("softcap") = py::none(), py::arg("sinks") = py::none());
   m.def("attention_backward", &attention_backward, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
         py::arg("lse"), py::arg("do"), py::arg("causal") = py::bool_(true),
         py::arg("segment_ids") = py::none(), py::arg("scale") = py::none(), py::arg("threads") = py::none(),
-        py::arg("window") = py::none());
+        py::arg("window") = py::none(), py::arg("softcap") = py::none(), py::arg("sinks") = py::none());
   m.def("local_positions", &local_positions_of, py::arg("seq_len"), py::arg("cp"), py::arg("rank"),
         py::arg("layout") = py::str("contiguous"));
   m.def("_run_document", &run_document);

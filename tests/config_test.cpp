@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -169,6 +170,10 @@ std::vector<BadCase> bad_cases() {
       {"window_right"}, {"window_right (2147483648)"});
   add("window_right_with_causal", [](AttentionSpec& a, ParallelSpec&) { a.window_right = 4; },
       {"window_right"}, {"for non-causal attention"});
+  add("zero_softcap", [](AttentionSpec& a, ParallelSpec&) { a.softcap = 0.0; }, {"softcap"},
+      {"softcap (0) is not a soft-cap"});
+  add("nan_softcap", [](AttentionSpec& a, ParallelSpec&) { a.softcap = std::nan(""); }, {"softcap"},
+      {"softcap (nan)"});
   add("head_dim_too_large", [](AttentionSpec& a, ParallelSpec&) { a.head_dim = 513; }, {"head_dim"},
       {"1..512"});
   add("too_many_heads",
@@ -393,6 +398,22 @@ TEST(ConfigFile, SlidingWindowSizeIsTheKeysAQuerySees) {
   EXPECT_FALSE(specs.attention.window_right.has_value());
   EXPECT_EQ(specs.attention.band().left, 4095);
   EXPECT_EQ(specs.attention.band().right, 0);
+}
+
+// attn_logits_soft_cap C: the soft-cap (0: none, the seed framework's default); a negative or non-numeric one
+// is refused naming the key.
+TEST(ConfigFile, AttnLogitsSoftCapIsTheSoftCap) {
+  EXPECT_EQ(parse_config_yaml("attn_logits_soft_cap: 50.0\n", "c.yml").softcap.value(), 50.0);
+  EXPECT_FALSE(parse_config_yaml("attn_logits_soft_cap: 0\n", "c.yml").softcap.has_value());
+  for (const char* text :
+       {"attn_logits_soft_cap: -3\n", "attn_logits_soft_cap: fifty\n", "attn_logits_soft_cap: [1]\n"}) {
+    try {
+      parse_config_yaml(text, "c.yml");
+      ADD_FAILURE() << text;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.items().at(0).fields.at(0), "attn_logits_soft_cap") << e.what();
+    }
+  }
 }
 
 // Attention's own key decides where it is given (the seed: GDN contiguous, attention balanced); the general

@@ -26,7 +26,8 @@ struct CpCase {
   std::int64_t ulysses_degree = 0;  // hybrid: U
   bool causal = true;
   std::optional<std::int64_t> window_left, window_right;  // sliding window sides; unset: unbounded
-  std::vector<std::int64_t> segments;                     // document lengths; empty: one document
+  std::optional<double> softcap;
+  std::vector<std::int64_t> segments;  // document lengths; empty: one document
   DType dtype = DType::f32;
   NegativeControl control = NegativeControl::none;
   FlashConfig kernel;  // block sizes and the bf16 path, for the ranks and the single-device kernel alike
@@ -42,6 +43,7 @@ struct CpCase {
       s += "_window" + (window_left ? std::to_string(*window_left) : std::string("inf")) + "," +
            (window_right ? std::to_string(*window_right) : std::string("inf"));
     }
+    if (softcap) s += "_softcap" + std::to_string(*softcap);
     if (dtype == DType::bf16) s += std::string("_") + to_string(flash_bf16_path(kernel));
     return s;
   }
@@ -55,6 +57,7 @@ struct CpCase {
     a.causal = causal;
     a.window_left = window_left;
     a.window_right = window_right;
+    a.softcap = softcap;
     a.dtype = dtype;
     return a;
   }

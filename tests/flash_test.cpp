@@ -295,6 +295,147 @@ TEST(FlashKernel, SlidingWindowsMatchTheReferenceOnEveryPath) {
   }
 }
 
+// Logit soft-capping (Gemma 2) against the float64 reference: caps 2, 30 and 50 on logits of spread 2 (scale
+// 0.25 at D = 64: larger logits cost fp32 its 2e-6 on O without any cap, 2.1e-6 at scale 1), causal and not,
+// packed, with and without a window; fp32 on every SIMD target,
+// bf16 on every product path. Negative controls: the cap left out of the backward, or out of the forward,
+// is caught by the same comparison. A cap far past every logit is no cap, within rounding.
+TEST(FlashKernel, SoftCapMatchesTheReferenceOnEveryPath) {
+  auto run = [](DType dtype, bool causal, double cap, std::int64_t window, FlashConfig cfg, int threads,
+                bool cap_in_backward) {
+    Case c{1, 200, 4, 2, 64, causal, {70, 130}, dtype};
+    SCOPED_TRACE(c.name() + " softcap " + std::to_string(cap) + " window " + std::to_string(window));
+    const Inputs in = make_inputs(c, 37);
+    AttentionMask mask = in.mask(causal);
+    mask.softcap = cap;
+    if (window >= 0) mask.window_left = window;
+    cfg.threads = threads;
+    const auto fwd = flash_attention_forward(in.q, in.k, in.v, mask, 0.25, cfg);
+    AttentionMask bwd_mask = mask;
+    if (!cap_in_backward) bwd_mask.softcap = 0;
+    const auto bwd =
+        flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, bwd_mask, 0.25, cfg, DType::f32);
+    const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, mask, 0.25);
+    std::array<double, 5> errors{};
+    for (const auto& [i, got, want] :
+         {std::tuple{0, fwd.o.to_floats(), ref.o}, std::tuple{1, std::vector<float>(fwd.lse), ref.lse},
+          std::tuple{2, bwd.dq.to_floats(), ref.dq}, std::tuple{3, bwd.dk.to_floats(), ref.dk},
+          std::tuple{4, bwd.dv.to_floats(), ref.dv}}) {
+      errors[static_cast<std::size_t>(i)] = testing::compare(got, want, 1.0).max_rel;
+    }
+    return errors;
+  };
+  for (const double cap : {2.0, 30.0, 50.0}) {
+    for (const bool causal : {true, false}) {
+      for (const std::int64_t window : {std::int64_t{-1}, std::int64_t{40}}) {
+        SCOPED_TRACE("softcap " + std::to_string(cap) + (causal ? " causal" : " full") + " window " +
+                     std::to_string(window));
+        auto expect = [&](const std::array<double, 5>& e, double tol_o, double tol_grad) {
+          EXPECT_LE(e[0], tol_o) << "o";
+          EXPECT_LE(e[1], tol_o) << "lse";
+          EXPECT_LE(e[2], tol_grad) << "dq";
+          EXPECT_LE(e[3], tol_grad) << "dk";
+          EXPECT_LE(e[4], tol_grad) << "dv";
+        };
+        for (const std::string& t : flash_vector_targets()) {
+          SCOPED_TRACE(t);
+          flash_force_vector_target(t);
+          expect(run(DType::f32, causal, cap, window, {}, 1, true), 2e-6, 1e-5);
+        }
+        flash_force_vector_target("");
+        expect(run(DType::f32, causal, cap, window, {}, 2, true), 2e-6, 1e-5);
+        for (const auto& [path, cfg] : testing::bf16_paths()) {
+          SCOPED_TRACE(to_string(path));
+          expect(run(DType::bf16, causal, cap, window, cfg, 1, true), 1e-2, 2e-2);
+        }
+      }
+    }
+  }
+  // The cap left out of the backward: dQ and dK off by far more than their bound (dV does not read dS), at
+  // the tight cap and at Gemma's 30.
+  for (const double cap : {2.0, 30.0}) {
+    const auto wrong = run(DType::f32, true, cap, -1, {}, 1, false);
+    EXPECT_GT(wrong[2], 1e-4) << cap;
+    EXPECT_GT(wrong[3], 1e-4) << cap;
+  }
+  // A cap of 1e30 is no cap: within fp32 rounding of the uncapped kernel.
+  Case c{1, 200, 4, 2, 64, true, {70, 130}};
+  const Inputs in = make_inputs(c, 37);
+  AttentionMask capped = in.mask(true);
+  capped.softcap = 1e30;
+  const auto plain = flash_attention_forward(in.q, in.k, in.v, in.mask(true), 0.125, {});
+  const auto far = flash_attention_forward(in.q, in.k, in.v, capped, 0.125, {});
+  CPATTN_EXPECT_CLOSE(far.o.to_floats(), plain.o.to_floats(), 1e-6, "o, cap 1e30");
+  // ... and the forward's cap is visible: a cap of 2 moves O far from the uncapped one.
+  AttentionMask tight = in.mask(true);
+  tight.softcap = 2.0;
+  const auto capped_o = flash_attention_forward(in.q, in.k, in.v, tight, 1.0, {});
+  const auto uncapped_o = flash_attention_forward(in.q, in.k, in.v, in.mask(true), 1.0, {});
+  EXPECT_GT(testing::compare(capped_o.o.to_floats(), uncapped_o.o.to_floats(), 1.0).max_rel, 1e-1);
+}
+
+// Attention sinks (gpt-oss) against the float64 reference: a sink per q head (one far above the logits, one
+// far below, the rest near them), causal and not, packed, alone and with a window and a soft-cap; O, LSE, dQ,
+// dK, dV and dsinks; fp32 on every SIMD target, bf16 on every product path. A row that sees no key gives O =
+// 0 and its LSE is the sink. Negative control: the same outputs against the reference without sinks are far
+// off.
+TEST(FlashKernel, SinksMatchTheReferenceOnEveryPath) {
+  const std::vector<float> sinks = {0.5f, 9.0f, -7.0f, 1.5f};
+  auto check = [&](DType dtype, bool causal, std::int64_t window, double cap, FlashConfig cfg, int threads) {
+    Case c{1, 150, 4, 2, 64, causal, {50, 100}, dtype};
+    SCOPED_TRACE(c.name() + " window " + std::to_string(window) + " softcap " + std::to_string(cap) +
+                 " threads " + std::to_string(threads));
+    const Inputs in = make_inputs(c, 41);
+    AttentionMask mask = in.mask(causal);
+    mask.sinks = sinks;
+    mask.softcap = cap;
+    if (window >= 0) mask.window_left = window;
+    cfg.threads = threads;
+    const double scale = 0.125, tol_o = dtype == DType::bf16 ? 1e-2 : 2e-6,
+                 tol_grad = dtype == DType::bf16 ? 2e-2 : 1e-5;
+    const auto fwd = flash_attention_forward(in.q, in.k, in.v, mask, scale, cfg);
+    const auto bwd =
+        flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, mask, scale, cfg, DType::f32);
+    const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, mask, scale);
+    CPATTN_EXPECT_CLOSE(fwd.o.to_floats(), ref.o, tol_o, "o");
+    CPATTN_EXPECT_CLOSE(fwd.lse, ref.lse, tol_o, "lse");
+    CPATTN_EXPECT_CLOSE(bwd.dq.to_floats(), ref.dq, tol_grad, "dq");
+    CPATTN_EXPECT_CLOSE(bwd.dk.to_floats(), ref.dk, tol_grad, "dk");
+    CPATTN_EXPECT_CLOSE(bwd.dv.to_floats(), ref.dv, tol_grad, "dv");
+    CPATTN_EXPECT_CLOSE(bwd.dsinks, ref.dsinks, tol_grad, "dsinks");
+    AttentionMask plain = mask;
+    plain.sinks = {};
+    const auto without = reference_attention(in.q, in.k, in.v, &in.d_out, plain, scale);
+    EXPECT_GT(testing::compare(fwd.o.to_floats(), without.o, 1.0).max_rel, 1e-1);
+  };
+  for (const bool causal : {true, false}) {
+    for (const auto& [window, cap] : {std::pair{std::int64_t{-1}, 0.0}, std::pair{std::int64_t{30}, 5.0}}) {
+      for (const std::string& t : flash_vector_targets()) {
+        SCOPED_TRACE(t);
+        flash_force_vector_target(t);
+        check(DType::f32, causal, window, cap, {}, 1);
+      }
+      flash_force_vector_target("");
+      check(DType::f32, causal, window, cap, {}, 2);
+      for (const auto& [path, cfg] : testing::bf16_paths()) {
+        SCOPED_TRACE(to_string(path));
+        check(DType::bf16, causal, window, cap, cfg, 1);
+      }
+    }
+  }
+  // Rows that see no key (a query whose only document's keys are all in another batch row's... here: every
+  // key of another segment): O = 0, LSE = the head's sink.
+  Case c{1, 8, 4, 2, 16, true, {}};
+  const Inputs in = make_inputs(c, 3);
+  const std::vector<std::int32_t> q_seg(8, 1), kv_seg(8, 2);
+  AttentionMask mask{in.pos, in.pos, q_seg, kv_seg, true};
+  mask.sinks = sinks;
+  const auto fwd = flash_attention_forward(in.q, in.k, in.v, mask, 0.25, {});
+  for (const float x : fwd.o.to_floats()) EXPECT_EQ(x, 0.0f);
+  for (std::int64_t h = 0; h < 4; ++h)
+    for (std::int64_t i = 0; i < 8; ++i) EXPECT_EQ(fwd.lse[static_cast<std::size_t>(h * 8 + i)], sinks[h]);
+}
+
 // A window that reaches past the row (left >= S, or the widest side) is no window: the same bits, fp32 and
 // bf16, forward and backward; and the tiles a window leaves are those it reaches.
 TEST(FlashKernel, AWindowPastTheRowIsNoWindowBitForBit) {

@@ -46,6 +46,10 @@ inline constexpr double kMaxScale = 1e30;
 // The widest side of a sliding window (--window LEFT,RIGHT): positions are int32, so a side of 2^31 - 1 or
 // more sees the whole row.
 inline constexpr std::int64_t kMaxWindowSide = (std::int64_t{1} << 31) - 1;
+// The soft-caps the kernels take: finite and positive, from a cap that hides nearly every logit's difference
+// (tanh saturates) to one past any logit (no effect); Gemma 2 uses 50 (attention) and 30 (final logits).
+inline constexpr double kMinSoftcap = 1e-6;
+inline constexpr double kMaxSoftcap = 1e30;
 // The most kernel threads per rank (the program's --threads, Python's threads=): above any machine's cores,
 // low enough that a pool of them can be made.
 inline constexpr std::int64_t kMaxThreads = 1024;
@@ -63,6 +67,9 @@ struct AttentionSpec {
   // p + window_right, within its document; unset: no bound on that side. Causal attention takes window_left
   // only (its right side is 0): the YAML's sliding_window_size W is window_left = W - 1.
   std::optional<std::int64_t> window_left, window_right;
+  // Logit soft-capping (Gemma 2): logits x become softcap * tanh(x / softcap) before the softmax; unset:
+  // none. The YAML's attn_logits_soft_cap.
+  std::optional<double> softcap;
 
   double scale() const;
   bool windowed() const { return window_left.has_value() || window_right.has_value(); }

@@ -29,6 +29,7 @@ struct ConfigValues {
   // Sliding window: sliding_window_size W (W keys, the query's included) is window_left W - 1 (0: none, as
   // in the seed framework's defaults); --window LEFT[,RIGHT] sets them directly.
   std::optional<std::int64_t> window_left, window_right;
+  std::optional<double> softcap;  // attn_logits_soft_cap (0: none, as in the seed framework's defaults)
   // The model around attention (for the planner).
   std::optional<std::int64_t> emb_dim;          // base_emb_dim
   std::optional<std::int64_t> num_layers;       // base_num_decoder_layers

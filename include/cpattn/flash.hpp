@@ -133,10 +133,20 @@ void flash_release_scratch();
 // q head): each task walks the kv blocks in order; a dQ row sums over the kv blocks in that order, dK/dV of a
 // kv block over the q blocks in theirs and over a group's q heads in head order (fp64 partials, kept under
 // FlashConfig::backward_partial_bytes by walking the kv blocks in stripes): deterministic, no atomics.
+// o and lse are the forward's, the mask's sinks folded in (so P of every key already leaves the sink its
+// share); dsinks [Hq], where given (with the mask's sinks), gets each sink's gradient
+// -sum_rows e^(sink - LSE) D_i, summed over (batch row, row) in order in fp64.
 void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
                     const ConstTensorRef& o, const float* lse, const ConstTensorRef& d_out,
                     const AttentionMask& mask, double scale, const FlashConfig& config, const TensorRef& dq,
-                    const TensorRef& dk, const TensorRef& dv, TileCounts* tiles = nullptr);
+                    const TensorRef& dk, const TensorRef& dv, TileCounts* tiles = nullptr,
+                    float* dsinks = nullptr);
+
+// The sinks' gradient from rows' natural-log LSE ([B][Hq][S], the sinks folded in) and D_i = rowsum(dO * O)
+// ([B][Hq][S], the same layout): dsinks[h] = -sum over (b, i) in order of e^(sinks[h] - LSE) D_i, in fp64. A
+// rank holding a shard of the rows gets its part; the parts add up over the rows.
+void sink_gradients(std::span<const float> sinks, const float* lse, const float* delta, std::int64_t batch,
+                    std::int64_t q_heads, std::int64_t seq, float* dsinks);
 
 // The FLOPs of attention over S queries and S keys, counting 2 per multiply-add: Q K^T and P V make
 // 4 B S^2 Hq D, halved when causal. The backward's five products count kBackwardFlopsPerForward times that.
@@ -179,6 +189,7 @@ FlashForwardResult flash_attention_forward(const Tensor& q, const Tensor& k, con
 struct FlashBackwardResult {
   Tensor dq, dk, dv;
   TileCounts tiles;
+  std::vector<float> dsinks;  // [Hq] with the mask's sinks, else empty
 };
 FlashBackwardResult flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const Tensor& o, const std::vector<float>& lse,

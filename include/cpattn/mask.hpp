@@ -48,6 +48,12 @@ struct AttentionMask {
   // (LEFT + RIGHT + 1 positions); kUnboundedWindow: no bound on that side. Causal attention ignores
   // window_right (its right side is 0).
   std::int64_t window_left = kUnboundedWindow, window_right = kUnboundedWindow;
+  // Logit soft-capping (Gemma 2's attn_logit_softcapping), a score modifier besides the mask: a visible
+  // pair's logit x = scale * q.k becomes softcap * tanh(x / softcap) before the softmax; 0: none.
+  double softcap = 0;
+  // Attention sinks (gpt-oss): one logit per q head of the call ([Hq], natural units) in the softmax's
+  // denominator, with no value: P = e^y / (sum e^y + e^sink). Empty: none.
+  std::span<const float> sinks = {};
 
   bool has_segments() const { return !q_segments.empty(); }
   PositionBand band() const {

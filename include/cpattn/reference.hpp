@@ -10,11 +10,12 @@
 namespace cpattn {
 
 struct ReferenceResult {
-  std::vector<double> o;    // [B, Sq, Hq, D]
-  std::vector<double> lse;  // [B, Hq, Sq], natural log; -inf for a row that sees no key
-  std::vector<double> dq;   // [B, Sq, Hq, D]   (empty unless d_out was given)
-  std::vector<double> dk;   // [B, Skv, Hkv, D]
-  std::vector<double> dv;   // [B, Skv, Hkv, D]
+  std::vector<double> o;       // [B, Sq, Hq, D]
+  std::vector<double> lse;     // [B, Hq, Sq], natural log; -inf for a row that sees no key (and no sink)
+  std::vector<double> dq;      // [B, Sq, Hq, D]   (empty unless d_out was given)
+  std::vector<double> dk;      // [B, Skv, Hkv, D]
+  std::vector<double> dv;      // [B, Skv, Hkv, D]
+  std::vector<double> dsinks;  // [Hq] with the mask's sinks and d_out, else empty
 };
 
 // q: [B, Sq, Hq, D]; k, v: [B, Skv, Hkv, D]; d_out: [B, Sq, Hq, D] or nullptr for forward only.

@@ -85,15 +85,29 @@ def _check(*pairs):
     return [a for a, _ in pairs]
 
 
+def _sinks_to_numpy(sinks):
+    """A sinks tensor [Hq] (any float dtype) as the float32 array the kernels take; the extension checks its
+    shape."""
+    if not isinstance(sinks, _torch.Tensor):
+        raise _config_error([f"sinks: expected a torch.Tensor [Hq], got {type(sinks).__name__}"])
+    if not sinks.is_floating_point() or sinks.device.type != "cpu":
+        raise _config_error([f"sinks: expected a floating-point CPU tensor [Hq], got {sinks.dtype} on "
+                             f"{sinks.device}"])
+    return sinks.detach().float().contiguous().numpy()
+
+
 class _Attention(_torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segment_ids, causal, scale, threads, window):
+    def forward(ctx, q, k, v, segment_ids, causal, scale, threads, window, softcap, sinks):
         qa, ka, va, seg = _check(_to_numpy(q, "q"), _to_numpy(k, "k"), _to_numpy(v, "v"), _segments(segment_ids))
+        sa = None if sinks is None else _sinks_to_numpy(sinks)
         o, lse = _cpattn.attention(qa, ka, va, causal=causal, segment_ids=seg, scale=scale, threads=threads,
-                                   window=window)
+                                   window=window, softcap=softcap, sinks=sa)
         o = _to_torch(o)
         ctx.save_for_backward(q, k, v, o)
-        ctx.lse, ctx.seg, ctx.causal, ctx.scale, ctx.threads, ctx.window = lse, seg, causal, scale, threads, window
+        ctx.lse, ctx.seg, ctx.causal, ctx.scale, ctx.threads = lse, seg, causal, scale, threads
+        ctx.window, ctx.softcap, ctx.sinks = window, softcap, sa
+        ctx.sinks_dtype = None if sinks is None else sinks.dtype
         return o
 
     @staticmethod
@@ -103,21 +117,26 @@ class _Attention(_torch.autograd.Function):
         qa, ka, va, oa, da = _check(
             _to_numpy(q, "q"), _to_numpy(k, "k"), _to_numpy(v, "v"), _to_numpy(o, "o"), _to_numpy(do, "do")
         )
-        dq, dk, dv = _cpattn.attention_backward(
+        grads = _cpattn.attention_backward(
             qa, ka, va, oa, ctx.lse, da, causal=ctx.causal, segment_ids=ctx.seg, scale=ctx.scale,
-            threads=ctx.threads, window=ctx.window,
+            threads=ctx.threads, window=ctx.window, softcap=ctx.softcap, sinks=ctx.sinks,
         )
-        # one gradient per argument of forward: None for segment_ids, causal, scale, threads, window
-        return _to_torch(dq), _to_torch(dk), _to_torch(dv), None, None, None, None, None
+        dsinks = None if ctx.sinks is None else _torch.from_numpy(grads[3]).to(ctx.sinks_dtype)
+        # one gradient per argument of forward: None for segment_ids, causal, scale, threads, window, softcap
+        return _to_torch(grads[0]), _to_torch(grads[1]), _to_torch(grads[2]), None, None, None, None, None, None, dsinks
 
 
-def attention(q, k, v, causal=True, segment_ids=None, scale=None, threads=None, window=None):
+def attention(q, k, v, causal=True, segment_ids=None, scale=None, threads=None, window=None, softcap=None,
+              sinks=None):
     """Attention over cpattn's flash kernels with autograd. q [B, S, Hq, D]; k, v [B, S, Hkv, D] (Hq a
     multiple of Hkv: GQA and MQA without repeating K/V); float32 or bfloat16, o in the same dtype. scale:
     default 1/sqrt(D). threads: kernel threads (default: every hardware thread). window: a sliding window as
     flash-attention's window_size: LEFT (causal: query i sees keys i-LEFT..i) or (LEFT, RIGHT) (keys
-    i-LEFT..i+RIGHT; None for an unbounded side), always within a document of segment_ids."""
-    return _Attention.apply(q, k, v, segment_ids, causal, scale, threads, window)
+    i-LEFT..i+RIGHT; None for an unbounded side), always within a document of segment_ids. softcap: logit
+    soft-capping (Gemma 2): logits x become softcap * tanh(x / softcap) before the softmax. sinks: a tensor
+    [Hq] of attention-sink logits (gpt-oss: one more logit per head in the softmax's denominator, no value);
+    it receives .grad."""
+    return _Attention.apply(q, k, v, segment_ids, causal, scale, threads, window, softcap, sinks)
 
 
 class _ContextParallel(_torch.autograd.Function):
@@ -230,7 +249,7 @@ class ContextParallelAttention(_torch.nn.Module):
 
     strategy: "ulysses" (KV heads replicated in grouped order when there are fewer than ranks), "all_gather",
     "ring" or "hybrid" (ulysses inside groups of ulysses_degree ranks, a ring across them). window: a sliding
-    window as attention()'s (LEFT, or (LEFT, RIGHT) without the causal mask). load_balance:
+    window as attention()'s (LEFT, or (LEFT, RIGHT) without the causal mask); softcap: attention()'s. load_balance:
     the dual-chunk-swap layout (local_positions says which tokens a rank holds). Other options: layout
     ("contiguous" or "dual_chunk_swap"), scale (default 1/sqrt(D)), threads (kernel threads per process;
     default the machine's hardware threads over the communicator's size), remat, timeout (seconds any wait
@@ -243,9 +262,11 @@ class ContextParallelAttention(_torch.nn.Module):
     """
 
     def __init__(self, comm=None, strategy="ulysses", causal=True, load_balance=False, layout=None,
-                 ulysses_degree=None, scale=None, threads=None, remat=False, timeout=None, group=None, window=None):
+                 ulysses_degree=None, scale=None, threads=None, remat=False, timeout=None, group=None, window=None,
+                 softcap=None):
         super().__init__()
-        options = dict(strategy=strategy, causal=causal, window=window, load_balance=load_balance, layout=layout,
+        options = dict(strategy=strategy, causal=causal, window=window, softcap=softcap, load_balance=load_balance,
+                       layout=layout,
                        ulysses_degree=ulysses_degree, scale=scale, threads=threads, remat=remat, timeout=timeout)
         self.strategy = strategy
         if comm is None:
@@ -298,7 +319,7 @@ _SDPA_KEPT = 16
 
 def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
                           segment_ids=None, group=None, strategy="ulysses", load_balance=False, layout=None,
-                          ulysses_degree=None, threads=None, timeout=None, window=None):
+                          ulysses_degree=None, threads=None, timeout=None, window=None, softcap=None):
     """torch.nn.functional.scaled_dot_product_attention's arguments and layout, context-parallel over a
     torch.distributed process group (None: the default group): query [B, Hq, S/cp, D], key and value
     [B, Hkv, S/cp, D] (GQA: Hq a multiple of Hkv), each process its shard of the sequence in the layout of
@@ -323,7 +344,8 @@ def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_c
             reasons.append(f"{name}: expected a 4-dimensional torch.Tensor [B, H, S, D]")
     if reasons:
         raise _config_error(reasons)
-    options = dict(strategy=strategy, causal=is_causal, window=window, load_balance=load_balance, layout=layout,
+    options = dict(strategy=strategy, causal=is_causal, window=window, softcap=softcap, load_balance=load_balance,
+                   layout=layout,
                    ulysses_degree=ulysses_degree, scale=scale,
                    threads=threads, timeout=timeout)
     dist = _torch.distributed

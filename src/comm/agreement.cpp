@@ -168,6 +168,11 @@ void add_specs(Agreement& agreement, const AttentionSpec& a, const ParallelSpec&
       agreement.add_named(field, -1, "unset (unbounded)");
     }
   }
+  if (a.softcap) {
+    agreement.add("softcap", *a.softcap);
+  } else {
+    agreement.add_named("softcap", 0, "unset (none)");
+  }
   agreement.add("cp", p.cp).add("tp", p.tp);
   const bool known =
       std::find(std::begin(kStrategies), std::end(kStrategies), p.strategy) != std::end(kStrategies);

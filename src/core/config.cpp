@@ -79,6 +79,7 @@ AttentionMask AttentionSpec::mask(std::span<const std::int32_t> q_positions,
   AttentionMask m{q_positions, kv_positions, q_segments, kv_segments, causal};
   m.window_left = window_left.value_or(kUnboundedWindow);
   m.window_right = window_right.value_or(kUnboundedWindow);
+  m.softcap = softcap.value_or(0.0);
   return m;
 }
 
@@ -173,6 +174,14 @@ void window_rules(Rules& rules, const AttentionSpec& a) {
     rules.add({field}, str(*side),
               std::string(field) + " (" + str(*side) + ") is not a window side; valid: 0.." +
                   str(kMaxWindowSide) + " tokens (0: the query's own position only)");
+  }
+  if (a.softcap && !(*a.softcap >= kMinSoftcap && *a.softcap <= kMaxSoftcap)) {
+    std::ostringstream value;
+    value << *a.softcap;
+    rules.add({"softcap"}, value.str(),
+              "softcap (" + value.str() +
+                  ") is not a soft-cap; valid: a finite number in 1e-06..1e+30 (logits x "
+                  "become softcap * tanh(x / softcap)); leave it unset for none");
   }
   if (a.causal && a.window_right) {
     rules.add(

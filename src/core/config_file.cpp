@@ -106,6 +106,17 @@ constexpr KeyReader kKeys[] = {
        }
        if (w > 0) v.window_left = w - 1;
      }},
+    {"attn_logits_soft_cap",
+     [](ConfigValues& v, const std::string& n, const std::string& k, const YAML::Node& x) {
+       if (!x.IsScalar()) bad_value(n, k, x, "a number");
+       double cap = 0;
+       try {
+         cap = parse_real(x.Scalar(), k, 0, kMaxSoftcap, "a soft-cap");
+       } catch (const Error&) {
+         bad_value(n, k, x, "0 (none) or a finite number in 1e-06..1e+30");
+       }
+       if (cap > 0) v.softcap = cap;
+     }},
     {"base_emb_dim", [](ConfigValues& v, const std::string& n, const std::string& k,
                         const YAML::Node& x) { v.emb_dim = as_int(n, k, x); }},
     {"base_num_decoder_layers", [](ConfigValues& v, const std::string& n, const std::string& k,
@@ -138,6 +149,7 @@ void ConfigValues::merge_from(const ConfigValues& o) {
   take(dtype, o.dtype);
   take(window_left, o.window_left);
   take(window_right, o.window_right);
+  take(softcap, o.softcap);
   take(emb_dim, o.emb_dim);
   take(num_layers, o.num_layers);
   take(attention_every, o.attention_every);
@@ -268,6 +280,7 @@ Specs to_specs(const ConfigValues& v, std::vector<ErrorItem>& errors) {
   s.attention.causal = v.causal.value_or(true);
   s.attention.window_left = v.window_left;
   s.attention.window_right = v.window_right;
+  s.attention.softcap = v.softcap;
   s.parallel.cp = v.cp.value_or(1);
   s.parallel.tp = v.tp.value_or(1);
   s.parallel.ulysses_degree = v.ulysses_degree.value_or(0);

@@ -36,14 +36,23 @@ nlohmann::ordered_json attention_to_json(const AttentionSpec& a) {
     };
     doc["window"] = {{"left", side(band.left)}, {"right", side(band.right)}};
   }
+  doc["softcap"] = a.softcap ? nlohmann::ordered_json(*a.softcap) : nlohmann::ordered_json(nullptr);
   return doc;
 }
 
 std::string window_text(const AttentionSpec& a) {
-  if (!a.windowed()) return "";
-  const PositionBand band = a.band();
-  const auto side = [](std::int64_t v) { return v < kUnboundedWindow ? std::to_string(v) : "unbounded"; };
-  return ", window " + side(band.left) + " back" + (a.causal ? "" : ", " + side(band.right) + " ahead");
+  std::string text;
+  if (a.windowed()) {
+    const PositionBand band = a.band();
+    const auto side = [](std::int64_t v) { return v < kUnboundedWindow ? std::to_string(v) : "unbounded"; };
+    text = ", window " + side(band.left) + " back" + (a.causal ? "" : ", " + side(band.right) + " ahead");
+  }
+  if (a.softcap) {
+    std::ostringstream cap;
+    cap << *a.softcap;
+    text += ", softcap " + cap.str();
+  }
+  return text;
 }
 
 std::string errors_to_json(const std::vector<ErrorItem>& errors) {

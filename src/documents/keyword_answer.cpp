@@ -87,6 +87,8 @@ std::vector<Keyword> problem_keywords() {
              if (v) r.values.load_balance = r.values.attention_load_balance = true;
            }),
       flag("causal", [](Request& r, bool v) { r.values.causal = v; }),  // false: --no-causal
+      real("softcap", -std::numeric_limits<double>::max(), std::numeric_limits<double>::max(),
+           [](Request& r, double v) { r.values.softcap = v; }),
       text("window",
            [](Request& r, const std::string& v) {
              const WindowText w = parse_window(v, "window");

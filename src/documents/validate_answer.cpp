@@ -60,7 +60,9 @@ DocumentAnswer validate_answer(const ConfigValues& values) {
     }
     doc["load_balance"] = p.load_balance;
     doc["layout"] = to_string(p.effective_layout());
-    doc["window"] = attention_to_json(a)["window"];
+    const auto problem = attention_to_json(a);
+    doc["window"] = problem["window"];
+    doc["softcap"] = problem["softcap"];
     doc["replication"] = rep;
     doc["work_skew"] = ulysses ? u.work_skew() : 1.0;
     if (ulysses) doc["kv_head_order"] = u.kv_head_order();

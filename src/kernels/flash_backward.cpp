@@ -58,8 +58,8 @@ constexpr std::int64_t kKvTail = 4;   // a group's last q blocks, which fetch th
 
 // A worker's buffers, reused by its tasks.
 struct Workspace {
-  AlignedVector<float> s, dp, row_a, row_b;
-  AlignedVector<double> sum_a, sum_b;  // dK, dV running sums over tiles, per kv block of the group
+  AlignedVector<float> s, dp, t, row_a, row_b;  // t: tanh of soft-capped scores
+  AlignedVector<double> sum_a, sum_b;           // dK, dV running sums over tiles, per kv block of the group
   PrefetchQueue prefetch;            // the next q block's operands (and near a group's end the next group's)
   std::int64_t pf_lines = 0;         // of them before each register tile
   std::vector<std::int64_t> q_todo;  // the q blocks that see any kv block of the group, in order
@@ -84,6 +84,7 @@ struct BackwardCall {
   const PackedBlocks& krows;
   std::int64_t Sq, Skv, Hq, Hkv, D, G, Bq, Bk, Dp, q_blocks, kv_blocks, sq_padded, stripe;
   bool segments;
+  float softcap_b;  // the soft-cap in the scores' base-2 units (cap log2 e), 0 for none
   double dk_scale;
   const PooledArray<double>& head_dk;  // [B][Hq][stripe][Bk][Dp] when G > 1
   const PooledArray<double>& head_dv;
@@ -111,7 +112,13 @@ HWY_INLINE void tile_ds(const BackwardCall& call, Workspace& w, const float* qs,
   dot_rows(qs, Dp, kt, Bk, D, rows, Bk, w.s.data(), Bk, &w.prefetch, w.pf_lines);
   dot_rows(dop, Dp, vt, Bk, D, rows, Bk, w.dp.data(), Bk, &w.prefetch, w.pf_lines);
   const std::int64_t row0 = (b * call.Hq + h) * call.sq_padded + qb.begin;
+  const bool capped = call.softcap_b > 0;
+  if (capped) {  // the forward's capped scores, and tanh kept for dS through the cap
+    w.t.resize(call.Bq * Bk);
+    softcap_scores(w.s.data(), rows * Bk, call.softcap_b, w.t.data());
+  }
   probabilities_and_ds(w.s.data(), w.dp.data(), rows, Bk, call.lse2.data() + row0, call.delta.data() + row0);
+  if (capped) softcap_gradient(w.dp.data(), w.t.data(), rows * Bk);
   // The mask is applied to P and dS (not to S): a masked pair's P and dS are then exactly 0 even for a row
   // whose LSE is NaN (exp2(-inf - NaN) is NaN), and a NaN row cannot reach the keys it may not see.
   if (kind == TileKind::partial) {
@@ -369,6 +376,7 @@ void backward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Con
                           .sq_padded = sq_padded,
                           .stripe = stripe,
                           .segments = mask.has_segments(),
+                          .softcap_b = static_cast<float>(mask.softcap * kLog2eDouble),
                           .dk_scale = dk_scale,
                           .head_dk = head_dk,
                           .head_dv = head_dv,
@@ -409,7 +417,7 @@ using namespace kernels;
 void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
                     const ConstTensorRef& o, const float* lse, const ConstTensorRef& d_out,
                     const AttentionMask& mask, double scale, const FlashConfig& config, const TensorRef& dq,
-                    const TensorRef& dk, const TensorRef& dv, TileCounts* tiles) {
+                    const TensorRef& dk, const TensorRef& dv, TileCounts* tiles, float* dsinks) {
   const trace::Scope event("kernel", "flash_backward", trace::enabled() ? trace_args(q, k, mask) : "");
   check_forward_args(q, k, v, mask, config);
   check_same_shape("o", o.shape, q.shape);
@@ -466,6 +474,30 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
     tiles->full = full;
     tiles->partial = partial;
   }
+  if (dsinks != nullptr) {
+    CPATTN_ASSERT(!mask.sinks.empty());
+    // delta as [B][Hq][S] (it is padded per q block above)
+    std::vector<float> rows(static_cast<std::size_t>(B * Hq * Sq));
+    for (std::int64_t bh = 0; bh < B * Hq; ++bh)
+      std::copy_n(delta.data() + bh * sq_padded, Sq, rows.data() + bh * Sq);
+    sink_gradients(mask.sinks, lse, rows.data(), B, Hq, Sq, dsinks);
+  }
+}
+
+void sink_gradients(std::span<const float> sinks, const float* lse, const float* delta, std::int64_t batch,
+                    std::int64_t q_heads, std::int64_t seq, float* dsinks) {
+  for (std::int64_t h = 0; h < q_heads; ++h) {
+    const double sink = sinks[static_cast<std::size_t>(h)];
+    double sum = 0;
+    for (std::int64_t b = 0; b < batch; ++b) {
+      const std::int64_t at = (b * q_heads + h) * seq;
+      for (std::int64_t i = 0; i < seq; ++i) {
+        if (delta[at + i] == 0.0f) continue;  // O = 0 (a row that saw no key), or orthogonal: nothing to add
+        sum -= std::exp(sink - static_cast<double>(lse[at + i])) * static_cast<double>(delta[at + i]);
+      }
+    }
+    dsinks[h] = static_cast<float>(sum);
+  }
 }
 
 FlashBackwardResult flash_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -481,8 +513,9 @@ FlashBackwardResult flash_attention_backward(const Tensor& q, const Tensor& k, c
                 "lse holds " + std::to_string(lse.size()) +
                     " values; expected B*Hq*Sq = " + std::to_string(q.shape().b * q.shape().h * q.shape().s));
   }
+  if (!mask.sinks.empty()) r.dsinks.resize(mask.sinks.size());
   flash_backward(cref(q), cref(k), cref(v), cref(o), lse.data(), cref(d_out), mask, scale, config, ref(r.dq),
-                 ref(r.dk), ref(r.dv), &r.tiles);
+                 ref(r.dk), ref(r.dv), &r.tiles, mask.sinks.empty() ? nullptr : r.dsinks.data());
   return r;
 }
 

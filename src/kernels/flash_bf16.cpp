@@ -15,6 +15,7 @@
 #include "kernels/masking.hpp"
 #include "kernels/row_io.hpp"
 #include "kernels/scratch.hpp"
+#include "kernels/sinks.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define CPATTN_HAVE_AMX 1
@@ -216,6 +217,39 @@ CPATTN_BF16_TARGET inline __m512 probability_and_ds(__m512 s, __m512 dp, __m512 
   const __m512 p = exp2_bf16_avx512(_mm512_sub_ps(_mm512_mul_ps(s, factor), lse2));
   ds = _mm512_mul_ps(p, _mm512_sub_ps(dp, delta));
   return p;
+}
+
+// Logit soft-capping of `rows` rows of `cols` fp32 scores (a multiple of 16, rows `stride` apart), the bf16
+// paths' form of flash_simd.hpp's softcap_scores: with x = s * in in base-2 units and b = cap log2 e, s
+// becomes b tanh(x / b) / in; t, where given ([rows][cols]), keeps tanh(x / b) for dS. tanh(a) = (1 - e) / (1
+// + e) with e = 2^(-2 a log2 e) by the kernels' exp2 (degree 6), the sign put back: within a few 1e-7 of
+// tanh, far below bf16's rounding of P; +-Inf give +-1.
+CPATTN_BF16_TARGET void softcap_rows(float* s, std::int64_t rows, std::int64_t cols, std::int64_t stride,
+                                     float in, float b, float* t) {
+  const __m512 to_ratio = _mm512_set1_ps(in / b), out = _mm512_set1_ps(b / in), one = _mm512_set1_ps(1.0f);
+  const __m512 minus_two_log2e = _mm512_set1_ps(static_cast<float>(-2.0 * kLog2eDouble));
+  const __m512i sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t j = 0; j < cols; j += 16) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + r * stride + j), to_ratio);
+      const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), sign_bit);
+      const __m512 a = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
+      const __m512 e = exp2_avx512(_mm512_mul_ps(a, minus_two_log2e));
+      const __m512 th = _mm512_castsi512_ps(_mm512_xor_si512(
+          _mm512_castps_si512(_mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e))), sign));
+      if (t != nullptr) _mm512_storeu_ps(t + r * cols + j, th);
+      _mm512_storeu_ps(s + r * stride + j, _mm512_mul_ps(th, out));
+    }
+  }
+}
+
+// ds *= 1 - t^2 over n values (a multiple of 16): dS through the soft-cap.
+CPATTN_BF16_TARGET void softcap_gradient_rows(float* ds, const float* t, std::int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (std::int64_t i = 0; i < n; i += 16) {
+    const __m512 th = _mm512_loadu_ps(t + i);
+    _mm512_storeu_ps(ds + i, _mm512_mul_ps(_mm512_loadu_ps(ds + i), _mm512_fnmadd_ps(th, th, one)));
+  }
 }
 
 // probabilities_and_ds_fused's epilogue for rows [m0, m0 + 4) and keys [n0, n0 + 32): P and dS from the
@@ -452,6 +486,7 @@ void flash_forward_bf16(const ConstTensorRef& q, const ConstTensorRef& k, const 
   const std::int64_t q_blocks = (Sq + Bq - 1) / Bq, kv_blocks = (Skv + Bk - 1) / Bk;
   const std::int64_t W = 2 * Bk;  // the width of a softmax step: a pair of kv blocks
   const float factor = static_cast<float>(scale * kLog2eDouble);
+  const float softcap_b = static_cast<float>(mask.softcap * kLog2eDouble);
   const bool segments = mask.has_segments();
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const bool amx = flash_bf16_path(config) == Bf16Path::amx;
@@ -511,6 +546,7 @@ void flash_forward_bf16(const ConstTensorRef& q, const ConstTensorRef& k, const 
         // s: [rows][W] = Q K^T in base-2 units, this block's half
         product(amx, w.qb.data(), D32, kpack.data() + at * block_elems, Bk, rows, Bk, D32, s_half, W, false,
                 nullptr, factor);
+        if (softcap_b > 0) softcap_rows(s_half, rows, Bk, W, 1.0f, softcap_b, nullptr);
         if (kinds[j] == TileKind::partial) {
           apply_mask(s_half, rows, Bk, W, 1, qb, grid.kv[b][kv0 + j], b, mask, Sq, Skv, neg_inf);
         }
@@ -535,17 +571,14 @@ void flash_forward_bf16(const ConstTensorRef& q, const ConstTensorRef& k, const 
     task_tiles[task] = computed;
     full += computed_full;
     partial += computed - computed_full;
+    const float* sink = mask.sinks.empty() ? nullptr : &mask.sinks[static_cast<std::size_t>(h)];
     for (std::int64_t r = 0; r < qb.length; ++r) {
       const std::int64_t i = qb.begin + r;
       const float l = w.l[r];
+      const RowEnd end = finish_row(w.m[r], l, sink);
       for (std::int64_t d = 0; d < D; ++d) w.row[d] = l != 0.0f ? w.acc[r * D32 + d] / l : 0.0f;
-      store_row(o, b, i, h, w.row.data(), 1.0f);
-      if (lse != nullptr) {
-        lse[(b * Hq + h) * Sq + i] =
-            l != 0.0f ? static_cast<float>((static_cast<double>(w.m[r]) + std::log2(static_cast<double>(l))) *
-                                           0.6931471805599453)
-                      : neg_inf;
-      }
+      store_row(o, b, i, h, w.row.data(), end.o_factor);
+      if (lse != nullptr) lse[(b * Hq + h) * Sq + i] = end.lse;
     }
   });
 }
@@ -571,7 +604,7 @@ struct AmxBackwardOperands {
 
 // A worker's buffers, reused by its tasks.
 struct AmxBackwardWorkspace {
-  AlignedVector<float> s, dp, dkt, dvt, row;
+  AlignedVector<float> s, dp, dkt, dvt, row, t;  // t: tanh of soft-capped scores
   AlignedVector<std::uint16_t> p_pairs, ds_pairs, ds_rows;
   AlignedVector<double> sum_k, sum_v;  // dK^T, dV^T of one kv block: [D32][Bk]
 };
@@ -590,6 +623,7 @@ struct AmxBackwardCall {
       kv_elems;
   double scale;
   float factor;
+  float softcap_b;  // the soft-cap in the scores' base-2 units (cap log2 e), 0 for none; no fused tiles then
   bool segments;
   const PooledArray<double>& head_dk;  // [B][Hq][stripe][D32][Bk] when G > 1
   const PooledArray<double>& head_dv;
@@ -642,7 +676,7 @@ void amx_backward_tile(const AmxBackwardCall& call, AmxBackwardWorkspace& w, std
   // Rows past the block's length are zero rows of Q and dO; their P and dS are set to 0 (their lse2 would be
   // another block's).
   const std::int64_t live = qb.length;
-  if (!call.amx && kind == TileKind::full) {
+  if (!call.amx && kind == TileKind::full && call.softcap_b == 0) {
     probabilities_and_ds_fused(ops.q_rows.data() + q_at, ops.do_rows.data() + q_at,
                                ops.k_pairs_d.data() + kv_at, ops.v_pairs_d.data() + kv_at, R32, Bk, D32, live,
                                call.factor, call.lse2.data() + row0, call.delta.data() + row0,
@@ -653,8 +687,13 @@ void amx_backward_tile(const AmxBackwardCall& call, AmxBackwardWorkspace& w, std
             w.s.data(), Bk, false);
     product(call.amx, ops.do_rows.data() + q_at, D32, ops.v_pairs_d.data() + kv_at, Bk, R32, Bk, D32,
             w.dp.data(), Bk, false);
+    if (call.softcap_b > 0) {  // the forward's capped scores, tanh kept for dS through the cap
+      w.t.resize(static_cast<std::size_t>(R32 * Bk));
+      softcap_rows(w.s.data(), live, Bk, Bk, call.factor, call.softcap_b, w.t.data());
+    }
     probabilities_and_ds_rows(w.s.data(), w.dp.data(), live, Bk, call.factor, call.lse2.data() + row0,
                               call.delta.data() + row0);
+    if (call.softcap_b > 0) softcap_gradient_rows(w.dp.data(), w.t.data(), live * Bk);
     std::fill(w.s.begin() + live * Bk, w.s.end(), 0.0f);
     std::fill(w.dp.begin() + live * Bk, w.dp.end(), 0.0f);
     if (kind == TileKind::partial) {
@@ -820,6 +859,7 @@ void flash_backward_bf16(const ConstTensorRef& q, const ConstTensorRef& k, const
                              .kv_elems = kv_elems,
                              .scale = scale,
                              .factor = static_cast<float>(scale * kLog2eDouble),
+                             .softcap_b = static_cast<float>(mask.softcap * kLog2eDouble),
                              .segments = mask.has_segments(),
                              .head_dk = head_dk,
                              .head_dv = head_dv,

@@ -21,6 +21,7 @@
 #include "kernels/prefetch.hpp"
 #include "kernels/row_io.hpp"
 #include "kernels/simd_target.hpp"
+#include "kernels/sinks.hpp"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/flash_forward.cpp"
@@ -96,6 +97,7 @@ struct ForwardCall {
   const PackedBlocks& vp;
   std::int64_t Sq, Skv, Hq, D, G, Bq, Bk, Dp, q_blocks, groups;
   float q_factor;
+  float softcap_b;  // the soft-cap in the scores' base-2 units (cap log2 e), 0 for none
   bool segments;
   bool guard;  // a non-finite V reaches only the rows that may see its key (its P is 0 for the others)
   std::vector<std::int64_t>& task_tiles;
@@ -193,6 +195,7 @@ HWY_INLINE TileKind panel_kind(const GroupKinds& kinds, const Panel& pn) {
 
 // st: [Bk][panel] = K Q'^T, and colmax each row's maximum over m and the tile: a full tile's taken as it is
 // stored, a partial tile's after its mask, from st. Either way the maximum is exact, whatever the order.
+// Soft-capped scores are capped first (every tile), then masked and their maximum taken from st.
 HWY_INLINE void panel_scores(const ForwardCall& call, const Group& g, Workspace& w, const Panel& pn,
                              TileKind kind, const BlockMeta& kb, const float* kblock, std::int64_t pf_chunk,
                              VF* colmax) {
@@ -203,15 +206,19 @@ HWY_INLINE void panel_scores(const ForwardCall& call, const Group& g, Workspace&
   const std::int64_t Bk = call.Bk, Dp = call.Dp, D = call.D;
   PrefetchQueue& pf = w.prefetch;
   for (int c = 0; c < kPanelVectors; ++c) colmax[c] = hn::LoadU(df, pn.m.data() + c * n);
-  VF* fused_max = kind == TileKind::full ? colmax : nullptr;
+  const bool capped = call.softcap_b > 0;
+  VF* fused_max = kind == TileKind::full && !capped ? colmax : nullptr;
   for_row_tiles<kRowTile>(Bk, [&](auto R, std::int64_t r) {
     pf.issue(pf_chunk);
     dot_tile<decltype(R)::value, kPanelVectors>(kblock + r * Dp, kAdjacent(), R, pn.qt.data(), stride, D,
                                                 w.st.data() + r * panel, stride, fused_max);
   });
-  if (kind != TileKind::partial) return;
-  apply_mask(w.st.data(), panel, Bk, 1, panel, pn.rows, kb, g.b, call.mask, call.Sq, call.Skv,
-             -std::numeric_limits<float>::infinity());
+  if (capped) softcap_scores(w.st.data(), Bk * panel, call.softcap_b, nullptr);
+  if (kind == TileKind::full && !capped) return;
+  if (kind == TileKind::partial) {
+    apply_mask(w.st.data(), panel, Bk, 1, panel, pn.rows, kb, g.b, call.mask, call.Sq, call.Skv,
+               -std::numeric_limits<float>::infinity());
+  }
   for (int c = 0; c < kPanelVectors; ++c) {
     // Four chains: the maximum is exact in any order, and one chain waits on each max's latency.
     VF m4[4] = {colmax[c], colmax[c], colmax[c], colmax[c]};
@@ -330,7 +337,6 @@ HWY_INLINE void write_outputs(const ForwardCall& call, const Group& g, Workspace
   const std::int64_t n = lanes();
   const std::int64_t panel = panel_stride();
   const std::int64_t D = call.D;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   for (std::size_t pi = 0; pi < g.used; ++pi) {
     Panel& pn = w.panels[pi];
     if (!pn.started) std::fill(pn.acc.begin(), pn.acc.end(), 0.0f);  // it saw no key: O = 0
@@ -343,19 +349,14 @@ HWY_INLINE void write_outputs(const ForwardCall& call, const Group& g, Workspace
         hn::StoreU(hn::IfThenZeroElse(none, hn::Div(hn::LoadU(df, at), l)), df, at);
       }
     }
+    const float* sink = call.mask.sinks.empty() ? nullptr : &call.mask.sinks[static_cast<std::size_t>(g.h)];
     for (std::int64_t r = 0; r < pn.rows.length; ++r) {
       const std::int64_t i = pn.rows.begin + r;
       prefetch_row<true>(call.o, g.b, i + kRowsAhead, g.h);
-      const float l = pn.l[r];
+      const RowEnd end = finish_row(pn.m[r], pn.l[r], sink);
       for (std::int64_t d = 0; d < D; ++d) w.row[d] = pn.acc[d * panel + r];
-      store_row(call.o, g.b, i, g.h, w.row.data(), 1.0f);
-      if (call.lse != nullptr) {
-        call.lse[(g.b * call.Hq + g.h) * call.Sq + i] =
-            l != 0.0f
-                ? static_cast<float>((static_cast<double>(pn.m[r]) + std::log2(static_cast<double>(l))) *
-                                     0.6931471805599453)
-                : neg_inf;
-      }
+      store_row(call.o, g.b, i, g.h, w.row.data(), end.o_factor);
+      if (call.lse != nullptr) call.lse[(g.b * call.Hq + g.h) * call.Sq + i] = end.lse;
     }
   }
 }
@@ -416,6 +417,7 @@ void forward_vector(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
                          .q_blocks = q_blocks,
                          .groups = (q_blocks + kGroupBlocks - 1) / kGroupBlocks,
                          .q_factor = static_cast<float>(scale * kLog2eDouble),
+                         .softcap_b = static_cast<float>(mask.softcap * kLog2eDouble),
                          .segments = mask.has_segments(),
                          .guard = any_nonfinite(v),
                          .task_tiles = task_tiles,

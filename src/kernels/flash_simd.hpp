@@ -12,6 +12,7 @@
 #define CPATTN_KERNELS_FLASH_SIMD_HPP_
 #endif
 
+#include <hwy/contrib/math/math-inl.h>
 #include <hwy/highway.h>
 
 #include <algorithm>
@@ -303,6 +304,30 @@ inline void axpy_rows(const float* coef, std::int64_t ct, std::int64_t cr, const
     axpy_rows_impl<true>(coef, ct, cr, x, xs, count, rows, width, out, os, pf, pf_lines);
   } else {
     axpy_rows_impl<false>(coef, ct, cr, x, xs, count, rows, width, out, os, pf, pf_lines);
+  }
+}
+
+// Logit soft-capping on n scores in base-2 units (s = x log2 e): s = b tanh(s / b) with b = cap log2 e, which
+// is cap tanh(x / cap) in natural units; n a multiple of the vector length. t, where given, keeps tanh(s / b)
+// for the backward's dS (1 - t^2). Highway's tanh (within 4 ulp); +-Inf become +-b, NaN stays NaN.
+inline void softcap_scores(float* s, std::int64_t n, float b, float* t) {
+  const DF df;
+  const VF vb = hn::Set(df, b), inv_b = hn::Set(df, 1.0f / b);
+  for (std::int64_t i = 0; i < n; i += lanes()) {
+    const VF th = hn::Tanh(df, hn::Mul(hn::LoadU(df, s + i), inv_b));
+    if (t != nullptr) hn::StoreU(th, df, t + i);
+    hn::StoreU(hn::Mul(vb, th), df, s + i);
+  }
+}
+
+// dS of soft-capped scores: ds *= 1 - t^2 (t = tanh of the scores over the cap), n a multiple of the vector
+// length.
+inline void softcap_gradient(float* ds, const float* t, std::int64_t n) {
+  const DF df;
+  const VF one = hn::Set(df, 1.0f);
+  for (std::int64_t i = 0; i < n; i += lanes()) {
+    const VF th = hn::LoadU(df, t + i);
+    hn::StoreU(hn::Mul(hn::LoadU(df, ds + i), hn::NegMulAdd(th, th, one)), df, ds + i);
   }
 }
 

@@ -58,6 +58,11 @@ void check_forward_args(const ConstTensorRef& q, const ConstTensorRef& k, const 
          "segment ids must hold B*Sq (" + std::to_string(qs.b * qs.s) + ") and B*Skv (" +
              std::to_string(ks.b * ks.s) + ") entries");
   }
+  if (!mask.sinks.empty() && static_cast<std::int64_t>(mask.sinks.size()) != qs.h) {
+    fail("sinks", std::to_string(mask.sinks.size()),
+         "sinks holds " + std::to_string(mask.sinks.size()) + " values; expected one per q head (" +
+             std::to_string(qs.h) + ")");
+  }
   if (config.block_q < kTileRows || config.block_q % kTileRows != 0) {
     fail("block_q", std::to_string(config.block_q), "block_q must be a positive multiple of 4");
   }

@@ -32,8 +32,12 @@ ReferenceResult reference_attention(const Tensor& q_t, const Tensor& k_t, const 
     r.dk.assign(static_cast<std::size_t>(B * Skv * Hkv * D), 0.0);
     r.dv.assign(r.dk.size(), 0.0);
   }
-  std::vector<double> p(static_cast<std::size_t>(Skv));
+  const bool sinks = !mask.sinks.empty();
+  CPATTN_ASSERT(!sinks || static_cast<std::int64_t>(mask.sinks.size()) == Hq);
+  if (sinks && d_out != nullptr) r.dsinks.assign(static_cast<std::size_t>(Hq), 0.0);
+  std::vector<double> p(static_cast<std::size_t>(Skv)), t(static_cast<std::size_t>(Skv), 0.0);
   std::vector<char> seen(static_cast<std::size_t>(Skv));
+  const double cap = mask.softcap;
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t h = 0; h < Hq; ++h) {
       const std::int64_t hk = h / G;
@@ -45,12 +49,22 @@ ReferenceResult reference_attention(const Tensor& q_t, const Tensor& k_t, const 
           double s = 0;
           for (std::int64_t d = 0; d < D; ++d) s += q[qi(b, i, h) + d] * k[ki(b, j, hk) + d];
           p[j] = s * scale;
+          if (cap > 0) {  // soft-capped logit cap * tanh(x / cap); its derivative 1 - tanh^2 for the backward
+            t[j] = std::tanh(p[j] / cap);
+            p[j] = cap * t[j];
+          }
           // A NaN score makes the row NaN, as autograd would (std::max would drop it and the row would read
           // as one that sees nothing).
           m = std::isnan(p[j]) || p[j] > m ? p[j] : m;
         }
-        if (m == -std::numeric_limits<double>::infinity()) continue;  // sees no key: O = 0, LSE = -inf
-        double sum = 0;
+        // A sink is one more logit in the denominator, with no value.
+        const double sink = sinks ? static_cast<double>(mask.sinks[static_cast<std::size_t>(h)]) : 0.0;
+        if (m == -std::numeric_limits<double>::infinity()) {  // sees no key: O = 0, LSE = -inf (or the sink)
+          if (sinks) r.lse[(b * Hq + h) * Sq + i] = sink;
+          continue;
+        }
+        if (sinks) m = std::max(m, sink);
+        double sum = sinks ? std::exp(sink - m) : 0.0;
         for (std::int64_t j = 0; j < Skv; ++j) {
           if (seen[j]) sum += std::exp(p[j] - m);
         }
@@ -65,11 +79,13 @@ ReferenceResult reference_attention(const Tensor& q_t, const Tensor& k_t, const 
         // FA2 backward for one row: dP_j = dO.v_j; Di = dO.o; dS_j = P_j (dP_j - Di).
         double di = 0;
         for (std::int64_t d = 0; d < D; ++d) di += dout[qi(b, i, h) + d] * r.o[qi(b, i, h) + d];
+        // The sink's probability times (its dP, 0: no value, minus Di).
+        if (sinks) r.dsinks[static_cast<std::size_t>(h)] -= std::exp(sink - lse) * di;
         for (std::int64_t j = 0; j < Skv; ++j) {
           if (p[j] == 0.0) continue;
           double dp = 0;
           for (std::int64_t d = 0; d < D; ++d) dp += dout[qi(b, i, h) + d] * v[ki(b, j, hk) + d];
-          const double ds = p[j] * (dp - di) * scale;
+          const double ds = p[j] * (dp - di) * scale * (cap > 0 ? 1 - t[j] * t[j] : 1.0);
           for (std::int64_t d = 0; d < D; ++d) {
             r.dq[qi(b, i, h) + d] += ds * k[ki(b, j, hk) + d];
             r.dk[ki(b, j, hk) + d] += ds * q[qi(b, i, h) + d];
@@ -96,6 +112,8 @@ ReferenceRowsResult reference_attention_rows(const Tensor& q, const Tensor& k, c
   r.lse.assign(rows.size(), -std::numeric_limits<double>::infinity());
   if (d_out != nullptr) r.dq.assign(r.o.size(), 0.0);
   std::vector<double> p(static_cast<std::size_t>(Skv)), qrow(static_cast<std::size_t>(D)), dorow(qrow.size());
+  std::vector<double> t(static_cast<std::size_t>(Skv), 0.0);
+  const double cap = mask.softcap;
   for (std::size_t n = 0; n < rows.size(); ++n) {
     const auto [b, h, i] = rows[n];
     const std::int64_t hk = h / G;
@@ -112,10 +130,20 @@ ReferenceRowsResult reference_attention_rows(const Tensor& q, const Tensor& k, c
       double s = 0;
       for (std::int64_t d = 0; d < D; ++d) s += qrow[d] * k.get(b, j, hk, d);
       p[j] = s * scale;
+      if (cap > 0) {
+        t[j] = std::tanh(p[j] / cap);
+        p[j] = cap * t[j];
+      }
       m = std::max(m, p[j]);
     }
-    if (m == -std::numeric_limits<double>::infinity()) continue;
-    double sum = 0;
+    const bool sinks = !mask.sinks.empty();
+    const double sink = sinks ? static_cast<double>(mask.sinks[static_cast<std::size_t>(h)]) : 0.0;
+    if (m == -std::numeric_limits<double>::infinity()) {
+      if (sinks) r.lse[n] = sink;
+      continue;
+    }
+    if (sinks) m = std::max(m, sink);
+    double sum = sinks ? std::exp(sink - m) : 0.0;
     for (std::int64_t j = 0; j < Skv; ++j) sum += std::exp(p[j] - m);
     const double lse = m + std::log(sum);
     r.lse[n] = lse;
@@ -133,7 +161,7 @@ ReferenceRowsResult reference_attention_rows(const Tensor& q, const Tensor& k, c
       if (p[j] == 0.0) continue;
       double dp = 0;
       for (std::int64_t d = 0; d < D; ++d) dp += dorow[d] * v.get(b, j, hk, d);
-      const double ds = p[j] * (dp - di) * scale;
+      const double ds = p[j] * (dp - di) * scale * (cap > 0 ? 1 - t[j] * t[j] : 1.0);
       for (std::int64_t d = 0; d < D; ++d) dq[d] += ds * k.get(b, j, hk, d);
     }
   }

@@ -211,20 +211,23 @@ TEST(CliValidate, BadInputExits2WithAMessage) {
        "window_right (4) is for non-causal"},
       {"validate --window 4,2147483648 --no-causal --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8",
        "window_right (2147483648)"},
+      {"validate --softcap 0 --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8", "softcap (0) is not a soft-cap"},
+      {"validate --softcap fifty --q-heads 8 --kv-heads 8 --head-dim 8 --seq 8", "--softcap"},
       {"no-such-command", "no-such-command"},
       {"", "subcommand"},
   };
   expect_bad_input(cases);
 }
 
-// --window LEFT (causal) and LEFT,RIGHT (--no-causal): named in validate's text and JSON, and run --check on
-// every strategy passes against the single-device kernel and the reference with the same window.
+// --window LEFT (causal) and LEFT,RIGHT (--no-causal), --softcap C: named in validate's text and JSON, and
+// run
+// --check on every strategy passes against the single-device kernel and the reference with the same options.
 TEST(CliValidate, TheWindowIsNamedAndRunChecksItOnEveryStrategy) {
   const Result text =
       run("validate --strategy ring --cp 4 --q-heads 8 --kv-heads 2 --head-dim 64 --seq 4096 "
-          "--window 1023");
+          "--window 1023 --softcap 50");
   ASSERT_EQ(text.exit_code, 0) << text.err;
-  EXPECT_NE(text.out.find("fp32, window 1023 back\n"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("fp32, window 1023 back, softcap 50\n"), std::string::npos) << text.out;
   const Result json =
       run("validate --json --strategy ring --cp 4 --q-heads 8 --kv-heads 2 --head-dim 64 "
           "--seq 4096 --window 64,32 --no-causal");
@@ -232,16 +235,18 @@ TEST(CliValidate, TheWindowIsNamedAndRunChecksItOnEveryStrategy) {
   const auto j = nlohmann::json::parse(json.out);
   EXPECT_EQ(j["window"]["left"], 64);
   EXPECT_EQ(j["window"]["right"], 32);
+  EXPECT_TRUE(j["softcap"].is_null());
   for (const std::string strategy :
        {"ulysses", "all_gather --load-balance", "ring --load-balance", "hybrid --ulysses-degree 2"}) {
     const Result r = run("run --json --strategy " + strategy +
                          " --cp 4 --q-heads 8 --kv-heads 2 --head-dim 32 --seq 512 --segments 400,112 "
-                         "--window 50 --check --threads 1");
+                         "--window 50 --softcap 0.5 --check --threads 1");
     ASSERT_EQ(r.exit_code, 0) << strategy << r.err;
     const auto doc = nlohmann::json::parse(r.out);
     EXPECT_TRUE(doc["check"]["pass"].get<bool>()) << strategy;
     EXPECT_EQ(doc["problem"]["window"]["left"], 50) << strategy;
     EXPECT_EQ(doc["problem"]["window"]["right"], 0) << strategy;
+    EXPECT_EQ(doc["problem"]["softcap"], 0.5) << strategy;
   }
 }
 

@@ -109,6 +109,64 @@ def test_sliding_windows_match_float64_with_autograd(causal, window, packed):
     assert naive.relative_error(o, naive.attention(q.double(), k.double(), v.double(), causal, seg, window=wider)) > 1e-3
 
 
+@pytest.mark.parametrize("causal,window,softcap", [(True, None, 2.0), (False, None, 30.0), (True, 24, 1.5)])
+def test_soft_caps_match_float64_with_autograd(causal, window, softcap):
+    q, k, v, do, seg = make(1, 130, 8, 2, 32, True)
+    q = q * 2  # logits of spread 2: the cap bends them
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    o = ct.attention(qg, kg, vg, causal=causal, segment_ids=seg, window=window, softcap=softcap)
+    o.backward(do)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = naive.attention(q64, k64, v64, causal, seg, window=window, softcap=softcap)
+    ref.backward(do.double())
+    for name, got, want in zip(("o", "dq", "dk", "dv"), (o, qg.grad, kg.grad, vg.grad),
+                               (ref, q64.grad, k64.grad, v64.grad)):
+        assert naive.relative_error(got, want) < 1e-5, name
+    # the comparison can fail: without the cap the reference is far off
+    assert naive.relative_error(o, naive.attention(q.double(), k.double(), v.double(), causal, seg, window=window)) > 1e-3
+
+
+@pytest.mark.parametrize("causal,window,softcap,dtype", [(True, None, None, torch.float32),
+                                                         (False, 20, 3.0, torch.float32),
+                                                         (True, None, None, torch.bfloat16)])
+def test_sinks_match_float64_and_receive_their_gradient(causal, window, softcap, dtype):
+    q, k, v, do, seg = make(2, 120, 8, 2, 32, True)
+    sinks = torch.tensor([0.5, 4.0, -3.0, 1.0, 0.0, 2.5, -1.0, 6.0])
+    qg, kg, vg = (t.to(dtype).clone().requires_grad_() for t in (q, k, v))
+    sg = sinks.clone().requires_grad_()
+    o = ct.attention(qg, kg, vg, causal=causal, segment_ids=seg, window=window, softcap=softcap, sinks=sg)
+    o.backward(do.to(dtype))
+    assert sg.grad is not None and sg.grad.shape == sinks.shape and sg.grad.dtype == torch.float32
+    q64, k64, v64 = (t.to(dtype).detach().double().requires_grad_() for t in (q, k, v))
+    s64 = sinks.double().requires_grad_()
+    ref = naive.attention(q64, k64, v64, causal, seg, window=window, softcap=softcap, sinks=s64)
+    ref.backward(do.to(dtype).double())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for name, got, want in zip(("o", "dq", "dk", "dv", "dsinks"), (o, qg.grad, kg.grad, vg.grad, sg.grad),
+                               (ref, q64.grad, k64.grad, v64.grad, s64.grad)):
+        assert naive.relative_error(got, want) < tol, name
+    # the comparison can fail: the same output against attention without sinks is far off
+    plain = naive.attention(q.double(), k.double(), v.double(), causal, seg, window=window, softcap=softcap)
+    assert naive.relative_error(o, plain) > 1e-2
+
+
+@pytest.mark.parametrize("sinks", [np.zeros(7, np.float32), np.zeros(8, np.float64), np.zeros((1, 8), np.float32),
+                                   "x"])
+def test_bad_sinks_name_their_field(sinks):
+    q, k, v, _, _ = make(1, 16, 8, 2, 8, False)
+    with pytest.raises(cpattn.ConfigError) as e:
+        cpattn.attention(q.numpy(), k.numpy(), v.numpy(), sinks=sinks)
+    assert "sinks" in str(e.value)
+
+
+@pytest.mark.parametrize("softcap", [0.0, -1.0, float("inf"), float("nan"), "50", True])
+def test_bad_soft_caps_name_their_field(softcap):
+    q, k, v, _, _ = make(1, 16, 2, 1, 8, False)
+    with pytest.raises(cpattn.ConfigError) as e:
+        cpattn.attention(q.numpy(), k.numpy(), v.numpy(), softcap=softcap)
+    assert "softcap" in str(e.value)
+
+
 @pytest.mark.parametrize("window,field", [(-1, "window"), ((4, -2), "window_right"), ((1, 2, 3), "window"),
                                           ("8", "window"), (True, "window"), ((5, 5), "window_right")])
 def test_bad_windows_name_their_field(window, field):
@@ -169,10 +227,10 @@ def test_backward_gives_none_for_every_non_tensor_argument():
     q, k, v, do, seg = make(1, 64, 4, 2, 16, True)
     o = ct.attention(q.clone().requires_grad_(), k, v, segment_ids=seg)
     # The Function's own backward, as autograd calls it: one entry per argument of forward (q, k, v,
-    # segment_ids, causal, scale, threads, window), None for each that is not a differentiable tensor
-    # (yunchang #149).
+    # segment_ids, causal, scale, threads, window, softcap, sinks), None for each that is not a differentiable
+    # tensor (yunchang #149).
     out = o.grad_fn.apply(do)
-    assert len(out) == 8
+    assert len(out) == 10
     assert all(isinstance(g, torch.Tensor) for g in out[:3])
     assert all(g is None for g in out[3:])
 

@@ -47,6 +47,15 @@ void ProblemFlags::add_to(CLI::App& app, bool parallel) {
          "within its document; 0.." +
              std::to_string(kMaxWindowSide) + " each")
       ->type_name("LEFT[,RIGHT]");
+  // --softcap C: read as a decimal number here; its range is validation's (softcap).
+  app.add_option_function<std::string>(
+         "--softcap",
+         [this](const std::string& text) {
+           values.softcap = parse_real(text, "--softcap", -std::numeric_limits<double>::max(),
+                                       std::numeric_limits<double>::max(), "a soft-cap");
+         },
+         "logit soft-capping (Gemma 2): logits x become C*tanh(x/C) before the softmax; 1e-06..1e+30")
+      ->type_name("C");
   CLI::Option* yes = app.add_flag("--causal", causal, "causal mask (the default)");
   CLI::Option* no = app.add_flag("--no-causal", no_causal, "no causal mask");
   yes->excludes(no);
