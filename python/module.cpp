@@ -311,7 +311,15 @@ std::vector<float> read_sinks(const py::handle& obj, std::int64_t q_heads, Probl
   }
   auto v = a.cast<py::array_t<float, py::array::forcecast>>().unchecked<1>();
   std::vector<float> out(static_cast<std::size_t>(q_heads));
-  for (std::int64_t h = 0; h < q_heads; ++h) out[static_cast<std::size_t>(h)] = v(h);
+  for (std::int64_t h = 0; h < q_heads; ++h) {
+    out[static_cast<std::size_t>(h)] = v(h);
+    if (std::isnan(v(h)) || v(h) == std::numeric_limits<float>::infinity()) {
+      problems.add("sinks", std::to_string(v(h)),
+                   "sinks[" + std::to_string(h) + "] is " + (std::isnan(v(h)) ? "NaN" : "+inf") +
+                       "; valid: a finite logit, or -inf for no sink");
+      return {};
+    }
+  }
   return out;
 }
 
@@ -680,9 +688,10 @@ class PyTransport final : public Transport {
 // What one rank passes in a forward, agreed on by every rank before anything else: a rank whose arguments are
 // wrong, or that disagrees with the others, makes every rank raise.
 struct ForwardFields {
-  enum Field { bad_rank, batch, seq, q_heads, kv_heads, head_dim, dtype, segments, count };
-  static constexpr const char* names[count] = {"rank",     "batch",    "seq (local)", "q heads",
-                                               "kv heads", "head_dim", "dtype",       "segment_ids given"};
+  enum Field { bad_rank, batch, seq, q_heads, kv_heads, head_dim, dtype, segments, sinks, count };
+  static constexpr const char* names[count] = {"rank",       "batch",    "seq (local)", "q heads",
+                                               "kv heads",   "head_dim", "dtype",       "segment_ids given",
+                                               "sinks given"};
 };
 
 // The strategies over an MPI communicator (mpi4py's, by its Fortran handle: an int) or a transport object
@@ -787,7 +796,8 @@ class ContextParallel {
 
   // (o, lse, saved): saved goes back to backward.
   py::tuple forward(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
-                    const py::object& segment_ids, const std::string& caller_problem, bool forward_only) {
+                    const py::object& segment_ids, const std::string& caller_problem, bool forward_only,
+                    const py::object& sinks_obj) {
     Problems problems;
     std::optional<ArrayRef> q, k, v;
     if (!caller_problem.empty()) {
@@ -798,8 +808,11 @@ class ContextParallel {
       v = read_tensor(v_obj, "v", problems);
     }
     AttentionSpec a = spec_of(q, k, v, causal_, scale_, window_, softcap_, problems);
+    a.sinks = !sinks_obj.is_none();
     std::vector<std::int32_t> seg;
+    std::vector<float> sinks;
     if (problems.empty()) seg = read_segments(segment_ids, a.batch, a.seq_len, problems);
+    if (problems.empty()) sinks = read_sinks(sinks_obj, a.num_q_heads, problems);
     const std::int64_t local_seq = a.seq_len;
     a.seq_len = local_seq * parallel_.cp;
     agree(a, local_seq, !segment_ids.is_none(), problems);
@@ -821,7 +834,7 @@ class ContextParallel {
     std::shared_ptr<ContextParallelAttention::Saved> saved;
     try {
       const KernelCall call;  // the GIL released, Ctrl-C an interrupt
-      out = cp->forward(qt, kt, vt, seg, forward_only);
+      out = cp->forward(qt, kt, vt, seg, forward_only, sinks);
       if (!forward_only) saved = cp->take_saved();
     } catch (const Error&) {
       if (copy_failed) throw *copy_failed;
@@ -861,7 +874,11 @@ class ContextParallel {
       problems.raise();  // this rank's own reason first
       throw;
     }
-    return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)), to_numpy(std::move(g.dv)));
+    py::object dsinks = py::none();
+    if (!g.dsinks.empty())
+      dsinks = py::array_t<float>(static_cast<py::ssize_t>(g.dsinks.size()), g.dsinks.data());
+    return py::make_tuple(to_numpy(std::move(g.dq)), to_numpy(std::move(g.dk)), to_numpy(std::move(g.dv)),
+                          dsinks);
   }
 
   py::array local_positions(const py::object& seq_len) const {
@@ -872,7 +889,8 @@ class ContextParallel {
  private:
   static std::string key_of(const AttentionSpec& a) {
     return std::to_string(a.batch) + "," + std::to_string(a.seq_len) + "," + std::to_string(a.num_q_heads) +
-           "," + std::to_string(a.num_kv_heads) + "," + std::to_string(a.head_dim) + "," + to_string(a.dtype);
+           "," + std::to_string(a.num_kv_heads) + "," + std::to_string(a.head_dim) + "," +
+           to_string(a.dtype) + (a.sinks ? ",sinks" : "");
   }
 
   void agree(const AttentionSpec& a, std::int64_t local_seq, bool has_segments, const Problems& problems) {
@@ -884,7 +902,8 @@ class ContextParallel {
                                                a.num_kv_heads,
                                                a.head_dim,
                                                static_cast<std::int64_t>(a.dtype),
-                                               has_segments ? 1 : 0};
+                                               has_segments ? 1 : 0,
+                                               a.sinks ? 1 : 0};
     // max of each field, then max of its negation (the min), in one call
     std::int64_t both[2 * ForwardFields::count];
     for (int i = 0; i < ForwardFields::count; ++i) {

@@ -374,12 +374,12 @@ dtype: bfloat16
   EXPECT_TRUE(validation_errors(s.attention, s.parallel).empty());
 }
 
-// sliding_window_size W is W keys, the query's included: window_left W - 1; 0 is none (the seed framework's
-// default); a negative one is refused naming the key. --window's sides pass through to the rules.
+// sliding_window_size W is W keys back, the query's included: window_left W - 1 (and window_right W - 1
+// without the causal mask); 0 is none (the seed framework's default); a negative one is refused naming the
+// key.
 TEST(ConfigFile, SlidingWindowSizeIsTheKeysAQuerySees) {
-  EXPECT_EQ(parse_config_yaml("sliding_window_size: 1024\n", "w.yml").window_left.value(), 1023);
-  EXPECT_EQ(parse_config_yaml("sliding_window_size: 1\n", "w.yml").window_left.value(), 0);
-  EXPECT_FALSE(parse_config_yaml("sliding_window_size: 0\n", "w.yml").window_left.has_value());
+  EXPECT_EQ(parse_config_yaml("sliding_window_size: 1024\n", "w.yml").sliding_window.value(), 1024);
+  EXPECT_FALSE(parse_config_yaml("sliding_window_size: 0\n", "w.yml").sliding_window.has_value());
   for (const char* text : {"sliding_window_size: -3\n", "sliding_window_size: 2147483649\n"}) {
     try {
       parse_config_yaml(text, "w.yml");
@@ -398,6 +398,16 @@ TEST(ConfigFile, SlidingWindowSizeIsTheKeysAQuerySees) {
   EXPECT_FALSE(specs.attention.window_right.has_value());
   EXPECT_EQ(specs.attention.band().left, 4095);
   EXPECT_EQ(specs.attention.band().right, 0);
+  // Without the causal mask both sides; --window (window_left/right) wins over the key.
+  v.causal = false;
+  EXPECT_TRUE(all_config_errors(v, specs).empty());
+  EXPECT_EQ(specs.attention.window_left.value(), 4095);
+  EXPECT_EQ(specs.attention.window_right.value(), 4095);
+  v.window_left = 7;
+  v.window_right = 3;
+  EXPECT_TRUE(all_config_errors(v, specs).empty());
+  EXPECT_EQ(specs.attention.window_left.value(), 7);
+  EXPECT_EQ(specs.attention.window_right.value(), 3);
 }
 
 // attn_logits_soft_cap C: the soft-cap (0: none, the seed framework's default); a negative or non-numeric one

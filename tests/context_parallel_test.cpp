@@ -125,20 +125,23 @@ TEST(ContextParallel, Bf16OnEveryPathIsBitIdenticalAcrossStrategiesCpAndThreads)
   }
 }
 
-// Sliding windows and soft-caps on every strategy, against the single-device kernel with the same options:
-// ulysses and all_gather (with and without load balance) bit for bit in the forward; ring and hybrid within
-// their bounds. Causal windows of 0, 7, 64 and 300 keys back (past a rank's chunk), a two-sided one without
-// the causal mask, a soft-cap alone and with a window; a packed row whose documents are shorter and longer
-// than the windows. Each setup takes every other option (the two all_gather setups, the two ring setups, and
-// ulysses with hybrid between them take all); under TSan every fourth.
-TEST(ContextParallel, SlidingWindowsAndSoftCapsOnEveryStrategy) {
+// Sliding windows, soft-caps and sinks on every strategy, against the single-device kernel with the same
+// options: ulysses and all_gather (with and without load balance) bit for bit in the forward; ring and hybrid
+// within their bounds; dsinks the same bits on every rank. Causal windows of 0, 7, 64 and 300 keys back (past
+// a rank's chunk), a two-sided one without the causal mask, a soft-cap alone and with a window, sinks with
+// some of them; a packed row whose documents are shorter and longer than the windows. Each setup takes every
+// other option (the two all_gather setups, the two ring setups, and ulysses with hybrid between them take
+// all, and each of the six a two-sided window or a non-causal cap, and sinks); under TSan every fourth.
+TEST(ContextParallel, SlidingWindowsSoftCapsAndSinksOnEveryStrategy) {
   struct Window {
     bool causal;
     std::optional<std::int64_t> left, right;
     std::optional<double> softcap;
+    bool sinks;
   };
-  const Window windows[] = {{true, 0, {}, {}},  {true, 7, {}, {}},   {true, 64, {}, {}}, {true, 300, {}, {}},
-                            {false, 20, 5, {}}, {true, {}, {}, 0.5}, {false, {}, {}, 2}, {true, 40, {}, 1.5}};
+  const Window windows[] = {{true, 0, {}, {}, false},  {true, 7, {}, {}, false},   {true, 64, {}, {}, true},
+                            {false, 20, 5, {}, false}, {true, 300, {}, {}, false}, {true, {}, {}, 0.5, true},
+                            {false, {}, {}, 2, true},  {true, 40, {}, 1.5, true}};
   const std::tuple<Strategy, bool, std::int64_t, std::int64_t> setups[] = {
       {Strategy::ulysses, false, 4, 0},    {Strategy::all_gather, true, 2, 0},
       {Strategy::all_gather, false, 8, 0}, {Strategy::ring, true, 4, 0},
@@ -167,6 +170,7 @@ TEST(ContextParallel, SlidingWindowsAndSoftCapsOnEveryStrategy) {
       c.window_left = w.left;
       c.window_right = w.right;
       c.softcap = w.softcap;
+      c.sinks = w.sinks;
       c.dim = ++i % 2 == 0 ? 64 : 80;
       ASSERT_TRUE(validation_errors(c.attention(), c.parallel()).empty()) << c.name();
       if (strategy == Strategy::ring || strategy == Strategy::hybrid) {

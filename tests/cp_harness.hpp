@@ -27,6 +27,7 @@ struct CpCase {
   bool causal = true;
   std::optional<std::int64_t> window_left, window_right;  // sliding window sides; unset: unbounded
   std::optional<double> softcap;
+  bool sinks = false;                  // attention sinks: make_whole_inputs gives one per q head
   std::vector<std::int64_t> segments;  // document lengths; empty: one document
   DType dtype = DType::f32;
   NegativeControl control = NegativeControl::none;
@@ -44,6 +45,7 @@ struct CpCase {
            (window_right ? std::to_string(*window_right) : std::string("inf"));
     }
     if (softcap) s += "_softcap" + std::to_string(*softcap);
+    if (sinks) s += "_sinks";
     if (dtype == DType::bf16) s += std::string("_") + to_string(flash_bf16_path(kernel));
     return s;
   }
@@ -58,6 +60,7 @@ struct CpCase {
     a.window_left = window_left;
     a.window_right = window_right;
     a.softcap = softcap;
+    a.sinks = sinks;
     a.dtype = dtype;
     return a;
   }
@@ -83,7 +86,11 @@ inline constexpr HeadCounts kAnyHeadCounts[] = {{28, 4, 8}, {40, 10, 4}, {24, 3,
 using WholeInputs = harness::WholeProblem;
 
 inline WholeInputs make_whole_inputs(const CpCase& c, std::uint32_t seed) {
-  return harness::random_problem(c.attention(), seed, c.segments);
+  WholeInputs in = harness::random_problem(c.attention(), seed, c.segments);
+  // Sinks near the logits, one far above them and one far below.
+  for (std::int64_t h = 0; c.sinks && h < c.hq; ++h)
+    in.sinks.push_back(h % 4 == 1 ? 6.0f : h % 4 == 2 ? -6.0f : 0.5f * static_cast<float>(h % 3) - 0.3f);
+  return in;
 }
 
 inline Tensor take_rows(const Tensor& t, const std::vector<std::int64_t>& positions) {
@@ -92,7 +99,7 @@ inline Tensor take_rows(const Tensor& t, const std::vector<std::int64_t>& positi
 
 // Whole outputs as floats in natural order, and what each rank counted.
 struct CpRun {
-  std::vector<float> o, lse, dq, dk, dv;
+  std::vector<float> o, lse, dq, dk, dv, dsinks;
   std::vector<std::vector<CollectiveRecord>> records;  // per rank
   std::vector<std::int64_t> tiles_per_rank;
 };
@@ -104,7 +111,7 @@ inline CpRun run_context_parallel(const CpCase& c, const WholeInputs& in, int th
   settings.options.kernel = c.kernel;
   settings.negative_control = c.control;
   const harness::WholeResult w = harness::run_in_process(c.attention(), c.parallel(), settings, in);
-  CpRun r{w.o.to_floats(), w.lse, w.dq.to_floats(), w.dk.to_floats(), w.dv.to_floats(), {}, {}};
+  CpRun r{w.o.to_floats(), w.lse, w.dq.to_floats(), w.dk.to_floats(), w.dv.to_floats(), w.dsinks, {}, {}};
   for (const harness::RankReport& rank : w.ranks) {
     r.records.push_back(rank.collectives);
     r.tiles_per_rank.push_back(rank.tiles);
@@ -114,7 +121,8 @@ inline CpRun run_context_parallel(const CpCase& c, const WholeInputs& in, int th
 
 inline CpRun run_single_device(const CpCase& c, const WholeInputs& in) {
   const auto pos = natural_positions(c.batch, c.seq);
-  const AttentionMask mask = c.attention().mask(pos, pos, in.segment_ids, in.segment_ids);
+  AttentionMask mask = c.attention().mask(pos, pos, in.segment_ids, in.segment_ids);
+  mask.sinks = in.sinks;
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
   FlashConfig cfg = c.kernel;
   cfg.threads = 1;
@@ -127,14 +135,15 @@ inline CpRun run_single_device(const CpCase& c, const WholeInputs& in) {
   r.dq = bwd.dq.to_floats();
   r.dk = bwd.dk.to_floats();
   r.dv = bwd.dv.to_floats();
+  r.dsinks = bwd.dsinks;
   return r;
 }
 
 inline ReferenceResult run_reference(const CpCase& c, const WholeInputs& in) {
   const auto pos = natural_positions(c.batch, c.seq);
-  return reference_attention(in.q, in.k, in.v, &in.d_out,
-                             c.attention().mask(pos, pos, in.segment_ids, in.segment_ids),
-                             1.0 / std::sqrt(static_cast<double>(c.dim)));
+  AttentionMask mask = c.attention().mask(pos, pos, in.segment_ids, in.segment_ids);
+  mask.sinks = in.sinks;
+  return reference_attention(in.q, in.k, in.v, &in.d_out, mask, 1.0 / std::sqrt(static_cast<double>(c.dim)));
 }
 
 // Forward bit-identical to the single-device kernel; gradients within 1e-6 (fp32) or 1e-2 (bf16) of it, and
@@ -156,6 +165,8 @@ inline void expect_matches_single_device(const CpCase& c) {
     CPATTN_EXPECT_CLOSE(got.dq, ref.dq, 1e-5, "dq vs reference");
     CPATTN_EXPECT_CLOSE(got.dk, ref.dk, 1e-5, "dk vs reference");
     CPATTN_EXPECT_CLOSE(got.dv, ref.dv, 1e-5, "dv vs reference");
+    CPATTN_EXPECT_CLOSE(got.dsinks, single.dsinks, 1e-6, "dsinks vs single device");
+    CPATTN_EXPECT_CLOSE(got.dsinks, ref.dsinks, 1e-5, "dsinks vs reference");
   } else {
     CPATTN_EXPECT_CLOSE(got.dq, single.dq, 1e-2, "dq vs single device");
     CPATTN_EXPECT_CLOSE(got.dk, single.dk, 1e-2, "dk vs single device");
@@ -164,6 +175,8 @@ inline void expect_matches_single_device(const CpCase& c) {
     CPATTN_EXPECT_CLOSE(got.dq, ref.dq, 2e-2, "dq vs reference");
     CPATTN_EXPECT_CLOSE(got.dk, ref.dk, 2e-2, "dk vs reference");
     CPATTN_EXPECT_CLOSE(got.dv, ref.dv, 2e-2, "dv vs reference");
+    CPATTN_EXPECT_CLOSE(got.dsinks, single.dsinks, 1e-2, "dsinks vs single device");
+    CPATTN_EXPECT_CLOSE(got.dsinks, ref.dsinks, 2e-2, "dsinks vs reference");
   }
 }
 
@@ -188,6 +201,8 @@ inline void expect_ring_matches_single_device(const CpCase& c, std::uint32_t see
   CPATTN_EXPECT_CLOSE(got.dq, ref.dq, tol.reference_rel, "dq vs reference");
   CPATTN_EXPECT_CLOSE(got.dk, ref.dk, tol.reference_rel, "dk vs reference");
   CPATTN_EXPECT_CLOSE(got.dv, ref.dv, tol.reference_rel, "dv vs reference");
+  CPATTN_EXPECT_CLOSE(got.dsinks, single.dsinks, tol.grad_rel, "dsinks vs single device");
+  CPATTN_EXPECT_CLOSE(got.dsinks, ref.dsinks, tol.reference_rel, "dsinks vs reference");
 }
 
 }  // namespace cpattn::testing

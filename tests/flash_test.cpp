@@ -366,6 +366,21 @@ TEST(FlashKernel, SoftCapMatchesTheReferenceOnEveryPath) {
   const auto plain = flash_attention_forward(in.q, in.k, in.v, in.mask(true), 0.125, {});
   const auto far = flash_attention_forward(in.q, in.k, in.v, capped, 0.125, {});
   CPATTN_EXPECT_CLOSE(far.o.to_floats(), plain.o.to_floats(), 1e-6, "o, cap 1e30");
+  // The rules' extremes (scale 1e-25, cap 1e25) stay finite on every path: no factor of scale / cap is
+  // formed.
+  for (const auto& [path, cfg] : testing::bf16_paths()) {
+    Case e{1, 100, 4, 2, 64, true, {}, DType::bf16};
+    const Inputs ein = make_inputs(e, 5);
+    AttentionMask m = ein.mask(true);
+    m.softcap = 1e25;
+    const auto f = flash_attention_forward(ein.q, ein.k, ein.v, m, 1e-25, cfg);
+    const auto g =
+        flash_attention_backward(ein.q, ein.k, ein.v, f.o, f.lse, ein.d_out, m, 1e-25, cfg, DType::f32);
+    const auto r = reference_attention(ein.q, ein.k, ein.v, &ein.d_out, m, 1e-25);
+    CPATTN_EXPECT_CLOSE(f.o.to_floats(), r.o, 1e-2, to_string(path));
+    CPATTN_EXPECT_CLOSE(g.dv.to_floats(), r.dv, 2e-2, to_string(path));
+    for (const float x : g.dq.to_floats()) ASSERT_TRUE(std::isfinite(x)) << to_string(path);
+  }
   // ... and the forward's cap is visible: a cap of 2 moves O far from the uncapped one.
   AttentionMask tight = in.mask(true);
   tight.softcap = 2.0;

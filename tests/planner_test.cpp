@@ -150,8 +150,9 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
          "each load-balanced too but ulysses";
 }
 
-// Sliding windows and soft-caps: every strategy's planned tiles per rank are the ones its run computed, and
-// its collectives the ones it counted (a window moves what no window moves today), on a packed row.
+// Sliding windows, soft-caps and sinks: every strategy's planned tiles per rank are the ones its run
+// computed, and its collectives the ones it counted (a window moves what no window moves today; sinks move
+// nothing more), on a packed row.
 TEST(Planner, WindowedPlansEqualWhatRunCounted) {
   auto sorted = [](std::vector<CollectiveRecord> v) {
     std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) {
@@ -182,7 +183,8 @@ TEST(Planner, WindowedPlansEqualWhatRunCounted) {
       c.causal = causal;
       c.window_left = causal ? 40 : 30;
       if (!causal) c.window_right = 10;
-      if (variant++ % 2 == 0) c.softcap = 20.0;
+      if (variant % 2 == 0) c.softcap = 20.0;
+      c.sinks = variant++ % 3 != 0;  // each rank's share of dsinks stays on it: no collective
       SCOPED_TRACE(c.name());
       const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
       PlanRequest r;

@@ -41,12 +41,14 @@ std::vector<BlockMeta> random_blocks(std::mt19937& rng, int count, bool segments
 
 TEST(TileCount, AgreesWithClassifyingEveryPair) {
   std::mt19937 rng(5);
-  // Bands: none, causal, causal windows (left 0, 30, 200), two-sided windows, a right side only.
-  const PositionBand bands[] = {causal_band(false), causal_band(true), {0, 0},    {30, 0},
-                                {200, 0},           {5, 17},           {90, 300}, {kUnboundedWindow, 40}};
-  for (int trial = 0; trial < 800; ++trial) {
-    const PositionBand band = bands[trial % 8];
-    const bool segments = trial % 16 < 8;
+  // Bands: none, causal, causal windows (left 0, 30, 200), two-sided windows, a right side only, a left side
+  // only, one past every position.
+  const PositionBand bands[] = {
+      causal_band(false),     causal_band(true),      {0, 0},      {30, 0}, {200, 0}, {5, 17}, {90, 300},
+      {kUnboundedWindow, 40}, {30, kUnboundedWindow}, {2000, 2000}};
+  for (int trial = 0; trial < 1000; ++trial) {
+    const PositionBand band = bands[trial % 10];
+    const bool segments = trial % 20 < 10;
     const auto q = random_blocks(rng, 1 + trial % 37, segments);
     const auto kv = random_blocks(rng, 1 + trial % 53, segments);
     ASSERT_EQ(count_nonempty_tiles(q, kv, band, segments), count_by_pairs(q, kv, band, segments))

@@ -70,6 +70,9 @@ struct AttentionSpec {
   // Logit soft-capping (Gemma 2): logits x become softcap * tanh(x / softcap) before the softmax; unset:
   // none. The YAML's attn_logits_soft_cap.
   std::optional<double> softcap;
+  // Attention sinks (gpt-oss): one logit per q head in the softmax's denominator, with no value; their values
+  // come with each forward (ContextParallelAttention::forward's `sinks`), their gradient with its backward.
+  bool sinks = false;
 
   double scale() const;
   bool windowed() const { return window_left.has_value() || window_right.has_value(); }

@@ -26,10 +26,14 @@ struct ConfigValues {
   std::optional<bool> attention_load_balance;  // context_parallel_attention_load_balance
   std::optional<bool> causal;
   std::optional<std::string> dtype;  // dtype
-  // Sliding window: sliding_window_size W (W keys, the query's included) is window_left W - 1 (0: none, as
-  // in the seed framework's defaults); --window LEFT[,RIGHT] sets them directly.
+  // Sliding window: --window LEFT[,RIGHT] sets the sides; sliding_window_size W (W keys back, the query's
+  // included; 0: none, as in the seed framework's defaults) where no --window is given: window_left W - 1,
+  // and without the causal mask window_right W - 1 too (the seed framework's local-sliding mask bounds both
+  // sides).
   std::optional<std::int64_t> window_left, window_right;
+  std::optional<std::int64_t> sliding_window;
   std::optional<double> softcap;  // attn_logits_soft_cap (0: none, as in the seed framework's defaults)
+  bool sinks = false;             // the run's --sinks (no config key)
   // The model around attention (for the planner).
   std::optional<std::int64_t> emb_dim;          // base_emb_dim
   std::optional<std::int64_t> num_layers;       // base_num_decoder_layers

@@ -43,6 +43,10 @@ struct AttentionGradients {
   Tensor dq;  // [B, S/cp, Hq, D]
   Tensor dk;  // [B, S/cp, Hkv, D] (the inputs' dtype)
   Tensor dv;
+  // [Hq] with AttentionSpec::sinks: this rank's share of the sinks' gradient (its rows of the heads it
+  // computed; 0 for the others). The shares of the cp ranks add up to the gradient, as every parameter's
+  // gradient in context parallelism does: the training's gradient all-reduce over the group sums them.
+  std::vector<float> dsinks;
 };
 
 class ContextParallelAttention {
@@ -58,8 +62,11 @@ class ContextParallelAttention {
   // q: [B, S/cp, Hq, D]; k, v: [B, S/cp, Hkv, D]; segment_ids: [B, S/cp] or empty (one document per row).
   // Shapes that disagree with the spec, or with another rank's, are an Error on every rank before any data
   // moves. forward_only (prefill) keeps no state for a backward.
+  // sinks: [Hq] (this tp rank's heads) with AttentionSpec::sinks, the same values on every rank (else an
+  // Error naming them); empty without.
   AttentionOutput forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                          std::span<const std::int32_t> segment_ids = {}, bool forward_only = false);
+                          std::span<const std::int32_t> segment_ids = {}, bool forward_only = false,
+                          std::span<const float> sinks = {});
   // d_out: [B, S/cp, Hq, D]. Needs a forward (not forward-only) before it.
   AttentionGradients backward(const Tensor& d_out);
 

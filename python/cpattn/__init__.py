@@ -1,10 +1,12 @@
 """cpattn: context-parallel attention from Python.
 
 numpy level (float32 arrays [B, S, H, D]; uint16 arrays are taken as bfloat16 words):
-    o, lse = cpattn.attention(q, k, v, causal=True, segment_ids=None, scale=None, window=None)
+    o, lse = cpattn.attention(q, k, v, causal=True, segment_ids=None, scale=None, window=None, softcap=None,
+                              sinks=None)
     dq, dk, dv = cpattn.attention_backward(q, k, v, o, lse, do, causal=True, segment_ids=None, scale=None,
-                                           window=None)
-    (window: a sliding window, LEFT or (LEFT, RIGHT) as flash-attention's window_size)
+                                           window=None, softcap=None, sinks=None)   # with sinks: + dsinks
+    (window: a sliding window, LEFT or (LEFT, RIGHT), flash-attention's window_size; softcap: Gemma 2's logit
+    soft-cap; sinks: a float32 array [Hq] of attention-sink logits, gpt-oss's)
     cpattn.validate(**config), cpattn.plan(**config): the documents of `cpattn validate --json` and
     `cpattn plan --json` (keywords: the program's flags with underscores, q_heads for --q-heads).
 

@@ -141,14 +141,21 @@ def attention(q, k, v, causal=True, segment_ids=None, scale=None, threads=None, 
 
 class _ContextParallel(_torch.autograd.Function):
     @staticmethod
-    def forward(ctx, impl, q, k, v, segment_ids, forward_only):
+    def forward(ctx, impl, q, k, v, segment_ids, forward_only, sinks):
         arrays = [_to_numpy(q, "q"), _to_numpy(k, "k"), _to_numpy(v, "v"), _segments(segment_ids)]
+        sa = None
+        if sinks is not None:
+            try:
+                sa = _sinks_to_numpy(sinks)
+            except Exception as e:  # joins the agreement: every rank raises
+                arrays.append((None, str(e)))
         # A reason found here does not raise here: it goes into the agreement every rank makes, so every
         # rank raises.
         why = "; ".join(w for _, w in arrays if w)
-        qa, ka, va, seg = (a for a, _ in arrays)
-        o, _, saved = impl.forward(qa, ka, va, seg, why, forward_only)
+        qa, ka, va, seg = (a for a, _ in arrays[:4])
+        o, _, saved = impl.forward(qa, ka, va, seg, why, forward_only, sa)
         ctx.impl, ctx.saved_forward = impl, saved
+        ctx.sinks_dtype = None if sinks is None else sinks.dtype
         return _to_torch(o)
 
     @staticmethod
@@ -159,8 +166,11 @@ class _ContextParallel(_torch.autograd.Function):
                                "after the first; retain_graph is not supported)")
         da, why = _to_numpy(do, "do")
         saved, ctx.saved_forward = ctx.saved_forward, None  # freed once used: no state outlives its backward
-        dq, dk, dv = ctx.impl.backward(saved, da, why)
-        return None, _to_torch(dq), _to_torch(dk), _to_torch(dv), None, None
+        dq, dk, dv, dsinks = ctx.impl.backward(saved, da, why)
+        # this rank's share of the sinks' gradient: the training's all-reduce sums the shares, as it sums
+        # every parameter's over the context-parallel group
+        ds = None if dsinks is None else _torch.from_numpy(dsinks).to(ctx.sinks_dtype)
+        return None, _to_torch(dq), _to_torch(dk), _to_torch(dv), None, None, ds
 
 
 def _global_rank(group, rank):
@@ -305,12 +315,14 @@ class ContextParallelAttention(_torch.nn.Module):
         """This rank's shard of a whole-sequence tensor (sequence along `dim`), in the strategy's layout."""
         return x.index_select(dim, self.local_positions(x.shape[dim]))
 
-    def forward(self, q, k, v, segment_ids=None):
+    def forward(self, q, k, v, segment_ids=None, sinks=None):
+        """sinks: a tensor [Hq] of attention-sink logits, the same on every rank; its .grad receives this
+        rank's share of the gradient (the shares of the group add up to it, as every parameter's do)."""
         # No graph to build (no_grad, or no input needs a gradient): the forward keeps no state for a backward.
         needs_grad = _torch.is_grad_enabled() and any(
-            isinstance(t, _torch.Tensor) and t.requires_grad for t in (q, k, v)
+            isinstance(t, _torch.Tensor) and t.requires_grad for t in (q, k, v, sinks)
         )
-        return _ContextParallel.apply(self._impl, q, k, v, segment_ids, not needs_grad)
+        return _ContextParallel.apply(self._impl, q, k, v, segment_ids, not needs_grad, sinks)
 
 
 _SDPA_OBJECTS = []  # (group, options, ContextParallelAttention), most recent first; at most _SDPA_KEPT
@@ -319,7 +331,7 @@ _SDPA_KEPT = 16
 
 def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
                           segment_ids=None, group=None, strategy="ulysses", load_balance=False, layout=None,
-                          ulysses_degree=None, threads=None, timeout=None, window=None, softcap=None):
+                          ulysses_degree=None, threads=None, timeout=None, window=None, softcap=None, sinks=None):
     """torch.nn.functional.scaled_dot_product_attention's arguments and layout, context-parallel over a
     torch.distributed process group (None: the default group): query [B, Hq, S/cp, D], key and value
     [B, Hkv, S/cp, D] (GQA: Hq a multiple of Hkv), each process its shard of the sequence in the layout of
@@ -361,5 +373,6 @@ def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_c
         attn = ContextParallelAttention(group=group, **options)
         _SDPA_OBJECTS.insert(0, (group, options, attn))
         del _SDPA_OBJECTS[_SDPA_KEPT:]
-    out = attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), segment_ids=segment_ids)
+    out = attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), segment_ids=segment_ids,
+               sinks=sinks)
     return out.transpose(1, 2)

@@ -173,6 +173,7 @@ void add_specs(Agreement& agreement, const AttentionSpec& a, const ParallelSpec&
   } else {
     agreement.add_named("softcap", 0, "unset (none)");
   }
+  agreement.add("sinks", a.sinks);
   agreement.add("cp", p.cp).add("tp", p.tp);
   const bool known =
       std::find(std::begin(kStrategies), std::end(kStrategies), p.strategy) != std::end(kStrategies);

@@ -104,7 +104,7 @@ constexpr KeyReader kKeys[] = {
        if (w < 0 || w - 1 > kMaxWindowSide) {
          bad_value(n, k, x, "a window of 0 (none) or 1.." + std::to_string(kMaxWindowSide + 1) + " keys");
        }
-       if (w > 0) v.window_left = w - 1;
+       if (w > 0) v.sliding_window = w;
      }},
     {"attn_logits_soft_cap",
      [](ConfigValues& v, const std::string& n, const std::string& k, const YAML::Node& x) {
@@ -149,7 +149,9 @@ void ConfigValues::merge_from(const ConfigValues& o) {
   take(dtype, o.dtype);
   take(window_left, o.window_left);
   take(window_right, o.window_right);
+  take(sliding_window, o.sliding_window);
   take(softcap, o.softcap);
+  sinks = sinks || o.sinks;
   take(emb_dim, o.emb_dim);
   take(num_layers, o.num_layers);
   take(attention_every, o.attention_every);
@@ -280,7 +282,12 @@ Specs to_specs(const ConfigValues& v, std::vector<ErrorItem>& errors) {
   s.attention.causal = v.causal.value_or(true);
   s.attention.window_left = v.window_left;
   s.attention.window_right = v.window_right;
+  if (!v.window_left && !v.window_right && v.sliding_window) {
+    s.attention.window_left = *v.sliding_window - 1;
+    if (!s.attention.causal) s.attention.window_right = *v.sliding_window - 1;
+  }
   s.attention.softcap = v.softcap;
+  s.attention.sinks = v.sinks;
   s.parallel.cp = v.cp.value_or(1);
   s.parallel.tp = v.tp.value_or(1);
   s.parallel.ulysses_degree = v.ulysses_degree.value_or(0);

@@ -37,8 +37,10 @@ AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor&
   AttentionOutput out;
   out.o = Tensor(attention.dtype, q.shape());
   out.lse.assign(static_cast<std::size_t>(B * hq * local_seq), 0.0f);
-  flash_forward(cref(q), cref(k_full), cref(v_full), mask(q_pos, kv_pos, seg_local, seg_full),
-                attention.scale(), kernel_config(), ref(out.o), out.lse.data(), &tiles);
+  AttentionMask m = mask(q_pos, kv_pos, seg_local, seg_full);
+  m.sinks = sinks_local;
+  flash_forward(cref(q), cref(k_full), cref(v_full), m, attention.scale(), kernel_config(), ref(out.o),
+                out.lse.data(), &tiles);
   if (!forward_only) {
     AllGatherSaved s;
     s.q = q;
@@ -72,9 +74,12 @@ AttentionGradients ContextParallelAttention::Impl::all_gather_backward(const Ten
   AttentionGradients g;
   g.dq = Tensor(attention.dtype, s.q.shape());
   Tensor dk_partial(DType::f32, s.k_full.shape()), dv_partial(DType::f32, s.v_full.shape());
-  flash_backward(cref(s.q), cref(s.k_full), cref(s.v_full), cref(s.o), s.lse.data(), cref(d_out),
-                 mask(q_pos, kv_pos, s.seg_local, s.seg_full), attention.scale(), kernel_config(), ref(g.dq),
-                 ref(dk_partial), ref(dv_partial));
+  AttentionMask m = mask(q_pos, kv_pos, s.seg_local, s.seg_full);
+  m.sinks = s.sinks;
+  g.dsinks.assign(s.sinks.size(), 0.0f);  // this rank's rows of every head
+  flash_backward(cref(s.q), cref(s.k_full), cref(s.v_full), cref(s.o), s.lse.data(), cref(d_out), m,
+                 attention.scale(), kernel_config(), ref(g.dq), ref(dk_partial), ref(dv_partial), nullptr,
+                 s.sinks.empty() ? nullptr : g.dsinks.data());
   // [B, S, Hkv, D] fp32 partials -> [B, S/cp, Hkv, D] sums
   g.dk = cp::reduce_scatter_sequence(comm, dk_partial, positions).to(attention.dtype);
   g.dv = cp::reduce_scatter_sequence(comm, dv_partial, positions).to(attention.dtype);

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cstring>
 #include <thread>
 
 #include "context_parallel_impl.hpp"
@@ -102,6 +103,30 @@ int threads_per_rank(int threads, std::int64_t cp) {
   return threads > 0 ? threads : std::max(1, cores / static_cast<int>(std::max<std::int64_t>(cp, 1)));
 }
 
+namespace cp {
+
+std::vector<float> sink_parts(const std::vector<float>& sinks, std::int64_t h0, const Tensor& o,
+                              const std::vector<float>& lse, const Tensor& d_out) {
+  const Shape4 s = o.shape();
+  CPATTN_ASSERT(d_out.shape() == s && static_cast<std::int64_t>(lse.size()) == s.b * s.h * s.s);
+  std::vector<float> delta(lse.size()), parts(sinks.size(), 0.0f);
+  for (std::int64_t b = 0; b < s.b; ++b) {
+    for (std::int64_t h = 0; h < s.h; ++h) {
+      for (std::int64_t i = 0; i < s.s; ++i) {
+        double sum = 0;
+        for (std::int64_t d = 0; d < s.d; ++d) sum += o.get(b, i, h, d) * d_out.get(b, i, h, d);
+        delta[static_cast<std::size_t>((b * s.h + h) * s.s + i)] = static_cast<float>(sum);
+      }
+    }
+  }
+  sink_gradients(
+      std::span<const float>(sinks).subspan(static_cast<std::size_t>(h0), static_cast<std::size_t>(s.h)),
+      lse.data(), delta.data(), s.b, s.h, s.s, parts.data() + h0);
+  return parts;
+}
+
+}  // namespace cp
+
 AttentionMask ContextParallelAttention::Impl::mask(const std::vector<std::int32_t>& q_pos,
                                                    const std::vector<std::int32_t>& kv_pos,
                                                    const std::vector<std::int32_t>& q_seg,
@@ -110,7 +135,8 @@ AttentionMask ContextParallelAttention::Impl::mask(const std::vector<std::int32_
 }
 
 void ContextParallelAttention::Impl::check_inputs(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                  std::span<const std::int32_t> seg, bool forward_only) {
+                                                  std::span<const std::int32_t> seg, bool forward_only,
+                                                  std::span<const float> sinks) {
   const std::int64_t B = attention.batch, D = attention.head_dim;
   const Shape4 want_q{B, local_seq, hq, D}, want_kv{B, local_seq, hkv, D};
   std::string problem;
@@ -135,11 +161,33 @@ void ContextParallelAttention::Impl::check_inputs(const Tensor& q, const Tensor&
     problem = "segment_ids holds " + std::to_string(seg.size()) +
               " values; expected [B, S/cp] = " + std::to_string(B * local_seq);
   }
+  if (problem.empty() && attention.sinks != !sinks.empty()) {
+    field = "sinks";
+    problem = attention.sinks
+                  ? "sinks are missing: the spec has sinks (AttentionSpec::sinks), give one per q head"
+                  : "sinks were given but the spec has none (set AttentionSpec::sinks)";
+  }
+  if (problem.empty() && !sinks.empty() && static_cast<std::int64_t>(sinks.size()) != hq) {
+    field = "sinks";
+    problem = "sinks holds " + std::to_string(sinks.size()) + " values; expected one per local q head (" +
+              std::to_string(hq) + ")";
+  }
   // One all_reduce: every rank learns whether any rank is wrong (and which), and whether all agree on having
-  // segments and on keeping state (the largest of each and of its complement, ~ the smallest).
+  // segments, on keeping state and on the sinks' values (the largest of each and of its complement, ~ the
+  // smallest).
   const std::int64_t has_seg = seg.empty() ? 0 : 1, keeps = forward_only ? 0 : 1;
-  std::int64_t flags[5] = {problem.empty() ? -1 : rank, has_seg, ~has_seg, keeps, ~keeps};
-  comm.all_reduce(flags, 5, ReduceOp::max);
+  std::int64_t sink_hash = 1469598103934665603LL;  // FNV-1a over the sinks' bytes
+  for (const float x : sinks) {
+    std::uint32_t bits = 0;
+    std::memcpy(&bits, &x, sizeof bits);
+    for (int byte = 0; byte < 4; ++byte) {
+      sink_hash ^= static_cast<std::int64_t>((bits >> (8 * byte)) & 0xffu);
+      sink_hash = static_cast<std::int64_t>(static_cast<std::uint64_t>(sink_hash) * 1099511628211ULL);
+    }
+  }
+  std::int64_t flags[7] = {
+      problem.empty() ? -1 : rank, has_seg, ~has_seg, keeps, ~keeps, sink_hash, ~sink_hash};
+  comm.all_reduce(flags, 7, ReduceOp::max);
   if (!problem.empty()) {
     throw Error(ErrorKind::invalid_input, field, "", "rank " + std::to_string(rank) + ": " + problem);
   }
@@ -153,6 +201,12 @@ void ContextParallelAttention::Impl::check_inputs(const Tensor& q, const Tensor&
     throw Error(ErrorKind::invalid_input, "segment_ids", has_seg != 0 ? "given" : "none",
                 "the ranks disagree on segment_ids: some ranks passed them and others did not (this rank: " +
                     std::string(has_seg != 0 ? "passed" : "did not") + ")");
+  }
+  if (flags[5] != ~flags[6]) {
+    throw Error(
+        ErrorKind::invalid_input, "sinks", "",
+        "the ranks disagree on sinks: their values differ between ranks (every rank must pass the same "
+        "sinks, one per q head)");
   }
   if (flags[3] != ~flags[4]) {
     throw Error(ErrorKind::invalid_config, "forward_only", forward_only ? "true" : "false",
@@ -216,17 +270,21 @@ AttentionGradients ContextParallelAttention::Impl::run_backward(const Tensor& d_
 }
 
 AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                        std::span<const std::int32_t> seg,
-                                                        bool forward_only) {
-  check_inputs(q, k, v, seg, forward_only);
+                                                        std::span<const std::int32_t> seg, bool forward_only,
+                                                        std::span<const float> sinks) {
+  check_inputs(q, k, v, seg, forward_only, sinks);
   saved.reset();
   comm_wait_seconds = 0;
   seg_local.assign(seg.begin(), seg.end());
+  sinks_local.assign(sinks.begin(), sinks.end());
   StrategySchedule schedule = strategy_schedule(attention, parallel, {options.remat, !seg.empty(), rank});
   CollectiveCounters::PhaseScope phase(group.counters(), "forward");
   expect(schedule.forward, unscheduled());
   AttentionOutput out = run_forward(q, k, v, forward_only);
-  if (saved) saved->owner = this;
+  if (saved) {
+    saved->owner = this;
+    saved->sinks = sinks_local;
+  }
   finish();
   backward_calls = std::move(schedule.backward);
   return out;
@@ -237,6 +295,7 @@ AttentionGradients ContextParallelAttention::Impl::backward(const Tensor& d_out)
   CollectiveCounters::PhaseScope phase(group.counters(), "backward");
   expect(backward_calls, unscheduled());
   AttentionGradients grads = run_backward(d_out);
+  CPATTN_ASSERT(static_cast<std::int64_t>(grads.dsinks.size()) == (attention.sinks ? hq : 0));
   finish();
   return grads;
 }
@@ -250,9 +309,9 @@ ContextParallelAttention::~ContextParallelAttention() = default;
 
 AttentionOutput ContextParallelAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v,
                                                   std::span<const std::int32_t> segment_ids,
-                                                  bool forward_only) {
+                                                  bool forward_only, std::span<const float> sinks) {
   const trace::Scope event("layer", "attention forward");
-  return impl_->forward(q, k, v, segment_ids, forward_only);
+  return impl_->forward(q, k, v, segment_ids, forward_only, sinks);
 }
 
 AttentionGradients ContextParallelAttention::backward(const Tensor& d_out) {

@@ -21,13 +21,13 @@ class ContextParallelAttention::Impl {
        ContextParallelOptions options);
 
   AttentionOutput forward(const Tensor& q, const Tensor& k, const Tensor& v,
-                          std::span<const std::int32_t> seg, bool forward_only);
+                          std::span<const std::int32_t> seg, bool forward_only, std::span<const float> sinks);
   AttentionGradients backward(const Tensor& d_out);
 
   // Shapes checked against the spec on this rank, then agreed on by every rank (all_reduce) with whether
   // segments are given and state kept, before data moves.
   void check_inputs(const Tensor& q, const Tensor& k, const Tensor& v, std::span<const std::int32_t> seg,
-                    bool forward_only);
+                    bool forward_only, std::span<const float> sinks);
   void check_grad_input(const Tensor& d_out);
 
   // The strategy's own forward and backward (a switch over Strategy without default).
@@ -85,6 +85,7 @@ class ContextParallelAttention::Impl {
     virtual std::int64_t bytes() const = 0;
     Strategy strategy;            // the strategy that made it
     const Impl* owner = nullptr;  // the object whose forward made it
+    std::vector<float> sinks;     // the forward's sinks ([hq]; empty: none)
   };
   std::unique_ptr<SavedState> saved;
   template <class T>
@@ -93,10 +94,24 @@ class ContextParallelAttention::Impl {
     return static_cast<T&>(*saved);
   }
   std::vector<std::int32_t> seg_local;        // this call's segment ids
+  std::vector<float> sinks_local;             // this call's sinks ([hq]; empty: none)
   std::vector<std::vector<float>> step_lses;  // ring's negative control ring_step_lse: each step's LSE
 };
 
 namespace cp {
+
+// The sinks of heads [begin + q0, begin + q0 + nq) of `sinks` ([hq]), or none where there are none.
+inline std::span<const float> head_sinks(const std::vector<float>& sinks, std::int64_t begin, std::int64_t q0,
+                                         std::int64_t nq) {
+  if (sinks.empty()) return {};
+  return std::span<const float>(sinks).subspan(static_cast<std::size_t>(begin + q0),
+                                               static_cast<std::size_t>(nq));
+}
+
+// This rank's part of the sinks' gradient ([hq], zero but for heads [h0, h0 + nh)): over the rows of o and
+// d_out [B, rows, nh, D] and lse [B, nh, rows], -sum e^(sink - LSE) rowsum(dO * O) (sink_gradients).
+std::vector<float> sink_parts(const std::vector<float>& sinks, std::int64_t h0, const Tensor& o,
+                              const std::vector<float>& lse, const Tensor& d_out);
 
 // A saved state's bytes: its tensors' and `other` (vectors).
 inline std::int64_t saved_bytes(std::initializer_list<const Tensor*> tensors, std::size_t other) {

@@ -126,8 +126,9 @@ AttentionOutput ContextParallelAttention::Impl::hybrid_forward(const Tensor& q, 
                                           : seg_rows;
   }
 
-  const cp::RingPass pass = ring_pass(*ring_comm, ring_positions, parallel.ring_parts(),
-                                      cp::kernel_calls(u.q[u_rank], u.kv[u_rank], hq / hkv));
+  cp::RingPass pass = ring_pass(*ring_comm, ring_positions, parallel.ring_parts(),
+                                cp::kernel_calls(u.q[u_rank], u.kv[u_rank], hq / hkv));
+  pass.sinks = cp::head_sinks(sinks_local, u.q[u_rank].begin, 0, u.q[u_rank].size());
   AttentionOutput heads = cp::ring_pass_forward(pass, qr, kr, vr, seg_rows, seg_full);
 
   AttentionOutput out;
@@ -174,9 +175,16 @@ AttentionGradients ContextParallelAttention::Impl::hybrid_backward(const Tensor&
                                       cp::kernel_calls(u.q[h.u_rank], u.kv[h.u_rank], hq / hkv));
   cp::RingGradients g = cp::ring_pass_backward(pass, s.q, s.k, s.v, s.o, s.lse, U > 1 ? do_heads : d_out,
                                                s.seg_local, s.seg_full);
-  if (U == 1) return {g.dq.to(attention.dtype), g.dk.to(attention.dtype), g.dv.to(attention.dtype)};
+  // This rank's part of dsinks: its ring rows of its ulysses heads.
+  std::vector<float> dsinks;
+  if (!s.sinks.empty())
+    dsinks = cp::sink_parts(s.sinks, u.q[h.u_rank].begin, s.o, s.lse, U > 1 ? do_heads : d_out);
+  if (U == 1) {
+    return {g.dq.to(attention.dtype), g.dk.to(attention.dtype), g.dv.to(attention.dtype), std::move(dsinks)};
+  }
 
   AttentionGradients out;
+  out.dsinks = std::move(dsinks);
   out.dq = cp::all_to_all_heads_to_sequence(*ulysses_comm, h.in_members(g.dq.to(attention.dtype)), u.q);
   // [B, L, nkv_u, D] fp32 -> [B, S/cp, sum_u nkv_u, D] -> [B, S/cp, Hkv, D]
   const Tensor dk_all = cp::all_to_all_heads_to_sequence(*ulysses_comm, h.in_members(std::move(g.dk)), u.kv);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "cpattn/comm.hpp"
@@ -25,6 +26,7 @@ struct RingPass {
   double* waited = nullptr;                              // time spent in shifts' wait(), added to
   TileCounts* tiles = nullptr;                           // forward: the tiles computed, set
   std::vector<std::vector<float>>* step_lses = nullptr;  // negative control ring_step_lse: each step's LSE
+  std::span<const float> sinks = {};  // the sinks of the pass's q heads, folded in after the last step
 };
 
 // q: [B, L, n, D], k, v: [B, L, nkv, D] (L = the ring rank's rows); seg_local [B, L] and seg_full [B, S] in

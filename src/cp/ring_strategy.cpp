@@ -95,8 +95,10 @@ struct Running {
   }
 
   // O = O / l in `dtype`, LSE = m + log l; rows that saw no key: O = 0, LSE = -inf (as the kernel gives).
-  // Normalises in place (fresh pages are slow to touch on some machines: no second buffer).
-  AttentionOutput finish(DType dtype) && {
+  // With sinks ([H]) each row's sink is folded in as the kernels fold it (sinks.hpp): LSE' = log(e^LSE +
+  // e^sink), O scaled by e^(LSE - LSE'). Normalises in place (fresh pages are slow to touch on some machines:
+  // no second buffer).
+  AttentionOutput finish(DType dtype, std::span<const float> sinks) && {
     const Shape4 s = o.shape();
     std::vector<float> lse(m.size());
     float* x = o.data<float>();
@@ -106,7 +108,14 @@ struct Running {
           const std::size_t row = static_cast<std::size_t>((b * s.h + h) * s.s + i);
           const bool none = l[row] == 0.0f;
           lse[row] = none ? -std::numeric_limits<float>::infinity() : m[row] + std::log(l[row]);
-          const float inv = none ? 0.0f : 1.0f / l[row];
+          float inv = none ? 0.0f : 1.0f / l[row];
+          if (!sinks.empty()) {
+            const double keys = lse[row], sink = sinks[static_cast<std::size_t>(h)];
+            const double hi = std::max(keys, sink);
+            const double both = hi + std::log(std::exp(keys - hi) + std::exp(sink - hi));
+            inv = none ? 0.0f : static_cast<float>(std::exp(keys - both)) / l[row];
+            lse[row] = static_cast<float>(both);
+          }
           const std::int64_t off = ((b * s.s + i) * s.h + h) * s.d;
           for (std::int64_t d = 0; d < s.d; ++d) x[off + d] = none ? 0.0f : x[off + d] * inv;
         }
@@ -294,7 +303,7 @@ AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const T
       std::swap(current, next);
     }
   }
-  return std::move(run).finish(a.dtype);
+  return std::move(run).finish(a.dtype, ring.sinks);
 }
 
 RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -403,7 +412,8 @@ AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, co
                                                              const Tensor& v, bool forward_only) {
   std::vector<std::int32_t> seg_full;
   if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, attention.batch, positions);
-  const cp::RingPass pass = ring_pass(comm, positions, parallel.ring_parts(), {{0, hq, 0, hkv}});
+  cp::RingPass pass = ring_pass(comm, positions, parallel.ring_parts(), {{0, hq, 0, hkv}});
+  pass.sinks = sinks_local;
   AttentionOutput out = cp::ring_pass_forward(pass, q, k, v, seg_local, seg_full);
   if (!forward_only) {
     cp::RingSaved s(Strategy::ring);
@@ -424,7 +434,9 @@ AttentionGradients ContextParallelAttention::Impl::ring_backward(const Tensor& d
   const cp::RingPass pass = ring_pass(comm, positions, parallel.ring_parts(), {{0, hq, 0, hkv}});
   cp::RingGradients g =
       cp::ring_pass_backward(pass, s.q, s.k, s.v, s.o, s.lse, d_out, s.seg_local, s.seg_full);
-  return {g.dq.to(attention.dtype), g.dk.to(attention.dtype), g.dv.to(attention.dtype)};
+  AttentionGradients out{g.dq.to(attention.dtype), g.dk.to(attention.dtype), g.dv.to(attention.dtype), {}};
+  if (!s.sinks.empty()) out.dsinks = cp::sink_parts(s.sinks, 0, s.o, s.lse, d_out);  // this rank's rows
+  return out;
 }
 
 }  // namespace cpattn

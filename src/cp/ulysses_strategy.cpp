@@ -171,15 +171,19 @@ AttentionOutput ContextParallelAttention::Impl::ulysses_forward(const Tensor& q,
   std::vector<float> lse_heads(static_cast<std::size_t>(B * n * S));
   const auto calls = cp::kernel_calls(u.q[rank], u.kv[rank], hq / hkv);
   if (calls.size() == 1 && calls[0].nkv == u.kv[rank].size()) {  // every local head in one call
-    flash_forward(cref(h.q), cref(h.k), cref(h.v), m, attention.scale(), kernel_config(), ref(o_heads),
+    AttentionMask mc = m;
+    mc.sinks = cp::head_sinks(sinks_local, u.q[rank].begin, 0, n);
+    flash_forward(cref(h.q), cref(h.k), cref(h.v), mc, attention.scale(), kernel_config(), ref(o_heads),
                   lse_heads.data(), &tiles);
   } else {
     tiles = TileCounts{};
     for (const KernelCall& c : calls) {
       std::vector<float> lse(static_cast<std::size_t>(B * c.nq * S));
       TileCounts t;
+      AttentionMask mc = m;
+      mc.sinks = cp::head_sinks(sinks_local, u.q[rank].begin, c.q0, c.nq);
       flash_forward(cref(h.q).heads(c.q0, c.nq), cref(h.k).heads(c.kv0, c.nkv), cref(h.v).heads(c.kv0, c.nkv),
-                    m, attention.scale(), kernel_config(), ref(o_heads).heads(c.q0, c.nq), lse.data(), &t);
+                    mc, attention.scale(), kernel_config(), ref(o_heads).heads(c.q0, c.nq), lse.data(), &t);
       copy_lse_rows(lse.data(), c.nq, 0, lse_heads.data(), n, c.q0, B, c.nq, S);
       cp::add_call_tiles(tiles, t, B, n, c);
     }
@@ -226,6 +230,8 @@ AttentionGradients ContextParallelAttention::Impl::ulysses_backward(const Tensor
   const std::int64_t n = u.q[rank].size();
   Tensor dq_heads(attention.dtype, q.shape());
   Tensor dk_heads(DType::f32, k.shape()), dv_heads(DType::f32, v.shape());
+  AttentionGradients g;
+  g.dsinks.assign(s.sinks.size(), 0.0f);  // this rank's heads over every row, each call its own
   for (const KernelCall& c : cp::kernel_calls(u.q[rank], u.kv[rank], hq / hkv)) {
     const bool all = c.nq == n;
     std::vector<float> lse;
@@ -233,14 +239,16 @@ AttentionGradients ContextParallelAttention::Impl::ulysses_backward(const Tensor
       lse.resize(static_cast<std::size_t>(B * c.nq * S));
       copy_lse_rows(s.lse.data(), n, c.q0, lse.data(), c.nq, 0, B, c.nq, S);
     }
+    AttentionMask mc = m;
+    mc.sinks = cp::head_sinks(s.sinks, u.q[rank].begin, c.q0, c.nq);
     flash_backward(cref(q).heads(c.q0, c.nq), cref(k).heads(c.kv0, c.nkv), cref(v).heads(c.kv0, c.nkv),
                    cref(s.o).heads(c.q0, c.nq), all ? s.lse.data() : lse.data(),
-                   cref(do_heads).heads(c.q0, c.nq), m, attention.scale(), kernel_config(),
+                   cref(do_heads).heads(c.q0, c.nq), mc, attention.scale(), kernel_config(),
                    ref(dq_heads).heads(c.q0, c.nq), ref(dk_heads).heads(c.kv0, c.nkv),
-                   ref(dv_heads).heads(c.kv0, c.nkv));
+                   ref(dv_heads).heads(c.kv0, c.nkv), nullptr,
+                   s.sinks.empty() ? nullptr : g.dsinks.data() + u.q[rank].begin + c.q0);
   }
 
-  AttentionGradients g;
   g.dq = cp::all_to_all_heads_to_sequence(comm, dq_heads, u.q);
   // [B, S, nkv_r, D] fp32 -> [B, S/cp, sum_r nkv_r, D] -> [B, S/cp, Hkv, D]
   const Tensor dk_all = cp::all_to_all_heads_to_sequence(comm, dk_heads, u.kv);

@@ -37,6 +37,7 @@ nlohmann::ordered_json attention_to_json(const AttentionSpec& a) {
     doc["window"] = {{"left", side(band.left)}, {"right", side(band.right)}};
   }
   doc["softcap"] = a.softcap ? nlohmann::ordered_json(*a.softcap) : nlohmann::ordered_json(nullptr);
+  doc["sinks"] = a.sinks;
   return doc;
 }
 
@@ -52,6 +53,7 @@ std::string window_text(const AttentionSpec& a) {
     cap << *a.softcap;
     text += ", softcap " + cap.str();
   }
+  if (a.sinks) text += ", sinks";
   return text;
 }
 

@@ -15,10 +15,10 @@ namespace cpattn {
 
 // The attention problem as the "problem" block of every command's JSON: batch, seq, q_heads, kv_heads,
 // head_dim, causal, dtype, window ({"left", "right"}: null where unbounded; null when none), softcap (null
-// when none); commands append their own keys.
+// when none), sinks (true or false); commands append their own keys.
 nlohmann::ordered_json attention_to_json(const AttentionSpec& attention);
-// The window and soft-cap for a line of text: ", window 1023 back" (causal), ", window 64 back, 64 ahead",
-// ", softcap 50", both, or "" (neither).
+// The window, soft-cap and sinks for a line of text: ", window 1023 back" (causal), ", window 64 back, 64
+// ahead", ", softcap 50", ", sinks", any of them together, or "" (none).
 std::string window_text(const AttentionSpec& attention);
 
 // JSON for a list of errors: [{"field", "fields"?, "value", "message"}].

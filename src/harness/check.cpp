@@ -19,7 +19,8 @@ WholeCheck check_whole_result(const AttentionSpec& a, Strategy strategy, const W
   c.tolerances = tolerances(strategy, a.dtype);
   const Tolerances& tol = c.tolerances;
   const std::vector<std::int32_t> pos = natural_positions(a.batch, a.seq_len);
-  const AttentionMask mask = a.mask(pos, pos, problem.segment_ids, problem.segment_ids);
+  AttentionMask mask = a.mask(pos, pos, problem.segment_ids, problem.segment_ids);
+  mask.sinks = problem.sinks;
   FlashConfig config;
   config.threads = threads;
   const auto fwd = flash_attention_forward(problem.q, problem.k, problem.v, mask, a.scale(), config);
@@ -40,6 +41,12 @@ WholeCheck check_whole_result(const AttentionSpec& a, Strategy strategy, const W
       c.single_device_rel.emplace_back(name, d.rel_or_inf());
       pass = pass && d.rel_or_inf() <= tol.grad_rel;
     }
+    if (!problem.sinks.empty()) {
+      const Diff d = compare(result.dsinks, bwd.dsinks);
+      c.single_device_abs.emplace_back("dsinks", d.abs_or_inf());
+      c.single_device_rel.emplace_back("dsinks", d.rel_or_inf());
+      pass = pass && d.rel_or_inf() <= tol.grad_rel;
+    }
   }
   const double work = static_cast<double>(a.batch * a.num_q_heads) * static_cast<double>(a.seq_len) *
                       static_cast<double>(a.seq_len) * static_cast<double>(a.head_dim);
@@ -52,6 +59,8 @@ WholeCheck check_whole_result(const AttentionSpec& a, Strategy strategy, const W
       c.reference_rel.emplace_back("dq", compare(result.dq.to_floats(), ref.dq).rel_or_inf());
       c.reference_rel.emplace_back("dk", compare(result.dk.to_floats(), ref.dk).rel_or_inf());
       c.reference_rel.emplace_back("dv", compare(result.dv.to_floats(), ref.dv).rel_or_inf());
+      if (!problem.sinks.empty())
+        c.reference_rel.emplace_back("dsinks", compare(result.dsinks, ref.dsinks).rel_or_inf());
     }
   } else {
     std::vector<ReferenceRow> rows;

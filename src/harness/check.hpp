@@ -79,10 +79,10 @@ Diff compare(const A& got, const B& want, double tolerance_rel = 0) {
 // (relative), and against the float64 reference on the whole problem when it is small (B*Hq*S^2*D <= 1.5e9),
 // else on sampled rows (O, dQ; dK/dV need every row, so they are not compared).
 struct WholeCheck {
-  std::vector<std::pair<std::string, double>> single_device_abs;  // o, lse, then dq, dk, dv
-  std::vector<std::pair<std::string, double>> single_device_rel;  // o, then dq, dk, dv
+  std::vector<std::pair<std::string, double>> single_device_abs;  // o, lse, then dq, dk, dv (dsinks)
+  std::vector<std::pair<std::string, double>> single_device_rel;  // o, then dq, dk, dv (dsinks)
   std::vector<std::pair<std::string, std::optional<double>>>
-      reference_rel;            // o, dq, dk, dv (none: not compared)
+      reference_rel;            // o, dq, dk, dv (dsinks; none: not compared)
   std::string reference_scope;  // "whole problem" or "sampled N rows (...)"
   Tolerances tolerances;
   bool pass = false;

@@ -38,6 +38,18 @@ WholeResult make_whole_result(const AttentionSpec& a, const ParallelSpec& p, boo
   return r;
 }
 
+namespace {
+// The sinks' gradient: the ranks' shares summed in rank order (empty without sinks).
+std::vector<float> sum_shares(const std::vector<RankReport>& ranks) {
+  std::vector<float> sum;
+  for (const RankReport& r : ranks) {
+    if (sum.empty()) sum.assign(r.dsinks.size(), 0.0f);
+    for (std::size_t h = 0; h < r.dsinks.size() && h < sum.size(); ++h) sum[h] += r.dsinks[h];
+  }
+  return sum;
+}
+}  // namespace
+
 void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p, const RunSettings& settings,
               const WholeProblem& problem, WholeResult& result) {
   const bool forward_only = settings.forward_only;
@@ -57,7 +69,7 @@ void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p,
   for (int iteration = 0; iteration < std::max(1, settings.repeat); ++iteration) {
     comm.barrier();
     auto t0 = clock::now();
-    const AttentionOutput out = attn.forward(q, k, v, seg, forward_only);
+    const AttentionOutput out = attn.forward(q, k, v, seg, forward_only, problem.sinks);
     comm.barrier();
     const double forward_s = std::chrono::duration<double>(clock::now() - t0).count();
     report.forward_seconds = iteration == 0 ? forward_s : std::min(report.forward_seconds, forward_s);
@@ -87,6 +99,7 @@ void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p,
         put_tokens(result.dq, g.dq, pos);
         put_tokens(result.dk, g.dk, pos);
         put_tokens(result.dv, g.dv, pos);
+        report.dsinks = g.dsinks;
       }
     }
     if (iteration == 0) first_records = comm.counters().records();
@@ -124,6 +137,18 @@ void share_whole_result(Communicator& comm, const AttentionSpec& a, const Parall
     whole = cp::all_gather_sequence(comm, take_tokens(whole, mine), positions);
   };
   share(result.o);
+  if (const std::vector<float>& mine_ds = result.ranks.at(static_cast<std::size_t>(rank)).dsinks;
+      !mine_ds.empty()) {
+    // every rank's share, in rank order
+    std::vector<float> all(mine_ds.size() * static_cast<std::size_t>(comm.size()));
+    comm.all_gather(mine_ds.data(), all.data(), static_cast<std::int64_t>(mine_ds.size()), CommDType::f32);
+    for (int r = 0; r < comm.size(); ++r) {
+      result.ranks.at(static_cast<std::size_t>(r))
+          .dsinks.assign(all.begin() + r * static_cast<std::ptrdiff_t>(mine_ds.size()),
+                         all.begin() + (r + 1) * static_cast<std::ptrdiff_t>(mine_ds.size()));
+    }
+    result.dsinks = sum_shares(result.ranks);
+  }
   if (!forward_only) {
     share(result.dq);
     share(result.dk);
@@ -173,6 +198,7 @@ WholeResult run_in_process(const AttentionSpec& a, const ParallelSpec& p, const 
     throw;
   }
   if (settings.trace) result.trace = trace::stop();
+  result.dsinks = sum_shares(result.ranks);
   return result;
 }
 

@@ -18,6 +18,7 @@ namespace cpattn::harness {
 struct WholeProblem {
   Tensor q, k, v, d_out;                  // [B, S, H, D] natural order
   std::vector<std::int32_t> segment_ids;  // [B, S] or empty
+  std::vector<float> sinks = {};          // [Hq] with AttentionSpec::sinks, else empty
 };
 
 // Q, K, V, dO from the normal distribution, seeded seed, seed + 1, seed + 2, seed + 3 (heads: the spec's
@@ -33,12 +34,14 @@ struct RankReport {
   double comm_wait_seconds = 0;  // ring: waiting on shifts (ContextParallelAttention::comm_wait_seconds)
   std::int64_t saved_bytes =
       0;  // what the forward kept for the backward (ContextParallelAttention::saved_bytes)
+  std::vector<float> dsinks;  // this rank's share of the sinks' gradient (AttentionGradients::dsinks)
 };
 
 struct WholeResult {
   std::vector<trace::Event> trace;  // every rank's events, where the run was traced
   Tensor o, dq, dk, dv;             // natural order (dq, dk, dv empty when forward-only)
   std::vector<float> lse;           // [B, Hq, S]
+  std::vector<float> dsinks;        // [Hq] with sinks and a backward: the ranks' shares summed in rank order
   std::vector<RankReport> ranks;
   std::vector<int> hosts;  // each rank's host (Communicator::hosts(); empty: every rank on one host)
 };

@@ -221,24 +221,26 @@ CPATTN_BF16_TARGET inline __m512 probability_and_ds(__m512 s, __m512 dp, __m512 
 
 // Logit soft-capping of `rows` rows of `cols` fp32 scores (a multiple of 16, rows `stride` apart), the bf16
 // paths' form of flash_simd.hpp's softcap_scores: with x = s * in in base-2 units and b = cap log2 e, s
-// becomes b tanh(x / b) / in; t, where given ([rows][cols]), keeps tanh(x / b) for dS. tanh(a) = (1 - e) / (1
-// + e) with e = 2^(-2 a log2 e) by the kernels' exp2 (degree 6), the sign put back: within a few 1e-7 of
-// tanh, far below bf16's rounding of P; +-Inf give +-1.
+// becomes b tanh(x / b), in base-2 units (the caller's probabilities then take factor 1); t, where given
+// ([rows][cols]), keeps tanh(x / b) for dS. tanh(a) = (1 - e) / (1 + e) with e = 2^(-2 a log2 e) by the
+// kernels' exp2 (degree 6), the sign put back: within a few 1e-7 of tanh, far below bf16's rounding of P;
+// +-Inf give +-1. No factor of scale / cap is formed: any scale and cap the rules take stay finite.
 CPATTN_BF16_TARGET void softcap_rows(float* s, std::int64_t rows, std::int64_t cols, std::int64_t stride,
                                      float in, float b, float* t) {
-  const __m512 to_ratio = _mm512_set1_ps(in / b), out = _mm512_set1_ps(b / in), one = _mm512_set1_ps(1.0f);
+  const __m512 to_base2 = _mm512_set1_ps(in), inv_b = _mm512_set1_ps(1.0f / b), vb = _mm512_set1_ps(b);
+  const __m512 one = _mm512_set1_ps(1.0f);
   const __m512 minus_two_log2e = _mm512_set1_ps(static_cast<float>(-2.0 * kLog2eDouble));
   const __m512i sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t j = 0; j < cols; j += 16) {
-      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + r * stride + j), to_ratio);
+      const __m512 x = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(s + r * stride + j), to_base2), inv_b);
       const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), sign_bit);
       const __m512 a = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
       const __m512 e = exp2_avx512(_mm512_mul_ps(a, minus_two_log2e));
       const __m512 th = _mm512_castsi512_ps(_mm512_xor_si512(
           _mm512_castps_si512(_mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e))), sign));
       if (t != nullptr) _mm512_storeu_ps(t + r * cols + j, th);
-      _mm512_storeu_ps(s + r * stride + j, _mm512_mul_ps(th, out));
+      _mm512_storeu_ps(s + r * stride + j, _mm512_mul_ps(th, vb));
     }
   }
 }
@@ -691,8 +693,9 @@ void amx_backward_tile(const AmxBackwardCall& call, AmxBackwardWorkspace& w, std
       w.t.resize(static_cast<std::size_t>(R32 * Bk));
       softcap_rows(w.s.data(), live, Bk, Bk, call.factor, call.softcap_b, w.t.data());
     }
-    probabilities_and_ds_rows(w.s.data(), w.dp.data(), live, Bk, call.factor, call.lse2.data() + row0,
-                              call.delta.data() + row0);
+    // capped scores are in base-2 units already: factor 1
+    probabilities_and_ds_rows(w.s.data(), w.dp.data(), live, Bk, call.softcap_b > 0 ? 1.0f : call.factor,
+                              call.lse2.data() + row0, call.delta.data() + row0);
     if (call.softcap_b > 0) softcap_gradient_rows(w.dp.data(), w.t.data(), live * Bk);
     std::fill(w.s.begin() + live * Bk, w.s.end(), 0.0f);
     std::fill(w.dp.begin() + live * Bk, w.dp.end(), 0.0f);

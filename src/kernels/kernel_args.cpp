@@ -1,8 +1,11 @@
 #include "kernels/kernel_args.hpp"
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
+#include <utility>
 
 #include "cpattn/config.hpp"
 #include "cpattn/error.hpp"
@@ -62,6 +65,25 @@ void check_forward_args(const ConstTensorRef& q, const ConstTensorRef& k, const 
     fail("sinks", std::to_string(mask.sinks.size()),
          "sinks holds " + std::to_string(mask.sinks.size()) + " values; expected one per q head (" +
              std::to_string(qs.h) + ")");
+  }
+  for (std::size_t h = 0; h < mask.sinks.size(); ++h) {
+    if (std::isnan(mask.sinks[h]) || mask.sinks[h] == std::numeric_limits<float>::infinity()) {
+      fail("sinks", std::to_string(mask.sinks[h]),
+           "sinks[" + std::to_string(h) + "] is " + (std::isnan(mask.sinks[h]) ? "NaN" : "+inf") +
+               "; valid: a finite logit, or -inf for no sink");
+    }
+  }
+  for (const auto& [field, side] :
+       {std::pair{"window_left", mask.window_left}, {"window_right", mask.window_right}}) {
+    if (side < 0 || side > kUnboundedWindow) {
+      fail(field, std::to_string(side),
+           std::string(field) + " (" + std::to_string(side) + ") is not a window side; valid: 0.." +
+               std::to_string(kUnboundedWindow) + " (kUnboundedWindow: no bound)");
+    }
+  }
+  if (!(mask.softcap >= 0 && mask.softcap <= 1e30)) {
+    fail("softcap", std::to_string(mask.softcap),
+         "softcap must be 0 (none) or a finite number in 1e-06..1e+30");
   }
   if (config.block_q < kTileRows || config.block_q % kTileRows != 0) {
     fail("block_q", std::to_string(config.block_q), "block_q must be a positive multiple of 4");

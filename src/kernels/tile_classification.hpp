@@ -59,51 +59,18 @@ inline TileKind classify_tile(const BlockMeta& q, const BlockMeta& kv, const Pos
   return band_full && segment_full && kv.length == kv_block ? TileKind::full : TileKind::partial;
 }
 
-// With a left bound (a sliding window) each q block sees a run of kv blocks near its positions: the kv blocks
-// in order of pos_min, each q block checking those whose pos_min is within its band widened by the widest kv
-// block. O(nk log nk + nq log nk + the pairs checked), the pairs near the band.
-inline std::int64_t count_nonempty_tiles_windowed(const std::vector<BlockMeta>& q,
-                                                  const std::vector<BlockMeta>& kv, const PositionBand& band,
-                                                  bool segments) {
-  std::vector<std::size_t> order(kv.size());
-  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::sort(order.begin(), order.end(),
-            [&](std::size_t x, std::size_t y) { return kv[x].pos_min < kv[y].pos_min; });
-  std::vector<std::int64_t> starts(order.size());
-  std::int64_t widest = 0;
-  for (std::size_t i = 0; i < order.size(); ++i) {
-    starts[i] = kv[order[i]].pos_min;
-    widest = std::max<std::int64_t>(widest, std::int64_t{kv[order[i]].pos_max} - kv[order[i]].pos_min);
-  }
-  std::int64_t total = 0;
-  for (const BlockMeta& b : q) {
-    // pos_max >= b.pos_min - left needs pos_min >= b.pos_min - left - widest; pos_min <= b.pos_max + right.
-    auto it = std::lower_bound(starts.begin(), starts.end(), b.pos_min - band.left - widest);
-    for (; it != starts.end() && *it <= b.pos_max + band.right; ++it) {
-      const BlockMeta& k = kv[order[static_cast<std::size_t>(it - starts.begin())]];
-      if (segments && (b.seg_max < k.seg_min || k.seg_max < b.seg_min)) continue;
-      total += band.sees_any(b.pos_min, b.pos_max, k.pos_min, k.pos_max);
-    }
-  }
-  return total;
-}
+namespace tile_count_detail {
 
-// How many (q block, kv block) pairs classify_tile calls non-empty, without visiting the pairs: O((nq + nk)
-// log nk) rather than nq * nk, so that the planner's count stays quick at any grid. A pair is empty where its
-// segment ranges are disjoint (kv.seg_max < q.seg_min or kv.seg_min > q.seg_max) or where the band hides it:
-// with a right bound (causal: 0), kv.pos_min > q.pos_max + right; a left bound is counted by
-// count_nonempty_tiles_windowed. Since seg_min <= seg_max, "kv.seg_max < q.seg_min" already implies
-// "kv.seg_min <= q.seg_max", so the kv blocks a q block sees are #(pos_min <= P, seg_min <= b) - #(pos_min <=
-// P, seg_max < a): two prefix counts over the kv blocks admitted so far, in order of pos_min, as the q blocks
-// are taken in order of P = pos_max + right.
-inline std::int64_t count_nonempty_tiles(const std::vector<BlockMeta>& q, const std::vector<BlockMeta>& kv,
-                                         const PositionBand& band, bool segments) {
-  if (band.windowed()) return count_nonempty_tiles_windowed(q, kv, band, segments);
+// The sum over q blocks b of #{kv blocks k : key(k) <= limit(b), and k's segment range meets b's}, without
+// visiting the pairs: the kv blocks admitted in order of key as the q blocks are taken in order of limit.
+// Since seg_min <= seg_max, "kv.seg_max < q.seg_min" already implies "kv.seg_min <= q.seg_max", so the
+// admitted blocks whose ranges meet b's are #(seg_min <= b.seg_max) - #(seg_max < b.seg_min): two prefix
+// counts over Fenwick trees of the admitted blocks' segment ids. O((nq + nk) log nk).
+template <class Key, class Limit>
+std::int64_t admitted_pairs(const std::vector<BlockMeta>& q, const std::vector<BlockMeta>& kv, bool segments,
+                            Key key, Limit limit) {
   const auto nk = static_cast<std::int64_t>(kv.size());
-  const bool causal = band.bounded();  // a right bound only
-  if (!causal && !segments) return static_cast<std::int64_t>(q.size()) * nk;
-  // Segment ids in rank order (both bounds of every kv block), for two Fenwick trees over them.
-  std::vector<std::int32_t> ids;
+  std::vector<std::int32_t> ids;  // segment ids in rank order (both bounds of every kv block)
   if (segments) {
     for (const auto& k : kv) {
       ids.push_back(k.seg_min);
@@ -127,17 +94,14 @@ inline std::int64_t count_nonempty_tiles(const std::vector<BlockMeta>& q, const 
   std::vector<std::size_t> kv_order(kv.size()), q_order(q.size());
   for (std::size_t i = 0; i < kv_order.size(); ++i) kv_order[i] = i;
   for (std::size_t i = 0; i < q_order.size(); ++i) q_order[i] = i;
-  if (causal) {
-    std::sort(kv_order.begin(), kv_order.end(),
-              [&](std::size_t x, std::size_t y) { return kv[x].pos_min < kv[y].pos_min; });
-    std::sort(q_order.begin(), q_order.end(),
-              [&](std::size_t x, std::size_t y) { return q[x].pos_max < q[y].pos_max; });
-  }
+  std::sort(kv_order.begin(), kv_order.end(),
+            [&](std::size_t x, std::size_t y) { return key(kv[x]) < key(kv[y]); });
+  std::sort(q_order.begin(), q_order.end(),
+            [&](std::size_t x, std::size_t y) { return limit(q[x]) < limit(q[y]); });
   std::int64_t total = 0, admitted = 0;
   for (const std::size_t qi : q_order) {
     const BlockMeta& b = q[qi];
-    while (admitted < nk &&
-           (!causal || kv[kv_order[static_cast<std::size_t>(admitted)]].pos_min <= b.pos_max + band.right)) {
+    while (admitted < nk && key(kv[kv_order[static_cast<std::size_t>(admitted)]]) <= limit(b)) {
       const BlockMeta& k = kv[kv_order[static_cast<std::size_t>(admitted)]];
       if (segments) {
         add(by_min, rank_of(k.seg_min));
@@ -148,14 +112,35 @@ inline std::int64_t count_nonempty_tiles(const std::vector<BlockMeta>& q, const 
     if (!segments) {
       total += admitted;
     } else {
-      // kv.seg_min <= b.seg_max, less those with kv.seg_max < b.seg_min (ids below b.seg_min: rank_of(b -
-      // 1)).
+      // kv.seg_min <= b.seg_max, less those with kv.seg_max < b.seg_min (ids below b.seg_min: rank_of(b - 1))
       total += prefix(by_min, rank_of(b.seg_max)) - (b.seg_min == std::numeric_limits<std::int32_t>::min()
                                                          ? 0
                                                          : prefix(by_max, rank_of(b.seg_min - 1)));
     }
   }
   return total;
+}
+
+}  // namespace tile_count_detail
+
+// How many (q block, kv block) pairs classify_tile calls non-empty, without visiting the pairs: O((nq + nk)
+// log nk) rather than nq * nk, so that the planner's count stays quick at any grid and any band. A pair is
+// empty where its segment ranges are disjoint or where the band hides it: kv.pos_min > q.pos_max + right (the
+// keys after the band; causal: right 0) or kv.pos_max < q.pos_min - left (the keys before it). With left and
+// right >= 0 a kv block before the band also starts before its end, so the pairs seen are those not after
+// the band, less those before it: two counts of admitted_pairs.
+inline std::int64_t count_nonempty_tiles(const std::vector<BlockMeta>& q, const std::vector<BlockMeta>& kv,
+                                         const PositionBand& band, bool segments) {
+  if (!band.bounded() && !segments) return static_cast<std::int64_t>(q.size() * kv.size());
+  const std::int64_t right = band.right;
+  const std::int64_t not_after = tile_count_detail::admitted_pairs(
+      q, kv, segments, [](const BlockMeta& k) { return std::int64_t{k.pos_min}; },
+      [&](const BlockMeta& b) { return right < kUnboundedWindow ? b.pos_max + right : kUnboundedWindow; });
+  if (!band.windowed()) return not_after;
+  const std::int64_t left = band.left;
+  return not_after - tile_count_detail::admitted_pairs(
+                         q, kv, segments, [](const BlockMeta& k) { return std::int64_t{k.pos_max}; },
+                         [&](const BlockMeta& b) { return b.pos_min - left - 1; });
 }
 
 }  // namespace cpattn::kernels

@@ -154,10 +154,8 @@ StrategySchedule ring_schedule(const AttentionSpec& a, const ParallelSpec& p, co
   return s;
 }
 
-}  // namespace
-
-StrategySchedule strategy_schedule(const AttentionSpec& attention, const ParallelSpec& parallel,
-                                   const ScheduleOptions& options) {
+StrategySchedule strategy_schedule_of(const AttentionSpec& attention, const ParallelSpec& parallel,
+                                      const ScheduleOptions& options) {
   switch (parallel.strategy) {
     case Strategy::ring:
       return ring_schedule(attention, parallel, options);
@@ -169,6 +167,13 @@ StrategySchedule strategy_schedule(const AttentionSpec& attention, const Paralle
       return hybrid_schedule(attention, parallel, options);
   }
   CPATTN_ASSERT(false);
+}
+
+}  // namespace
+
+StrategySchedule strategy_schedule(const AttentionSpec& attention, const ParallelSpec& parallel,
+                                   const ScheduleOptions& options) {
+  return strategy_schedule_of(attention, parallel, options);
 }
 
 std::vector<CollectiveRecord> scheduled_records(const StrategySchedule& schedule, std::int64_t cp) {

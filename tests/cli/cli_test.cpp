@@ -222,7 +222,7 @@ TEST(CliValidate, BadInputExits2WithAMessage) {
 // --window LEFT (causal) and LEFT,RIGHT (--no-causal), --softcap C: named in validate's text and JSON, and
 // run
 // --check on every strategy passes against the single-device kernel and the reference with the same options.
-TEST(CliValidate, TheWindowIsNamedAndRunChecksItOnEveryStrategy) {
+TEST(CliValidate, WindowsSoftCapsAndSinksAreNamedAndRunChecksThemOnEveryStrategy) {
   const Result text =
       run("validate --strategy ring --cp 4 --q-heads 8 --kv-heads 2 --head-dim 64 --seq 4096 "
           "--window 1023 --softcap 50");
@@ -248,6 +248,39 @@ TEST(CliValidate, TheWindowIsNamedAndRunChecksItOnEveryStrategy) {
     EXPECT_EQ(doc["problem"]["window"]["right"], 0) << strategy;
     EXPECT_EQ(doc["problem"]["softcap"], 0.5) << strategy;
   }
+  // --sinks FILE.npy: checked (dsinks too) on every strategy, dsinks.npy saved; a file of the wrong shape or
+  // a NaN sink exits 2 naming --sinks; a run without --sinks refuses a directory holding an earlier
+  // dsinks.npy.
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "cpattn_cli_sinks";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::vector<float> sinks = {0.5f, 4.0f, -3.0f, 1.0f, 0.0f, 2.5f, -1.0f, 6.0f};
+  cpattn::write_npy((dir / "sinks.npy").string(), {8}, sinks.data());
+  cpattn::write_npy((dir / "seven.npy").string(), {7}, sinks.data());
+  std::vector<float> nan = sinks;
+  nan[3] = std::nanf("");
+  cpattn::write_npy((dir / "nan.npy").string(), {8}, nan.data());
+  for (const std::string strategy : {"ulysses", "ring --load-balance", "hybrid --ulysses-degree 2"}) {
+    const Result r =
+        run("run --json --strategy " + strategy +
+            " --cp 4 --q-heads 8 --kv-heads 2 --head-dim 32 --seq 256 --window 40 --check --threads 1 "
+            "--sinks " +
+            (dir / "sinks.npy").string() + " --save " + (dir / "out").string());
+    ASSERT_EQ(r.exit_code, 0) << strategy << r.err;
+    const auto doc = nlohmann::json::parse(r.out);
+    EXPECT_TRUE(doc["check"]["pass"].get<bool>()) << strategy;
+    EXPECT_TRUE(doc["problem"]["sinks"].get<bool>()) << strategy;
+    EXPECT_LE(doc["check"]["reference"]["max_rel_diff"]["dsinks"].get<double>(), 2e-5) << strategy;
+    EXPECT_EQ(cpattn::read_npy((dir / "out" / "dsinks.npy").string()).shape, (std::vector<std::int64_t>{8}));
+  }
+  const std::string base = "run --strategy ring --cp 2 --q-heads 8 --kv-heads 2 --head-dim 16 --seq 64 ";
+  const std::pair<std::string, std::string> bad[] = {
+      {base + "--sinks " + (dir / "seven.npy").string(), "expected float32 [8]"},
+      {base + "--sinks " + (dir / "nan.npy").string(), "head 3's sink is NaN"},
+      {base + "--save " + (dir / "out").string(), "dsinks.npy"},
+  };
+  expect_bad_input(bad);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(CliValidate, HelpExits0) {

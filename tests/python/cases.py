@@ -10,6 +10,7 @@ import cpattn.torch as ct
 import naive
 
 make = None  # make(**options) -> ContextParallelAttention over the driver's group
+all_gather = None  # all_gather(tensors, tensor): every rank's tensor into the list, over the driver's group
 RANK = 0
 
 
@@ -25,32 +26,39 @@ def problem(B, S, Hq, Hkv, D, seed, packed=False, dtype=torch.float32):
     return q, k, v, do, seg
 
 
-def single_process(q, k, v, do, causal, seg, window=None, softcap=None):
+def single_process(q, k, v, do, causal, seg, window=None, softcap=None, sinks=None):
     qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
-    o = ct.attention(qs, ks, vs, causal=causal, segment_ids=seg, threads=1, window=window, softcap=softcap)
+    ss = None if sinks is None else sinks.clone().requires_grad_()
+    o = ct.attention(qs, ks, vs, causal=causal, segment_ids=seg, threads=1, window=window, softcap=softcap, sinks=ss)
     o.backward(do)
-    return o.detach(), qs.grad, ks.grad, vs.grad
+    return o.detach(), qs.grad, ks.grad, vs.grad, None if ss is None else ss.grad
 
 
 def check_strategy(make_attn, strategy, seed, bitwise, Hq=8, Hkv=2, S=256, causal=True, packed=False, window=None,
-                   softcap=None, **options):
+                   softcap=None, sinks=None, **options):
     """This rank's O equals the single-process result on its shard (bit for bit where `bitwise`), gradients
     within 1e-6 of the largest magnitude."""
     B, D = 2, 32
     q, k, v, do, seg = problem(B, S, Hq, Hkv, D, seed, packed)
     attn = make_attn(strategy=strategy, causal=causal, threads=1, window=window, softcap=softcap, **options)
     ql, kl, vl = (attn.shard(t).clone().requires_grad_() for t in (q, k, v))
-    o = attn(ql, kl, vl, segment_ids=None if seg is None else attn.shard(seg))
+    sl = None if sinks is None else sinks.clone().requires_grad_()
+    o = attn(ql, kl, vl, segment_ids=None if seg is None else attn.shard(seg), sinks=sl)
     o.backward(attn.shard(do))
-    want = single_process(q, k, v, do, causal, seg, window, softcap)
+    want = single_process(q, k, v, do, causal, seg, window, softcap, sinks)
     o_want = attn.shard(want[0])
     if bitwise:
         assert torch.equal(o, o_want), (strategy, (o - o_want).abs().max().item())
     else:
         assert naive.relative_error(o, o_want) < 1e-6, (strategy, naive.relative_error(o, o_want))
-    for name, got, ref in zip(("dq", "dk", "dv"), (ql.grad, kl.grad, vl.grad), want[1:]):
+    for name, got, ref in zip(("dq", "dk", "dv"), (ql.grad, kl.grad, vl.grad), want[1:4]):
         err = naive.relative_error(got, attn.shard(ref))
         assert err < 1e-6, (strategy, name, err)
+    if sinks is not None:  # the ranks' shares add up to the gradient
+        shares = [torch.zeros_like(sl.grad) for _ in range(attn.cp)]
+        all_gather(shares, sl.grad)
+        err = naive.relative_error(sum(shares), want[4])
+        assert err < 1e-5, (strategy, "dsinks", err)
     return attn
 
 
@@ -65,7 +73,9 @@ def case_strategies():
     check_strategy(make, "hybrid", 6, bitwise=False, ulysses_degree=2, load_balance=True)
     # Sliding windows: one rank's chunk is 64 tokens, the windows reach one or two chunks back.
     check_strategy(make, "ulysses", 8, bitwise=True, causal=False, window=(16, 8))
-    check_strategy(make, "ring", 9, bitwise=False, load_balance=True, packed=True, window=40, softcap=1.5)
+    check_strategy(make, "ring", 9, bitwise=False, load_balance=True, packed=True, window=40, softcap=1.5,
+                   sinks=torch.tensor([0.5, 4.0, -3.0, 1.0, 0.0, 2.5, -1.0, 6.0]))
+    check_strategy(make, "ulysses", 10, bitwise=True, sinks=torch.tensor([1.0, -2.0, 0.5, 3.0, 0.0, -1.0, 2.0, 5.0]))
 
 
 def case_bfloat16():

@@ -22,6 +22,7 @@ dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 RANK = dist.get_rank()
 cases.make = lambda **options: ct.ContextParallelAttention(**options)  # the default group
 cases.RANK = RANK
+cases.all_gather = dist.all_gather
 
 
 def case_dp_cp():

@@ -151,7 +151,7 @@ def test_sinks_match_float64_and_receive_their_gradient(causal, window, softcap,
 
 
 @pytest.mark.parametrize("sinks", [np.zeros(7, np.float32), np.zeros(8, np.float64), np.zeros((1, 8), np.float32),
-                                   "x"])
+                                   "x", np.full(8, np.nan, np.float32), np.full(8, np.inf, np.float32)])
 def test_bad_sinks_name_their_field(sinks):
     q, k, v, _, _ = make(1, 16, 8, 2, 8, False)
     with pytest.raises(cpattn.ConfigError) as e:

@@ -228,10 +228,10 @@ void recover_killed_run(const fs::path& dir) {
 
 std::vector<std::string> output_names(bool forward_only) {
   if (forward_only) return {"o.npy", "lse.npy"};
-  return {"o.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy"};
+  return {"o.npy", "lse.npy", "dq.npy", "dk.npy", "dv.npy", "dsinks.npy"};
 }
 
-void check_output_dir(const std::string& dir, bool forward_only) {
+void check_output_dir(const std::string& dir, bool forward_only, bool sinks) {
   std::error_code ec;
   const fs::path path(dir);
   // A missing path (or one under a non-directory) comes back as not_found, with an error code set; any other
@@ -276,7 +276,12 @@ void check_output_dir(const std::string& dir, bool forward_only) {
     if (forward_only && name.rfind("d", 0) == 0) {
       refuse(file.string(),
              "holds gradients of an earlier run, which a --forward-only run does not replace; remove "
-             "dq.npy, dk.npy and dv.npy or save elsewhere");
+             "dq.npy, dk.npy, dv.npy and dsinks.npy or save elsewhere");
+    }
+    if (!sinks && name == "dsinks.npy") {
+      refuse(file.string(),
+             "holds the sinks' gradient of an earlier run, which a run without --sinks does not replace; "
+             "remove dsinks.npy or save elsewhere");
     }
   }
 }

@@ -16,14 +16,16 @@ struct OutputFile {
   const float* values = nullptr;
 };
 
-// The names a run writes: o.npy, lse.npy and, unless forward-only, dq.npy, dk.npy, dv.npy.
+// The names a run writes: o.npy, lse.npy and, unless forward-only, dq.npy, dk.npy, dv.npy (and dsinks.npy
+// with sinks).
 std::vector<std::string> output_names(bool forward_only);
 
 // Refuses (Error invalid_input, naming the path) a --save DIR that is not a directory, or does not exist and
 // cannot be made under its nearest existing parent, or cannot be written; an output name taken by anything
 // but a regular file; and, for a forward-only run, gradient files of an earlier run (dq.npy, dk.npy,
-// dv.npy), which would otherwise sit beside the new outputs as if they were theirs.
-void check_output_dir(const std::string& dir, bool forward_only);
+// dv.npy, dsinks.npy), and for a run without sinks an earlier dsinks.npy, which would otherwise sit beside
+// the new outputs as if they were theirs.
+void check_output_dir(const std::string& dir, bool forward_only, bool sinks);
 
 // Refuses (Error invalid_input naming `flag` and the path) a file this process cannot write, before a run
 // that would write it at its end; a file the check had to make is removed again.

@@ -49,6 +49,7 @@ struct RunOptions {
   double comm_timeout = 600;  // seconds
   std::uint32_t seed = 1;
   std::string load_dir, save_dir;
+  std::string sinks_file;  // --sinks: [Hq] float32 .npy
   std::string trace_file;  // --trace: the Chrome trace-event JSON of every rank's events
 };
 
@@ -202,6 +203,29 @@ WholeProblem read_load_dir(const LoadDir& d, DType dtype) {
   return p;
 }
 
+// --sinks FILE: a float32 .npy of one finite logit per q head (or -inf: no sink for that head).
+std::vector<float> read_sinks(const std::string& path, std::int64_t q_heads) {
+  const NpyArray s = read_npy(path);
+  if (s.dtype != NpyDType::f32 || s.shape != std::vector<std::int64_t>{q_heads}) {
+    std::string shape;
+    for (const std::int64_t n : s.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(n);
+    bad_input("--sinks", path,
+              "--sinks " + cpattn::quoted(path) + " holds " +
+                  (s.dtype == NpyDType::f32 ? "float32" : "not float32") + " [" + shape +
+                  "]; expected float32 [" + std::to_string(q_heads) + "] (one logit per q head)");
+  }
+  std::vector<float> values = s.as_floats();
+  for (std::size_t h = 0; h < values.size(); ++h) {
+    if (std::isnan(values[h]) || values[h] == std::numeric_limits<float>::infinity()) {
+      bad_input("--sinks", path,
+                "--sinks " + cpattn::quoted(path) + ": head " + std::to_string(h) + "'s sink is " +
+                    (std::isnan(values[h]) ? "NaN" : "+inf") +
+                    "; valid: a finite logit, or -inf for no sink");
+    }
+  }
+  return values;
+}
+
 std::string fmt(double x) {
   std::ostringstream s;
   s << std::setprecision(3) << x;
@@ -228,6 +252,7 @@ Agreement run_agreement(const RunOptions& opt, const AttentionSpec& a, const Par
       .add("--seed", static_cast<std::int64_t>(opt.seed))
       .add_text("--load", opt.load_dir)
       .add_text("--save", opt.save_dir)
+      .add_text("--sinks", opt.sinks_file)
       .add_text("--trace", opt.trace_file);
   for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"inputs: q", &problem.q},
                                 {"inputs: k", &problem.k},
@@ -237,6 +262,7 @@ Agreement run_agreement(const RunOptions& opt, const AttentionSpec& a, const Par
   }
   agreement.add_bytes("inputs: segment_ids", problem.segment_ids.data(),
                       problem.segment_ids.size() * sizeof(std::int32_t));
+  agreement.add_bytes("inputs: sinks", problem.sinks.data(), problem.sinks.size() * sizeof(float));
   return agreement;
 }
 
@@ -376,6 +402,7 @@ std::string check_report(const harness::WholeCheck& c, bool forward_only, nlohma
   if (!forward_only) {
     t << "; max rel diff dq " << fmt(sd_rel["dq"]) << ", dk " << fmt(sd_rel["dk"]) << ", dv "
       << fmt(sd_rel["dv"]);
+    if (sd_rel.contains("dsinks")) t << ", dsinks " << fmt(sd_rel["dsinks"]);
   }
   t << "\ncheck vs the float64 reference (" << c.reference_scope << "): max rel diff";
   for (const auto& [name, value] : ref_rel.items())
@@ -390,8 +417,8 @@ std::string check_report(const harness::WholeCheck& c, bool forward_only, nlohma
   return t.str();
 }
 
-// --save DIR: o, lse and (unless forward-only) dq, dk, dv as float32 .npy in natural token order, all or none
-// (output_dir.hpp).
+// --save DIR: o, lse and (unless forward-only) dq, dk, dv as float32 .npy in natural token order, and dsinks
+// [Hq] with --sinks, all or none (output_dir.hpp).
 void save_outputs(const std::string& dir, const AttentionSpec& a, const WholeResult& result,
                   bool forward_only) {
   std::vector<std::vector<float>> floats;
@@ -408,6 +435,7 @@ void save_outputs(const std::string& dir, const AttentionSpec& a, const WholeRes
     add("dq.npy", result.dq);
     add("dk.npy", result.dk);
     add("dv.npy", result.dv);
+    if (a.sinks) files.push_back({"dsinks.npy", {a.num_q_heads}, result.dsinks.data()});
   }
   write_outputs(dir, files);
 }
@@ -466,6 +494,7 @@ int run(const CLI::App& app, RunOptions& opt) {
   LoadDir loaded;
   if (!opt.load_dir.empty()) loaded = inspect_load_dir(opt.load_dir, values);
   Specs specs;
+  if (!opt.sinks_file.empty()) values.sinks = true;
   const auto errors = all_config_errors(values, specs);
   if (!errors.empty()) {
     if (opt.json) std::cout << failure_json("ok", errors) << "\n";
@@ -485,7 +514,7 @@ int run(const CLI::App& app, RunOptions& opt) {
     bad_input("--tp", std::to_string(p.tp), "cpattn run simulates one tensor-parallel group; use --tp 1");
   // Inputs Q, K, V, dO and outputs O, dQ, dK, dV, before the ranks' own copies and the check's.
   require_memory_for(a, 8, "cpattn run");
-  if (!opt.save_dir.empty()) check_output_dir(opt.save_dir, opt.forward_only);
+  if (!opt.save_dir.empty()) check_output_dir(opt.save_dir, opt.forward_only, a.sinks);
   WholeProblem problem =
       opt.load_dir.empty() ? harness::random_problem(a, opt.seed) : read_load_dir(loaded, a.dtype);
   if (!opt.segments.empty()) {
@@ -499,6 +528,7 @@ int run(const CLI::App& app, RunOptions& opt) {
     }
     problem.segment_ids = std::move(ids);
   }
+  if (!opt.sinks_file.empty()) problem.sinks = read_sinks(opt.sinks_file, a.num_q_heads);
   harness::RunSettings settings;
   settings.options.remat = opt.remat;
   settings.options.threads = opt.threads;
@@ -561,7 +591,11 @@ void add_run_command(CLI::App& app, int& exit_code) {
   sub->add_flag("--check", opt->check, "compare with the single-device kernel and the float64 reference");
   sub->add_flag("--json", opt->json, "print one JSON document");
   add_text(*sub, "--load", opt->load_dir, "read q.npy k.npy v.npy do.npy [segment_ids.npy] from DIR");
-  add_text(*sub, "--save", opt->save_dir, "write o.npy lse.npy dq.npy dk.npy dv.npy to DIR");
+  add_text(*sub, "--save", opt->save_dir,
+           "write o.npy lse.npy dq.npy dk.npy dv.npy (dsinks.npy with --sinks) to DIR");
+  add_text(*sub, "--sinks", opt->sinks_file,
+           "attention sinks (gpt-oss): a float32 .npy [q heads], one logit per q head in the softmax's "
+           "denominator with no value");
   add_text(*sub, "--trace", opt->trace_file,
            "write what each rank did (kernel calls, collectives, waits) to FILE, Chrome trace-event JSON "
            "(Perfetto, chrome://tracing)");
