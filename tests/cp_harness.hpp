@@ -154,6 +154,7 @@ inline void expect_matches_single_device(const CpCase& c) {
   const auto got = run_context_parallel(c, in);
   const auto single = run_single_device(c, in);
   const auto ref = run_reference(c, in);
+  EXPECT_EQ(got.dsinks.size(), c.sinks ? static_cast<std::size_t>(c.hq) : 0u) << "dsinks";
   // Forward: the same bits as the single-device kernel.
   EXPECT_EQ(count_bit_differences(got.o, single.o), 0) << "o";
   EXPECT_EQ(count_bit_differences(got.lse, single.lse), 0) << "lse";
@@ -190,6 +191,7 @@ inline void expect_ring_matches_single_device(const CpCase& c, std::uint32_t see
   const auto got = run_context_parallel(c, in);
   const auto single = run_single_device(c, in);
   const auto ref = run_reference(c, in);
+  EXPECT_EQ(got.dsinks.size(), c.sinks ? static_cast<std::size_t>(c.hq) : 0u) << "dsinks";
   CPATTN_EXPECT_CLOSE(got.o, single.o, tol.o_rel, "o vs single device");
   const auto lse = compare(got.lse, single.lse);
   EXPECT_LE(lse.max_abs, tol.lse_abs) << "lse vs single device";

@@ -342,7 +342,8 @@ def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_c
         o = cpattn.torch.context_parallel_sdpa(q, k, v, is_causal=True, group=cp_group)
 
     attn_mask and dropout_p are not supported (packed documents: segment_ids [B, S/cp]; a sliding window:
-    window=LEFT with is_causal, or (LEFT, RIGHT), as ContextParallelAttention's). One
+    window=LEFT with is_causal, or (LEFT, RIGHT), as ContextParallelAttention's; softcap; sinks: a tensor [Hq]
+    whose .grad gets this rank's share of the gradient). One
     ContextParallelAttention per (group, options) is made on first use (a collective: every process of the
     group makes the same calls) and kept."""
     reasons = []

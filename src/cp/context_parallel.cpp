@@ -1,5 +1,7 @@
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <thread>
 
 #include "context_parallel_impl.hpp"
@@ -171,6 +173,13 @@ void ContextParallelAttention::Impl::check_inputs(const Tensor& q, const Tensor&
     field = "sinks";
     problem = "sinks holds " + std::to_string(sinks.size()) + " values; expected one per local q head (" +
               std::to_string(hq) + ")";
+  }
+  for (std::size_t h = 0; problem.empty() && h < sinks.size(); ++h) {
+    if (std::isnan(sinks[h]) || sinks[h] == std::numeric_limits<float>::infinity()) {
+      field = "sinks";
+      problem = "sinks[" + std::to_string(h) + "] is " + (std::isnan(sinks[h]) ? "NaN" : "+inf") +
+                "; valid: a finite logit, or -inf for no sink";
+    }
   }
   // One all_reduce: every rank learns whether any rank is wrong (and which), and whether all agree on having
   // segments, on keeping state and on the sinks' values (the largest of each and of its complement, ~ the

@@ -109,7 +109,8 @@ struct Running {
           const bool none = l[row] == 0.0f;
           lse[row] = none ? -std::numeric_limits<float>::infinity() : m[row] + std::log(l[row]);
           float inv = none ? 0.0f : 1.0f / l[row];
-          if (!sinks.empty()) {
+          if (!sinks.empty() &&
+              sinks[static_cast<std::size_t>(h)] != -std::numeric_limits<float>::infinity()) {
             const double keys = lse[row], sink = sinks[static_cast<std::size_t>(h)];
             const double hi = std::max(keys, sink);
             const double both = hi + std::log(std::exp(keys - hi) + std::exp(sink - hi));

@@ -81,7 +81,7 @@ void check_forward_args(const ConstTensorRef& q, const ConstTensorRef& k, const 
                std::to_string(kUnboundedWindow) + " (kUnboundedWindow: no bound)");
     }
   }
-  if (!(mask.softcap >= 0 && mask.softcap <= 1e30)) {
+  if (!(mask.softcap == 0 || (mask.softcap >= kMinSoftcap && mask.softcap <= kMaxSoftcap))) {
     fail("softcap", std::to_string(mask.softcap),
          "softcap must be 0 (none) or a finite number in 1e-06..1e+30");
   }

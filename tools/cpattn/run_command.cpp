@@ -435,7 +435,10 @@ void save_outputs(const std::string& dir, const AttentionSpec& a, const WholeRes
     add("dq.npy", result.dq);
     add("dk.npy", result.dk);
     add("dv.npy", result.dv);
-    if (a.sinks) files.push_back({"dsinks.npy", {a.num_q_heads}, result.dsinks.data()});
+    if (a.sinks) {
+      CPATTN_ASSERT(static_cast<std::int64_t>(result.dsinks.size()) == a.num_q_heads);
+      files.push_back({"dsinks.npy", {a.num_q_heads}, result.dsinks.data()});
+    }
   }
   write_outputs(dir, files);
 }
