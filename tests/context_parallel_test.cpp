@@ -79,8 +79,8 @@ TEST(ContextParallel, StrategiesMatchTheSingleDeviceKernelOverACoveringSet) {
 // bf16 on every path this CPU has (forced for the ranks and the single device alike): the forward is the same
 // bits as the single-device kernel for ulysses (with replication), all_gather with and without load balance,
 // at cp 2 to 8, packed, batch 2; the same bits at 1 and 2 threads per rank; ring within its bf16 bounds.
-// Under TSan only the default (fastest) path: what TSan checks is the group's threading, the same on every
-// path, and each path's bits are checked in the other builds.
+// Under TSan only the default (fastest) path and cp up to 4: what TSan checks is the group's threading, the
+// same on every path, and each path's bits are checked in the other builds.
 TEST(ContextParallel, Bf16OnEveryPathIsBitIdenticalAcrossStrategiesCpAndThreads) {
   auto paths = testing::bf16_paths();
 #if defined(__SANITIZE_THREAD__)
@@ -90,6 +90,9 @@ TEST(ContextParallel, Bf16OnEveryPathIsBitIdenticalAcrossStrategiesCpAndThreads)
     for (const auto& [strategy, lb, cp] :
          {std::tuple{Strategy::ulysses, false, 4}, std::tuple{Strategy::all_gather, true, 2},
           std::tuple{Strategy::all_gather, false, 8}}) {
+#if defined(__SANITIZE_THREAD__)
+      if (cp == 8) continue;  // eight ranks' threading is the group tests' (InProcessGroup) under TSan
+#endif
       CpCase c;
       c.dtype = DType::bf16;
       c.kernel = kernel;
@@ -201,6 +204,10 @@ TEST(ContextParallel, UlyssesMatchesReferenceWhenKvHeadsFewerThanRanks) {
     c.seq = 512;
     c.dim = 64;
     c.segments = {300, 212};
+#if defined(__SANITIZE_THREAD__)
+    c.seq = 256;
+    c.segments = {150, 106};
+#endif
     expect_matches_single_device(c);
   }
 }

@@ -274,7 +274,12 @@ TEST(FlashKernel, SlidingWindowsMatchTheReferenceOnEveryPath) {
     CPATTN_EXPECT_CLOSE(bwd.dk.to_floats(), ref.dk, tol_grad, "dk");
     CPATTN_EXPECT_CLOSE(bwd.dv.to_floats(), ref.dv, tol_grad, "dv");
   };
+#if defined(__SANITIZE_ADDRESS__)  // the band's edges inside a block and across blocks; the rest in other
+                                   // builds
+  const std::int64_t windows[] = {7, 64};
+#else
   const std::int64_t windows[] = {0, 1, 7, 64, 1000};
+#endif
   for (std::size_t i = 0; i < std::size(windows); ++i) {
     const std::int64_t w = windows[i], dim = std::array<std::int64_t, 3>{64, 80, 128}[i % 3],
                        hkv = i % 2 == 0 ? 2 : 1;
@@ -325,7 +330,11 @@ TEST(FlashKernel, SoftCapMatchesTheReferenceOnEveryPath) {
     }
     return errors;
   };
+#if defined(__SANITIZE_ADDRESS__)  // one cap under ASan: its memory is the same whatever the cap
+  for (const double cap : {2.0}) {
+#else
   for (const double cap : {2.0, 30.0, 50.0}) {
+#endif
     for (const bool causal : {true, false}) {
       for (const std::int64_t window : {std::int64_t{-1}, std::int64_t{40}}) {
         SCOPED_TRACE("softcap " + std::to_string(cap) + (causal ? " causal" : " full") + " window " +
