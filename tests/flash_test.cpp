@@ -63,21 +63,31 @@ Inputs make_inputs(const Case& c, std::uint32_t seed) {
   return in;
 }
 
+// Forward and backward through `mask` against the float64 reference: O and LSE within tol_o of their largest
+// magnitude, dQ, dK, dV (and dsinks, with the mask's sinks) within tol_grad. Returns the forward.
+FlashForwardResult expect_kernel_matches_reference(const Inputs& in, const AttentionMask& mask, double scale,
+                                                   const FlashConfig& cfg, double tol_o, double tol_grad) {
+  FlashForwardResult fwd = flash_attention_forward(in.q, in.k, in.v, mask, scale, cfg);
+  const auto bwd =
+      flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, mask, scale, cfg, DType::f32);
+  const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, mask, scale);
+  CPATTN_EXPECT_CLOSE(fwd.o.to_floats(), ref.o, tol_o, "o");
+  CPATTN_EXPECT_CLOSE(fwd.lse, ref.lse, tol_o, "lse");
+  CPATTN_EXPECT_CLOSE(bwd.dq.to_floats(), ref.dq, tol_grad, "dq");
+  CPATTN_EXPECT_CLOSE(bwd.dk.to_floats(), ref.dk, tol_grad, "dk");
+  CPATTN_EXPECT_CLOSE(bwd.dv.to_floats(), ref.dv, tol_grad, "dv");
+  EXPECT_EQ(bwd.dsinks.size(), mask.sinks.size());
+  CPATTN_EXPECT_CLOSE(bwd.dsinks, ref.dsinks, tol_grad, "dsinks");
+  return fwd;
+}
+
 // Runs kernel and reference; fp32 within `tol` of max |ref|; bf16 against the reference on the bf16 values.
 void check_against_reference(const Case& c, double tol, int threads = 1, FlashConfig cfg = {}) {
   SCOPED_TRACE(c.name());
   const Inputs in = make_inputs(c, 17);
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
   cfg.threads = threads;
-  const auto fwd = flash_attention_forward(in.q, in.k, in.v, in.mask(c.causal), scale, cfg);
-  const auto bwd = flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, in.mask(c.causal),
-                                            scale, cfg, DType::f32);
-  const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, in.mask(c.causal), scale);
-  CPATTN_EXPECT_CLOSE(fwd.o.to_floats(), ref.o, tol, "o");
-  CPATTN_EXPECT_CLOSE(fwd.lse, ref.lse, tol, "lse");
-  CPATTN_EXPECT_CLOSE(bwd.dq.to_floats(), ref.dq, tol, "dq");
-  CPATTN_EXPECT_CLOSE(bwd.dk.to_floats(), ref.dk, tol, "dk");
-  CPATTN_EXPECT_CLOSE(bwd.dv.to_floats(), ref.dv, tol, "dv");
+  expect_kernel_matches_reference(in, in.mask(c.causal), scale, cfg, tol, tol);
 }
 
 TEST(FlashKernel, MatchesReferenceOnAwkwardSizesFp32) {
@@ -220,15 +230,7 @@ TEST(FlashKernel, SegmentsThatReturnToAnEarlierDocumentOnEveryPath) {
     const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim)),
                  tol = dtype == DType::bf16 ? 2e-2 : 1e-5;
     cfg.threads = threads;
-    const auto fwd = flash_attention_forward(in.q, in.k, in.v, mask, scale, cfg);
-    const auto bwd =
-        flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, mask, scale, cfg, DType::f32);
-    const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, mask, scale);
-    CPATTN_EXPECT_CLOSE(fwd.o.to_floats(), ref.o, tol, "o");
-    CPATTN_EXPECT_CLOSE(fwd.lse, ref.lse, tol, "lse");
-    CPATTN_EXPECT_CLOSE(bwd.dq.to_floats(), ref.dq, tol, "dq");
-    CPATTN_EXPECT_CLOSE(bwd.dk.to_floats(), ref.dk, tol, "dk");
-    CPATTN_EXPECT_CLOSE(bwd.dv.to_floats(), ref.dv, tol, "dv");
+    expect_kernel_matches_reference(in, mask, scale, cfg, tol, tol);
   };
   for (const std::vector<std::int32_t>* seg : {&returning, &drawn}) {
     for (bool causal : {true, false}) {
@@ -264,15 +266,7 @@ TEST(FlashKernel, SlidingWindowsMatchTheReferenceOnEveryPath) {
     const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
     const double tol_o = dtype == DType::bf16 ? 1e-2 : 2e-6, tol_grad = dtype == DType::bf16 ? 2e-2 : 1e-5;
     cfg.threads = threads;
-    const auto fwd = flash_attention_forward(in.q, in.k, in.v, mask, scale, cfg);
-    const auto bwd =
-        flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, mask, scale, cfg, DType::f32);
-    const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, mask, scale);
-    CPATTN_EXPECT_CLOSE(fwd.o.to_floats(), ref.o, tol_o, "o");
-    CPATTN_EXPECT_CLOSE(fwd.lse, ref.lse, tol_o, "lse");
-    CPATTN_EXPECT_CLOSE(bwd.dq.to_floats(), ref.dq, tol_grad, "dq");
-    CPATTN_EXPECT_CLOSE(bwd.dk.to_floats(), ref.dk, tol_grad, "dk");
-    CPATTN_EXPECT_CLOSE(bwd.dv.to_floats(), ref.dv, tol_grad, "dv");
+    expect_kernel_matches_reference(in, mask, scale, cfg, tol_o, tol_grad);
   };
 #if defined(__SANITIZE_ADDRESS__)  // the band's edges inside a block and across blocks; the rest in other
                                    // builds
@@ -417,16 +411,7 @@ TEST(FlashKernel, SinksMatchTheReferenceOnEveryPath) {
     cfg.threads = threads;
     const double scale = 0.125, tol_o = dtype == DType::bf16 ? 1e-2 : 2e-6,
                  tol_grad = dtype == DType::bf16 ? 2e-2 : 1e-5;
-    const auto fwd = flash_attention_forward(in.q, in.k, in.v, mask, scale, cfg);
-    const auto bwd =
-        flash_attention_backward(in.q, in.k, in.v, fwd.o, fwd.lse, in.d_out, mask, scale, cfg, DType::f32);
-    const auto ref = reference_attention(in.q, in.k, in.v, &in.d_out, mask, scale);
-    CPATTN_EXPECT_CLOSE(fwd.o.to_floats(), ref.o, tol_o, "o");
-    CPATTN_EXPECT_CLOSE(fwd.lse, ref.lse, tol_o, "lse");
-    CPATTN_EXPECT_CLOSE(bwd.dq.to_floats(), ref.dq, tol_grad, "dq");
-    CPATTN_EXPECT_CLOSE(bwd.dk.to_floats(), ref.dk, tol_grad, "dk");
-    CPATTN_EXPECT_CLOSE(bwd.dv.to_floats(), ref.dv, tol_grad, "dv");
-    CPATTN_EXPECT_CLOSE(bwd.dsinks, ref.dsinks, tol_grad, "dsinks");
+    const FlashForwardResult fwd = expect_kernel_matches_reference(in, mask, scale, cfg, tol_o, tol_grad);
     AttentionMask plain = mask;
     plain.sinks = {};
     const auto without = reference_attention(in.q, in.k, in.v, &in.d_out, plain, scale);
