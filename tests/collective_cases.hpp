@@ -187,6 +187,56 @@ inline std::int64_t wrong_overlapping_shifts(Communicator& c, std::int64_t count
   return wrong;
 }
 
+// Shifts by every distance (negative ones and whole turns too) with counts of each rank's own, some empty,
+// all in flight at once and waited last first, as the windowed ring has its K/V and dK/dV shifts: rank r
+// sends rank r + d (value_of(r, i) + d) x count(r, d). Counts wrong elements and accounting: each shift a
+// collective_permute of the rank's own send count.
+inline std::int64_t wrong_distance_shifts(Communicator& c) {
+  const int n = c.size(), r = c.rank();
+  auto count = [](int rank, int d) { return static_cast<std::int64_t>((rank * 7 + d * 3 + 70) % 5) * 37; };
+  auto peer = [n](int rank, int d) { return ((rank + d) % n + n) % n; };
+  const std::vector<CollectiveRecord> before = c.counters().records();
+  std::vector<int> distances;
+  for (int d = -n; d <= n + 1; ++d) distances.push_back(d);
+  std::vector<std::vector<float>> send, recv;
+  std::vector<std::unique_ptr<PendingShift>> shifts;
+  std::int64_t sent = 0;
+  for (const int d : distances) {
+    send.emplace_back(static_cast<std::size_t>(count(r, d)));
+    for (std::size_t i = 0; i < send.back().size(); ++i)
+      send.back()[i] = value_of(r, static_cast<std::int64_t>(i)) + static_cast<float>(d);
+    // From rank r - d, which sends count(r - d, d); a shift onto itself when d is a whole turn.
+    recv.emplace_back(static_cast<std::size_t>(count(peer(r, -d), d)), -1.0f);
+    shifts.push_back(c.start_shift_v(send.back().data(), static_cast<std::int64_t>(send.back().size()),
+                                     recv.back().data(), static_cast<std::int64_t>(recv.back().size()),
+                                     CommDType::f32, d));
+    if (peer(r, d) != r) sent += count(r, d) * 4;
+  }
+  for (std::size_t j = shifts.size(); j-- > 0;) shifts[j]->wait();
+  std::int64_t wrong = 0;
+  for (std::size_t j = 0; j < distances.size(); ++j) {
+    const int from = peer(r, -distances[j]);
+    for (std::size_t i = 0; i < recv[j].size(); ++i)
+      wrong += recv[j][i] != value_of(from, static_cast<std::int64_t>(i)) + static_cast<float>(distances[j]);
+  }
+  std::int64_t counted = 0, calls = 0;
+  for (const CollectiveRecord& x : c.counters().records()) {
+    if (x.kind == CollectiveKind::collective_permute) {
+      counted += x.bytes_sent_per_rank;
+      calls += x.count;
+    }
+  }
+  for (const CollectiveRecord& x : before) {
+    if (x.kind == CollectiveKind::collective_permute) {
+      counted -= x.bytes_sent_per_rank;
+      calls -= x.count;
+    }
+  }
+  wrong += counted != sent;
+  wrong += calls != static_cast<std::int64_t>(distances.size());
+  return wrong;
+}
+
 inline std::int64_t wrong_all_gather(Communicator& c, std::int64_t count) {
   const int n = c.size(), r = c.rank();
   std::vector<std::int32_t> send(static_cast<std::size_t>(count)),
@@ -308,6 +358,7 @@ inline std::int64_t wrong_in_all_cases(Communicator& c) {
   wrong += wrong_shifts(c, 1000, c.size() + 1);
   wrong += wrong_shifts(c, 0, 2);
   wrong += wrong_overlapping_shifts(c, 777);
+  wrong += wrong_distance_shifts(c);
   wrong += wrong_all_reduce(c);
   c.barrier();
   return wrong;

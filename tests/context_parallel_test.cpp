@@ -191,6 +191,54 @@ TEST(ContextParallel, SlidingWindowsSoftCapsAndSinksOnEveryStrategy) {
   }
 }
 
+// The windowed ring moves what the window reaches: each rank's K/V rows go only to the ranks that see them
+// (the contiguous ring: rank r - 1's last w rows; the zigzag: two neighbours' chunk tails), so the bytes fall
+// with w, not S. Counted at cp 8 against the windowless ring's count (each rank's permutes, the largest over
+// ranks, forward and backward), on both layouts and the hybrid's ring, with the result checked against the
+// single device; each rank's count is its own schedule's.
+TEST(ContextParallel, AWindowedRingSendsOnlyTheRowsItsWindowReaches) {
+  auto permuted = [](const testing::CpRun& run) {
+    std::int64_t most = 0;
+    for (const auto& records : run.records) {
+      std::int64_t bytes = 0;
+      for (const CollectiveRecord& x : records)
+        bytes += x.kind == CollectiveKind::collective_permute ? x.bytes_sent_per_rank : 0;
+      most = std::max(most, bytes);
+    }
+    return most;
+  };
+  const std::tuple<Strategy, bool, std::int64_t, double> setups[] = {{Strategy::ring, false, 0, 1.0 / 30},
+                                                                     {Strategy::ring, true, 0, 1.0 / 15},
+                                                                     {Strategy::hybrid, true, 2, 1.0 / 15}};
+  for (const auto& [strategy, lb, u, most] : setups) {
+    CpCase c;
+    c.strategy = strategy;
+    c.load_balance = lb;
+    c.ulysses_degree = u;
+    c.cp = 8;
+    c.hq = 4;
+    c.hkv = 2;
+    c.dim = 16;
+    c.seq = 2048;
+    c.causal = true;
+    const testing::CpRun whole = testing::run_context_parallel(c, testing::make_whole_inputs(c, 5));
+    c.window_left = 31;  // 32 keys: a sixteenth of the zigzag's 128-row chunk at cp 8
+    SCOPED_TRACE(c.name());
+    const testing::CpRun windowed = testing::run_context_parallel(c, testing::make_whole_inputs(c, 5));
+    for (std::int64_t r = 0; r < c.cp; ++r) {
+      EXPECT_EQ(windowed.records[r],
+                scheduled_records(strategy_schedule(c.attention(), c.parallel(), {false, false, r}), c.cp))
+          << "rank " << r;
+    }
+    const double ratio = static_cast<double>(permuted(windowed)) / static_cast<double>(permuted(whole));
+    EXPECT_GT(ratio, 0.0);
+    EXPECT_LE(ratio, most) << permuted(windowed) << " of " << permuted(whole) << " bytes";
+#if !defined(__SANITIZE_THREAD__) && !defined(__SANITIZE_ADDRESS__)
+    testing::expect_ring_matches_single_device(c);
+#endif
+  }
+}
+
 TEST(ContextParallel, UlyssesMatchesReferenceWhenKvHeadsFewerThanRanks) {
   // The seed's configuration, scaled down: Hq = 32, Hkv = 2 at cp = 4 (rep 2) and cp = 8 (rep 4); under TSan
   // cp = 4 alone (the group's threading is the same; cp 8's replication is checked in the other builds).
@@ -810,10 +858,11 @@ class FailingCommunicator final : public Communicator {
     step();
     inner_.all_gather(send, recv, count, dtype);
   }
-  std::unique_ptr<PendingShift> start_shift(const void* send, void* recv, std::int64_t count,
-                                            CommDType dtype) override {
+  std::unique_ptr<PendingShift> start_shift_v(const void* send, std::int64_t send_count, void* recv,
+                                              std::int64_t recv_count, CommDType dtype,
+                                              int distance) override {
     step();
-    return inner_.start_shift(send, recv, count, dtype);
+    return inner_.start_shift_v(send, send_count, recv, recv_count, dtype, distance);
   }
   void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override {
     step();

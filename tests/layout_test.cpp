@@ -180,5 +180,76 @@ TEST(SequenceLayout, EveryPermutationRoundTrips) {
   EXPECT_THROW(inverse_permutation({0, 0, 1}), Error);
 }
 
+// The windowed ring's steps, against a brute force over every (query, key) pair: the span a rank receives
+// is the hull of the source's rows some query of it sees, and a step is left out exactly when no rank sees
+// anything at that distance. Causal and not, windows short and long, contiguous and zigzag.
+TEST(RingReach, SpansAreTheHullOfWhatSomeQuerySees) {
+  for (const ShardLayout layout : {ShardLayout::contiguous, ShardLayout::dual_chunk_swap}) {
+    for (const std::int64_t ranks : {2, 3, 4, 8}) {
+      const std::int64_t seq = 96 * ranks, parts = layout == ShardLayout::contiguous ? 1 : 2;
+      const std::int64_t n = seq / ranks / parts;
+      const RankPositions positions = rank_positions(layout, seq, ranks);
+      for (const PositionBand band :
+           {PositionBand{0, 0}, PositionBand{7, 0}, PositionBand{47, 0}, PositionBand{48, 0},
+            PositionBand{200, 0}, PositionBand{kUnboundedWindow, 0}, PositionBand{5, 9}, PositionBand{0, 100},
+            PositionBand{60, 60}}) {
+        SCOPED_TRACE(std::to_string(static_cast<int>(layout)) + " R " + std::to_string(ranks) + " band " +
+                     std::to_string(band.left) + "," + std::to_string(band.right));
+        const std::vector<ReachStep> steps = ring_reach(positions, parts, band);
+        std::size_t next = 0;
+        for (std::int64_t d = 1; d < ranks; ++d) {
+          std::vector<std::vector<RowSpan>> want;
+          bool any = false;
+          for (std::int64_t r = 0; r < ranks; ++r) {
+            const auto& src = positions[static_cast<std::size_t>((r - d + ranks) % ranks)];
+            want.emplace_back();
+            for (std::int64_t part = 0; part < parts; ++part) {
+              std::int64_t lo = n, hi = 0;
+              for (std::int64_t t = 0; t < n; ++t) {
+                for (const std::int32_t qp : positions[static_cast<std::size_t>(r)]) {
+                  if (band.sees(qp, src[static_cast<std::size_t>(part * n + t)])) {
+                    lo = std::min(lo, t);
+                    hi = std::max(hi, t + 1);
+                  }
+                }
+              }
+              want.back().push_back(lo < hi ? RowSpan{lo, hi} : RowSpan{});
+              any = any || lo < hi;
+            }
+          }
+          if (!any) continue;
+          ASSERT_LT(next, steps.size()) << "distance " << d;
+          EXPECT_EQ(steps[next].distance, d);
+          EXPECT_EQ(steps[next].seen, want) << "distance " << d;
+          for (std::int64_t r = 0; r < ranks; ++r) {
+            EXPECT_EQ(steps[next].rows_sent(r), steps[next].rows_received((r + d) % ranks));
+          }
+          ++next;
+        }
+        EXPECT_EQ(next, steps.size());
+      }
+    }
+  }
+}
+
+// A window shorter than a chunk: the contiguous ring's one step (rank r - 1's last w rows), the zigzag's two
+// (its first chunk's predecessor on rank r - 1, its second's on rank r + 1).
+TEST(RingReach, AShortWindowReachesTheNeighboursTails) {
+  const PositionBand w{15, 0};
+  const auto contiguous = ring_reach(rank_positions(ShardLayout::contiguous, 256, 4), 1, w);
+  ASSERT_EQ(contiguous.size(), 1u);
+  EXPECT_EQ(contiguous[0].distance, 1);
+  EXPECT_EQ(contiguous[0].seen,
+            (std::vector<std::vector<RowSpan>>{{{}}, {{49, 64}}, {{49, 64}}, {{49, 64}}}));
+  const auto zigzag = ring_reach(rank_positions(ShardLayout::dual_chunk_swap, 256, 4), 2, w);
+  ASSERT_EQ(zigzag.size(), 2u);
+  EXPECT_EQ(zigzag[0].distance, 1);
+  EXPECT_EQ(zigzag[1].distance, 3);
+  // Rank 0 holds chunks 0 and 7 (of 32 rows); rank 1 chunks 1 and 6, ... Chunk 1 sees the tail of chunk 0
+  // (rank 0's first run); chunk 7 the tail of chunk 6 (rank 1's second run), three places on round the ring.
+  EXPECT_EQ(zigzag[0].seen[1], (std::vector<RowSpan>{{17, 32}, {}}));
+  EXPECT_EQ(zigzag[1].seen[0], (std::vector<RowSpan>{{}, {17, 32}}));
+}
+
 }  // namespace
 }  // namespace cpattn

@@ -3,6 +3,8 @@
 // the same bits as on the in-process group, the accounting the same, and a failed or silent peer an error.
 #include <gtest/gtest.h>
 
+#include <optional>
+
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -197,11 +199,17 @@ TEST(TransportBackend, EveryStrategyIsTheInProcessGroupsBitForBit) {
     bool load_balance;
     std::int64_t cp, ulysses_degree;
     DType dtype;
+    std::optional<std::int64_t>
+        window;  // the windowed ring's shifts by any distance, of rows of each rank's own
   };
-  const Row rows[] = {
-      {Strategy::ulysses, false, 4, 0, DType::f32},    {Strategy::all_gather, false, 4, 0, DType::f32},
-      {Strategy::all_gather, true, 2, 0, DType::bf16}, {Strategy::ring, false, 3, 0, DType::f32},
-      {Strategy::ring, true, 4, 0, DType::bf16},       {Strategy::hybrid, true, 4, 2, DType::f32}};
+  const Row rows[] = {{Strategy::ulysses, false, 4, 0, DType::f32, {}},
+                      {Strategy::all_gather, false, 4, 0, DType::f32, {}},
+                      {Strategy::all_gather, true, 2, 0, DType::bf16, {}},
+                      {Strategy::ring, false, 3, 0, DType::f32, {}},
+                      {Strategy::ring, true, 4, 0, DType::bf16, {}},
+                      {Strategy::hybrid, true, 4, 2, DType::f32, {}},
+                      {Strategy::ring, true, 4, 0, DType::f32, 30},
+                      {Strategy::hybrid, true, 4, 2, DType::bf16, 50}};
   for (const Row& row : rows) {
     testing::CpCase c;
     c.cp = row.cp;
@@ -214,6 +222,7 @@ TEST(TransportBackend, EveryStrategyIsTheInProcessGroupsBitForBit) {
     c.strategy = row.strategy;
     c.load_balance = row.load_balance;
     c.ulysses_degree = row.ulysses_degree;
+    c.window_left = row.window;
     c.segments = {c.seq / 2 + 3, c.seq - c.seq / 2 - 3};
     SCOPED_TRACE(c.name());
     ASSERT_TRUE(validation_errors(c.attention(), c.parallel()).empty());

@@ -51,8 +51,10 @@ struct CollectiveCost {
   std::int64_t bytes_sent_per_rank = 0;
   std::int64_t bytes_sent_across_hosts = 0;  // this rank's, to ranks on other hosts
 };
-// The ring's destinations (Communicator::start_shift): dest[p] = (p + 1) mod size.
+// The ring's destinations (Communicator::start_shift): dest[p] = (p + 1) mod size; those of a shift by
+// `distance` (start_shift_v): dest[p] = (p + distance) mod size.
 std::vector<int> ring_destinations(int size);
+std::vector<int> shift_destinations(int size, std::int64_t distance);
 
 CollectiveCost collective_cost(CollectiveKind kind, std::int64_t count, std::size_t element_size, int ranks,
                                const std::vector<int>* dest = nullptr);

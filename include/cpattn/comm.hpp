@@ -99,14 +99,22 @@ class Communicator {
                                   const std::vector<int>& dest) = 0;
   // The ring's point-to-point step: `count` elements of send go to rank (r + 1) mod size() and as many from
   // rank (r - 1) mod size() arrive in recv, started now and completed by the handle's wait(), so that the
-  // transfer runs while the caller computes. Every rank starts the same shifts in the same order; a count
-  // that disagrees with the neighbour's, a failed peer or a timeout is an Error(communication) naming the
-  // rank (under MPI a count mismatch is known to the receiver only: its error ends the job, and the others'
-  // waits reach the deadline). Counted as a collective_permute (dest[p] = (p + 1) mod size()) when it
-  // completes. The default runs
-  // the permute at once and returns a completed handle (no overlap); the backends start real transfers.
-  virtual std::unique_ptr<PendingShift> start_shift(const void* send, void* recv, std::int64_t count,
-                                                    CommDType dtype);
+  // transfer runs while the caller computes: start_shift_v(send, count, recv, count, dtype, 1).
+  std::unique_ptr<PendingShift> start_shift(const void* send, void* recv, std::int64_t count,
+                                            CommDType dtype) {
+    return start_shift_v(send, count, recv, count, dtype, 1);
+  }
+  // A shift by any distance with counts of this rank's own: send_count elements of send go to rank
+  // (r + distance) mod size() and recv_count elements from rank (r - distance) mod size() arrive in recv (a
+  // negative distance shifts backwards; the windowed ring sends each rank only the rows it can see). Every
+  // rank starts the same shifts (same distance) in the same order, empty ones included; what rank r sends
+  // must be what its receiver expects. A count that disagrees with the peer's, a failed peer or a timeout is
+  // an Error(communication) naming the rank (under MPI a count mismatch is known to the receiver only: its
+  // error ends the job, and the others' waits reach the deadline). Counted when it completes as a
+  // collective_permute of send_count (dest[p] = (p + distance) mod size()). The default runs an all_to_all_v
+  // at once (counted as that) and returns a completed handle (no overlap); the backends start real transfers.
+  virtual std::unique_ptr<PendingShift> start_shift_v(const void* send, std::int64_t send_count, void* recv,
+                                                      std::int64_t recv_count, CommDType dtype, int distance);
   virtual void barrier() = 0;
   // Small control values (shapes, error flags); not counted.
   virtual void all_reduce(std::int64_t* values, int n, ReduceOp op) = 0;
@@ -135,8 +143,10 @@ class Communicator {
              const std::vector<int>* dest = nullptr);
   // count_cost's callers fill cost.bytes_sent_across_hosts themselves (across_hosts helps).
   void count_cost(CollectiveKind kind, const CollectiveCost& cost);
-  // The accounting of one completed start_shift.
-  void count_shift(std::int64_t count, CommDType dtype);
+  // The accounting of one completed shift (start_shift_v): send_count elements, `distance` places on.
+  void count_shift(std::int64_t send_count, CommDType dtype, int distance);
+  // Throws Error(invalid_input) when a shift's count is negative.
+  static void check_shift_counts(std::int64_t send_count, std::int64_t recv_count);
   void set_hosts(std::vector<int> hosts) { hosts_ = std::move(hosts); }
   // Whether rank p is on another host than this rank.
   bool across_hosts(int p) const { return !hosts_.empty() && hosts_[p] != hosts_[rank()]; }

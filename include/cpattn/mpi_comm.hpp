@@ -43,9 +43,11 @@ class MpiCommunicator final : public Communicator {
   void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
   void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
                           const std::vector<int>& dest) override;
-  // MPI_Isend to rank + 1 and MPI_Irecv from rank - 1, posted now; wait() polls them against the timeout.
-  std::unique_ptr<PendingShift> start_shift(const void* send, void* recv, std::int64_t count,
-                                            CommDType dtype) override;
+  // MPI_Isend to rank + distance and MPI_Irecv from rank - distance, posted now; wait() polls them against
+  // the timeout.
+  std::unique_ptr<PendingShift> start_shift_v(const void* send, std::int64_t send_count, void* recv,
+                                              std::int64_t recv_count, CommDType dtype,
+                                              int distance) override;
   void barrier() override;
   void all_reduce(std::int64_t* values, int n, ReduceOp op) override;
   // MPI_Comm_split (after an all_reduce that every rank reaches within the timeout); the sub-communicator

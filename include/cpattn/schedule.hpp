@@ -10,6 +10,7 @@
 
 #include "cpattn/collectives.hpp"
 #include "cpattn/config.hpp"
+#include "cpattn/sequence_layout.hpp"
 
 namespace cpattn {
 
@@ -26,16 +27,22 @@ struct ScheduledCollective {
   // the single-group strategies (over all cp ranks).
   std::string group;
   std::int64_t ranks = 0;
+  // A ring shift's distance (Communicator::start_shift_v): rank r sends rank r + distance. The windowed ring
+  // sends each source's rows straight to the ranks that see them; every other shift goes one place on.
+  std::int64_t distance = 1;
   bool operator==(const ScheduledCollective&) const = default;
 };
 
 struct ScheduleOptions {
   bool remat = false;   // backward re-gathers (all_gather) or re-exchanges (ulysses) its inputs
   bool packed = false;  // segment ids travel too
-  // Whose calls: hybrid's ring moves the kv heads of the rank's ulysses rank (rank % ulysses_degree), which
-  // differ between ulysses ranks when the heads do not split evenly. The other strategies' calls are the
-  // same on every rank.
+  // Whose calls (the rank in cp): hybrid's ring moves the kv heads of the rank's ulysses rank (rank %
+  // ulysses_degree), which differ between ulysses ranks when the heads do not split evenly; a windowed ring
+  // (ring, hybrid) sends each ring rank's own rows (ring_reach). The other calls are the same on every rank.
   std::int64_t rank = 0;
+  // The windowed ring's steps (ring_reach over the ring's positions) where the caller has them; null: the
+  // schedule finds them itself (the planner computes them once for all ranks).
+  const std::vector<ReachStep>* reach = nullptr;
 };
 
 // One attention layer's calls: those of a forward, and those of the backward after it (remat calls included),

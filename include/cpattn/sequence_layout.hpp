@@ -69,4 +69,29 @@ std::vector<std::int32_t> positions_as_int32(const std::vector<std::int64_t>& po
 using RankPositions = std::vector<std::vector<std::int32_t>>;
 RankPositions rank_positions(ShardLayout layout, std::int64_t seq_len, std::int64_t cp);
 
+// The windowed ring's transfers (docs/design.md, "Ring"). With a sliding window a ring rank's queries see
+// only the rows near the ends of a few other ranks' runs, so instead of sending every shard round the ring,
+// each rank sends each other rank the rows it sees, straight there. Rows are local to one run of a ring
+// rank's rows (its `parts` runs of equal length: the whole shard, or the zigzag's two chunks).
+struct RowSpan {
+  std::int64_t begin = 0, end = 0;
+  std::int64_t size() const { return end - begin; }
+  bool operator==(const RowSpan&) const = default;
+};
+// One step of the windowed ring: rank r receives from rank (r - distance) mod R, per run of that rank's
+// rows, the hull of the rows some query of rank r sees under the band (seen[r][part]; empty: none).
+struct ReachStep {
+  std::int64_t distance = 0;
+  std::vector<std::vector<RowSpan>> seen;
+  // The rows rank r receives at this step, and those rank r sends (what rank r + distance sees of it).
+  std::int64_t rows_received(std::int64_t r) const;
+  std::int64_t rows_sent(std::int64_t r) const;
+  bool operator==(const ReachStep&) const = default;
+};
+// The steps 1..R-1 (R = positions.size()) at which some rank sees some row of the rank `distance` places
+// before it, in order; a step at which no rank sees anything is left out (nothing moves, nothing computes).
+// The band alone decides (packed documents do not: the segment ids are data).
+std::vector<ReachStep> ring_reach(const RankPositions& positions, std::int64_t parts,
+                                  const PositionBand& band);
+
 }  // namespace cpattn

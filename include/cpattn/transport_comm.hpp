@@ -34,10 +34,11 @@ class TransportCommunicator final : public Communicator {
   void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
   void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
                           const std::vector<int>& dest) override;
-  // The send to rank + 1 and the receive from rank - 1 started now (the transport moves them while the rank
-  // computes); wait() completes them within the timeout.
-  std::unique_ptr<PendingShift> start_shift(const void* send, void* recv, std::int64_t count,
-                                            CommDType dtype) override;
+  // The send to rank + distance and the receive from rank - distance started now (the transport moves them
+  // while the rank computes); wait() completes them within the timeout.
+  std::unique_ptr<PendingShift> start_shift_v(const void* send, std::int64_t send_count, void* recv,
+                                              std::int64_t recv_count, CommDType dtype,
+                                              int distance) override;
   void barrier() override;
   void all_reduce(std::int64_t* values, int n, ReduceOp op) override;
   // The ranks of `color` by (key, rank), on the same transport with message tags of their own.

@@ -31,9 +31,18 @@ std::unique_ptr<Communicator> Communicator::split(int, int) {
               std::string("the ") + backend() + " communicator cannot split into sub-communicators");
 }
 
-void Communicator::count_shift(std::int64_t count, CommDType dtype) {
-  const std::vector<int> dest = ring_destinations(size());
-  this->count(CollectiveKind::collective_permute, count, dtype, &dest);
+void Communicator::count_shift(std::int64_t send_count, CommDType dtype, int distance) {
+  const std::vector<int> dest = shift_destinations(size(), distance);
+  this->count(CollectiveKind::collective_permute, send_count, dtype, &dest);
+}
+
+void Communicator::check_shift_counts(std::int64_t send_count, std::int64_t recv_count) {
+  for (const auto& [field, n] : {std::pair{"send_count", send_count}, std::pair{"recv_count", recv_count}}) {
+    if (n < 0) {
+      throw Error(ErrorKind::invalid_input, field, std::to_string(n),
+                  std::string("a shift's ") + field + " (" + std::to_string(n) + ") must be >= 0");
+    }
+  }
 }
 
 namespace {
@@ -43,9 +52,20 @@ class CompletedShift final : public PendingShift {
 };
 }  // namespace
 
-std::unique_ptr<PendingShift> Communicator::start_shift(const void* send, void* recv, std::int64_t count,
-                                                        CommDType dtype) {
-  collective_permute(send, recv, count, dtype, ring_destinations(size()));
+std::unique_ptr<PendingShift> Communicator::start_shift_v(const void* send, std::int64_t send_count,
+                                                          void* recv, std::int64_t recv_count,
+                                                          CommDType dtype, int distance) {
+  check_shift_counts(send_count, recv_count);
+  // One block to rank + distance and one from rank - distance (the same rank's block when a whole turn),
+  // every other block empty.
+  const int n = size(), r = rank();
+  const std::vector<int> dest = shift_destinations(n, distance);
+  const int to = dest[r], from = static_cast<int>(std::find(dest.begin(), dest.end(), r) - dest.begin());
+  BlockList out{std::vector<BlockShape>(n, BlockShape{1, 1, 0}), std::vector<std::int64_t>(n, 0), 0, 0};
+  BlockList in = out;
+  out.shape[to].row = send_count;
+  in.shape[from].row = recv_count;
+  all_to_all_v(send, out, recv, in, dtype);
   return std::make_unique<CompletedShift>();
 }
 

@@ -199,24 +199,31 @@ struct InProcessGroup::State {
     const unsigned char* data = nullptr;
     std::size_t bytes = 0;
     SendState state = SendState::posted;
+    int distance = 1;  // the shift's: this rank sends rank + distance
   };
   std::vector<std::map<std::uint64_t, ShiftSend>> shift_send;
   std::vector<std::set<std::uint64_t>> shift_received, shift_cancelled;
   std::vector<std::uint64_t> shifts_started;
 
-  // Rank r's copier for its shift `seq`: waits for the predecessor's post, then copies it into recv on this
-  // thread, while rank r computes.
-  void copy_shift(int rank, std::uint64_t seq, unsigned char* recv, std::size_t bytes);
+  // The rank `distance` places after (before, when negative) `rank`, round the group.
+  int peer(int rank, int distance) const {
+    const long long n = size;
+    return static_cast<int>((((rank + static_cast<long long>(distance)) % n) + n) % n);
+  }
+  // Rank r's copier for its shift `seq` (sent `distance` places on): waits for the post of the rank
+  // `distance` places before it, then copies it into recv on this thread, while rank r computes.
+  void copy_shift(int rank, std::uint64_t seq, unsigned char* recv, std::size_t bytes, int distance);
   // Rank r's wait() for shift `seq`: until its data arrived and its own send was consumed; throws if the
   // group was aborted or the wait timed out.
-  void wait_shift(int rank, std::uint64_t seq);
+  void wait_shift(int rank, std::uint64_t seq, int distance);
   // Rank r gives up shift `seq` (its handle dies unwaited): its send is withdrawn or, if a peer is copying
   // it, waited for; its copier is told to stop.
   void withdraw_shift(int rank, std::uint64_t seq);
 };
 
-void InProcessGroup::State::copy_shift(int rank, std::uint64_t seq, unsigned char* recv, std::size_t bytes) {
-  const int pred = (rank + size - 1) % size;
+void InProcessGroup::State::copy_shift(int rank, std::uint64_t seq, unsigned char* recv, std::size_t bytes,
+                                       int distance) {
+  const int pred = peer(rank, -distance);
   std::unique_lock<std::mutex> lock(mutex);
   auto posted = [&] {
     const auto it = shift_send[pred].find(seq);
@@ -225,6 +232,12 @@ void InProcessGroup::State::copy_shift(int rank, std::uint64_t seq, unsigned cha
   cv.wait(lock, [&] { return aborted() || shift_cancelled[rank].count(seq) != 0 || posted(); });
   if (aborted() || shift_cancelled[rank].count(seq) != 0) return;
   ShiftSend& from = shift_send[pred].at(seq);
+  if (from.distance != distance) {
+    abort_locked(rank, "shift mismatch: " + name(rank) + "'s shift " + std::to_string(seq) + " goes " +
+                           std::to_string(distance) + " places on, " + name(pred) + "'s " +
+                           std::to_string(from.distance));
+    return;
+  }
   if (from.bytes != bytes) {
     abort_locked(rank, "shift mismatch: " + name(pred) + " sends " + name(rank) + " " +
                            std::to_string(from.bytes) + " bytes but " + name(rank) + " expects " +
@@ -241,14 +254,14 @@ void InProcessGroup::State::copy_shift(int rank, std::uint64_t seq, unsigned cha
   cv.notify_all();
 }
 
-void InProcessGroup::State::wait_shift(int rank, std::uint64_t seq) {
+void InProcessGroup::State::wait_shift(int rank, std::uint64_t seq, int distance) {
   std::unique_lock<std::mutex> lock(mutex);
   const auto deadline = std::chrono::steady_clock::now() + options.timeout;
   auto came = [&] { return shift_received[rank].count(seq) != 0; };
   auto taken = [&] { return shift_send[rank].at(seq).state == SendState::consumed; };
   while (!aborted() && !(came() && taken())) {
     if (cv.wait_until(lock, deadline) == std::cv_status::timeout && !aborted() && !(came() && taken())) {
-      const int pred = (rank + size - 1) % size, succ = (rank + 1) % size;
+      const int pred = peer(rank, -distance), succ = peer(rank, distance);
       abort_locked(
           rank, "shift " + std::to_string(seq) + " timed out after " +
                     std::to_string(options.timeout.count()) + " ms: " +
@@ -277,11 +290,11 @@ namespace {
 class InProcessShift final : public PendingShift {
  public:
   InProcessShift(InProcessGroup::State& state, int rank, std::uint64_t seq, unsigned char* recv,
-                 std::size_t bytes, std::function<void()> count)
-      : state_(state), rank_(rank), seq_(seq), count_(std::move(count)) {
+                 std::size_t bytes, int distance, std::function<void()> count)
+      : state_(state), rank_(rank), seq_(seq), distance_(distance), count_(std::move(count)) {
     try {
       copier_ = start_thread("rank " + std::to_string(rank) + "'s ring shift",
-                             [this, recv, bytes] { state_.copy_shift(rank_, seq_, recv, bytes); });
+                             [this, recv, bytes] { state_.copy_shift(rank_, seq_, recv, bytes, distance_); });
     } catch (...) {
       state_.withdraw_shift(rank_, seq_);  // no peer may read a send that no handle guards
       throw;
@@ -292,7 +305,7 @@ class InProcessShift final : public PendingShift {
     if (copier_.joinable()) copier_.join();
   }
   void wait() override {
-    state_.wait_shift(rank_, seq_);
+    state_.wait_shift(rank_, seq_, distance_);
     copier_.join();
     waited_ = true;
     count_();
@@ -302,6 +315,7 @@ class InProcessShift final : public PendingShift {
   InProcessGroup::State& state_;
   int rank_;
   std::uint64_t seq_;
+  int distance_;
   std::function<void()> count_;
   std::thread copier_;
   bool waited_ = false;
@@ -361,24 +375,24 @@ class InProcessCommunicator final : public Communicator {
     state_.collective(rank_, make_slot(Call::permute, send, recv, count, dtype, &dest));
     this->count(CollectiveKind::collective_permute, count, dtype, &dest);
   }
-  std::unique_ptr<PendingShift> start_shift(const void* send, void* recv, std::int64_t count,
-                                            CommDType dtype) override {
-    if (count < 0) {
-      throw Error(ErrorKind::invalid_input, "count", std::to_string(count),
-                  "start_shift count (" + std::to_string(count) + ") must be >= 0");
-    }
-    const std::size_t bytes = static_cast<std::size_t>(count) * comm_dtype_size(dtype);
+  std::unique_ptr<PendingShift> start_shift_v(const void* send, std::int64_t send_count, void* recv,
+                                              std::int64_t recv_count, CommDType dtype,
+                                              int distance) override {
+    check_shift_counts(send_count, recv_count);
+    const std::size_t e = comm_dtype_size(dtype);
     std::uint64_t seq = 0;
     {
       std::lock_guard<std::mutex> lock(state_.mutex);
       if (state_.aborted()) state_.throw_aborted(rank_);
       seq = ++state_.shifts_started[rank_];
-      state_.shift_send[rank_][seq] = {static_cast<const unsigned char*>(send), bytes,
-                                       InProcessGroup::State::SendState::posted};
+      state_.shift_send[rank_][seq] = {static_cast<const unsigned char*>(send),
+                                       static_cast<std::size_t>(send_count) * e,
+                                       InProcessGroup::State::SendState::posted, distance};
       state_.cv.notify_all();
     }
-    return std::make_unique<InProcessShift>(state_, rank_, seq, static_cast<unsigned char*>(recv), bytes,
-                                            [this, count, dtype] { count_shift(count, dtype); });
+    return std::make_unique<InProcessShift>(
+        state_, rank_, seq, static_cast<unsigned char*>(recv), static_cast<std::size_t>(recv_count) * e,
+        distance, [this, send_count, dtype, distance] { count_shift(send_count, dtype, distance); });
   }
   void barrier() override {
     state_.collective(rank_, make_slot(Call::barrier, nullptr, nullptr, 0, CommDType::i32));

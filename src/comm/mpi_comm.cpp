@@ -340,8 +340,15 @@ void MpiCommunicator::exchange_packed(const void* send, const BlockList& send_bl
 // transfer advances during the compute only as far as the transports do on their own (docs/performance.md).
 class MpiShift final : public PendingShift {
  public:
-  MpiShift(MpiCommunicator& comm, std::int64_t count, CommDType dtype)
-      : comm_(comm), count_(count), dtype_(dtype) {}
+  MpiShift(MpiCommunicator& comm, std::int64_t send_count, std::int64_t recv_count, CommDType dtype, int to,
+           int from, int distance)
+      : comm_(comm),
+        send_count_(send_count),
+        recv_count_(recv_count),
+        dtype_(dtype),
+        to_(to),
+        from_(from),
+        distance_(distance) {}
   ~MpiShift() override {
     stop_progress();
     if (done_) return;
@@ -398,8 +405,7 @@ class MpiShift final : public PendingShift {
       int received = 0;
       MPI_Test(&requests_[1], &received, MPI_STATUS_IGNORE);
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const int peer =
-          received ? (comm_.rank_ + 1) % comm_.size_ : (comm_.rank_ + comm_.size_ - 1) % comm_.size_;
+      const int peer = received ? to_ : from_;
       std::fprintf(stderr,
                    "rank %d: no progress from rank %d in %.0f s (a ring shift's %s); ending the job\n",
                    comm_.world(comm_.rank_), comm_.world(peer), s, received ? "send" : "receive");
@@ -409,14 +415,13 @@ class MpiShift final : public PendingShift {
     done_ = true;
     int got = 0;
     MPI_Get_count(&status_, mpi_type(dtype_), &got);
-    if (got != count_) {
+    if (got != recv_count_) {
       throw Error(ErrorKind::communication, "collective", "shift",
-                  "shift mismatch: rank " +
-                      std::to_string(comm_.world((comm_.rank_ + comm_.size_ - 1) % comm_.size_)) +
-                      " sent rank " + std::to_string(comm_.world(comm_.rank_)) + " " + std::to_string(got) +
-                      " elements but it expects " + std::to_string(count_));
+                  "shift mismatch: rank " + std::to_string(comm_.world(from_)) + " sent rank " +
+                      std::to_string(comm_.world(comm_.rank_)) + " " + std::to_string(got) +
+                      " elements but it expects " + std::to_string(recv_count_));
     }
-    comm_.count_shift(count_, dtype_);
+    comm_.count_shift(send_count_, dtype_, distance_);
   }
   MPI_Request requests_[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};  // send, receive
 
@@ -451,8 +456,9 @@ class MpiShift final : public PendingShift {
     }
   }
   MpiCommunicator& comm_;
-  std::int64_t count_;
+  std::int64_t send_count_, recv_count_;
   CommDType dtype_;
+  int to_, from_, distance_;  // the peers' ranks in comm_, and the shift's distance
   bool done_ = false;
   std::thread progress_;
   std::mutex mutex_;  // guards what the progress thread writes: finished_, rc_, status_, stop_
@@ -462,16 +468,19 @@ class MpiShift final : public PendingShift {
   MPI_Status status_{};
 };
 
-std::unique_ptr<PendingShift> MpiCommunicator::start_shift(const void* send, void* recv, std::int64_t count,
-                                                           CommDType dtype) {
-  const int n = as_int(count, "shift");
-  auto shift = std::make_unique<MpiShift>(*this, count, dtype);
+std::unique_ptr<PendingShift> MpiCommunicator::start_shift_v(const void* send, std::int64_t send_count,
+                                                             void* recv, std::int64_t recv_count,
+                                                             CommDType dtype, int distance) {
+  check_shift_counts(send_count, recv_count);
+  const int sent = as_int(send_count, "shift"), expected = as_int(recv_count, "shift");
+  const int d = static_cast<int>(((distance % size_) + size_) % size_);
+  const int to = (rank_ + d) % size_, from = (rank_ + size_ - d) % size_;
+  auto shift = std::make_unique<MpiShift>(*this, send_count, recv_count, dtype, to, from, distance);
   constexpr int kShiftTag = 7;
-  check(MPI_Irecv(recv, n, mpi_type(dtype), (rank_ + size_ - 1) % size_, kShiftTag, comm_,
-                  &shift->requests_[1]),
-        "MPI_Irecv", world(rank_));
-  check(MPI_Isend(send, n, mpi_type(dtype), (rank_ + 1) % size_, kShiftTag, comm_, &shift->requests_[0]),
-        "MPI_Isend", world(rank_));
+  check(MPI_Irecv(recv, expected, mpi_type(dtype), from, kShiftTag, comm_, &shift->requests_[1]), "MPI_Irecv",
+        world(rank_));
+  check(MPI_Isend(send, sent, mpi_type(dtype), to, kShiftTag, comm_, &shift->requests_[0]), "MPI_Isend",
+        world(rank_));
   if (progress_thread_) shift->start_progress();
   return shift;
 }

@@ -252,26 +252,38 @@ class TransportShift final : public PendingShift {
 
 }  // namespace
 
-std::unique_ptr<PendingShift> TransportCommunicator::start_shift(const void* send, void* recv,
-                                                                 std::int64_t count, CommDType dtype) {
-  const std::size_t bytes = bytes_of(count, dtype);
-  const int n = size(), next = (rank_ + 1) % n, prev = (rank_ + n - 1) % n;
+std::unique_ptr<PendingShift> TransportCommunicator::start_shift_v(const void* send, std::int64_t send_count,
+                                                                   void* recv, std::int64_t recv_count,
+                                                                   CommDType dtype, int distance) {
+  check_shift_counts(send_count, recv_count);
+  const std::size_t out = bytes_of(send_count, dtype), in = bytes_of(recv_count, dtype);
+  const int n = size(), d = static_cast<int>(((distance % n) + n) % n);
+  const int to = (rank_ + d) % n, from = (rank_ + n - d) % n;
+  // Every rank numbers every shift, empty ones too: a peer's tag must match this rank's.
+  const std::int64_t offset = 1 + (shifts_++ % kShiftTags);
   std::unique_ptr<Transport::Pending> pending;
-  if (n == 1) {
-    if (bytes > 0) std::memmove(recv, send, bytes);
-  } else if (bytes > 0) {
+  if (to == rank_) {
+    if (out != in) {
+      throw Error(ErrorKind::communication, "collective", "shift",
+                  "shift mismatch: rank " + std::to_string(rank_) + " sends itself " + std::to_string(out) +
+                      " bytes but expects " + std::to_string(in));
+    }
+    if (out > 0) std::memmove(recv, send, out);
+  } else if (out > 0 || in > 0) {
     check_usable();
-    const std::int64_t offset = 1 + (shifts_++ % kShiftTags);
+    std::vector<Transport::Message> sends, recvs;
+    if (out > 0) sends.push_back({members_[to], const_cast<void*>(send), out});
+    if (in > 0) recvs.push_back({members_[from], recv, in});
     try {
-      pending = transport_->start({{members_[next], const_cast<void*>(send), bytes}},
-                                  {{members_[prev], recv, bytes}}, tag(offset));
+      pending = transport_->start(sends, recvs, tag(offset));
     } catch (...) {
       *failed_ = true;
       throw;
     }
   }
-  return std::make_unique<TransportShift>(std::move(pending), timeout_, failed_,
-                                          [this, count, dtype] { count_shift(count, dtype); });
+  return std::make_unique<TransportShift>(
+      std::move(pending), timeout_, failed_,
+      [this, send_count, dtype, distance] { count_shift(send_count, dtype, distance); });
 }
 
 void TransportCommunicator::barrier() {

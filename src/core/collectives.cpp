@@ -36,8 +36,12 @@ const char* to_string(CommDType t) {
 }
 
 std::vector<int> ring_destinations(int size) {
+  return shift_destinations(size, 1);
+}
+
+std::vector<int> shift_destinations(int size, std::int64_t distance) {
   std::vector<int> dest(static_cast<std::size_t>(size));
-  for (int p = 0; p < size; ++p) dest[p] = (p + 1) % size;
+  for (int p = 0; p < size; ++p) dest[p] = static_cast<int>(((p + distance) % size + size) % size);
   return dest;
 }
 

@@ -169,26 +169,27 @@ Ref rows(Ref r, std::int64_t first, std::int64_t count) {
   return r;
 }
 
-// into[:, first:first+n, h0:h0+nh] += piece (fp32 [B, S, H, D] and [B, n, nh, D]).
-void add_rows(Tensor& into, std::int64_t first, std::int64_t h0, const Tensor& piece) {
-  const Shape4 s = into.shape();
-  const std::int64_t n = piece.shape().s, nh = piece.shape().h;
-  float* dst = into.data<float>();
-  const float* src = piece.data<float>();
-  if (nh == s.h) {  // whole rows: one run per batch row
-    const std::int64_t row = s.h * s.d;
-    for (std::int64_t b = 0; b < s.b; ++b) {
-      for (std::int64_t i = 0; i < n * row; ++i) dst[(b * s.s + first) * row + i] += src[b * n * row + i];
-    }
-    return;
-  }
+// into[:, first:first+n, h0:h0+nh] += piece (fp32 [B, S, H, D] views with unit strides in D, and a
+// contiguous [B, n, nh, D]).
+void add_rows(TensorRef into, std::int64_t first, std::int64_t h0, ConstTensorRef piece) {
+  const Shape4 s = into.shape;
+  const std::int64_t n = piece.shape.s, nh = piece.shape.h;
+  float* dst = static_cast<float*>(into.ptr);
+  const float* src = static_cast<const float*>(piece.ptr);
   for (std::int64_t b = 0; b < s.b; ++b) {
     for (std::int64_t j = 0; j < n; ++j) {
-      float* d = dst + ((b * s.s + first + j) * s.h + h0) * s.d;
+      float* d = dst + into.offset(b, first + j, h0);
       const float* x = src + (b * n + j) * nh * s.d;
       for (std::int64_t i = 0; i < nh * s.d; ++i) d[i] += x[i];
     }
   }
+}
+
+// The first `rows` rows of a [B, n, H, D] buffer as a contiguous [B, rows, H, D] tensor (a call on fewer keys
+// than the buffer was made for).
+TensorRef compact(Tensor& t, std::int64_t rows) {
+  const Shape4 s = t.shape();
+  return {t.raw(), t.dtype(), {s.b, rows, s.h, s.d}, {rows * s.h * s.d, s.h * s.d, s.d, 1}};
 }
 
 // lse [B, H, S] rows [first, first + n) of heads [h0, h0 + nh) -> [B, nh, n].
@@ -229,16 +230,145 @@ namespace {
 
 // The visiting shard's pieces (src's positions; its segment ids from the gathered row), with the negative
 // control that puts its two chunks at each other's positions.
-std::vector<Piece> visiting(const RankPositions& positions, std::int64_t src, std::int64_t parts,
-                            std::int64_t batch, std::int64_t seq, const std::vector<std::int32_t>& seg_full,
-                            bool swapped) {
+std::vector<std::int32_t> visiting_positions(const RankPositions& positions, std::int64_t src, bool swapped) {
   std::vector<std::int32_t> theirs = positions[src];
   if (swapped) {
     std::rotate(theirs.begin(), theirs.begin() + static_cast<std::ptrdiff_t>(theirs.size() / 2),
                 theirs.end());
   }
+  return theirs;
+}
+
+std::vector<Piece> visiting(const RankPositions& positions, std::int64_t src, std::int64_t parts,
+                            std::int64_t batch, std::int64_t seq, const std::vector<std::int32_t>& seg_full,
+                            bool swapped) {
+  const std::vector<std::int32_t> theirs = visiting_positions(positions, src, swapped);
   return pieces(theirs, parts, batch, !seg_full.empty(),
                 [&](std::int64_t b, std::int64_t t) { return seg_full[b * seq + theirs[t]]; });
+}
+
+// The windowed ring's pieces of src's rows that arrived: the seen span of each run, one after another in the
+// message (first: the span's first row there).
+std::vector<Piece> arrived(const RankPositions& positions, std::int64_t src,
+                           const std::vector<RowSpan>& spans, std::int64_t batch, std::int64_t seq,
+                           const std::vector<std::int32_t>& seg_full, bool swapped) {
+  const std::vector<std::int32_t> theirs = visiting_positions(positions, src, swapped);
+  const std::int64_t n = static_cast<std::int64_t>(theirs.size()) / static_cast<std::int64_t>(spans.size());
+  std::vector<Piece> out;
+  std::int64_t offset = 0;
+  for (std::size_t part = 0; part < spans.size(); ++part) {
+    const RowSpan& span = spans[part];
+    if (span.size() == 0) continue;
+    Piece p;
+    p.first = offset;
+    p.count = span.size();
+    const std::int64_t t0 = static_cast<std::int64_t>(part) * n + span.begin;
+    p.lo = p.hi = theirs[t0];
+    for (std::int64_t b = 0; b < batch; ++b) {
+      for (std::int64_t t = t0; t < t0 + span.size(); ++t) {
+        p.pos.push_back(theirs[t]);
+        p.lo = std::min(p.lo, theirs[t]);
+        p.hi = std::max(p.hi, theirs[t]);
+        if (!seg_full.empty()) p.seg.push_back(seg_full[b * seq + theirs[t]]);
+      }
+    }
+    offset += span.size();
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+// A windowed ring's message: rows of K and V (or of their fp32 dK and dV), [2, B, rows, H, D] in one buffer
+// sized once for the step with the most rows and reused (fresh pages are slow to touch on some machines).
+class Rows {
+ public:
+  Rows(DType dtype, std::int64_t batch, std::int64_t max_rows, std::int64_t heads, std::int64_t dim)
+      : buffer_(dtype, Shape4{2 * batch, std::max<std::int64_t>(max_rows, 1), heads, dim}),
+        batch_(batch),
+        capacity_(max_rows),
+        heads_(heads),
+        dim_(dim) {}
+  void set_rows(std::int64_t rows) {
+    CPATTN_ASSERT(rows >= 0 && rows <= capacity_);
+    rows_ = rows;
+  }
+  std::int64_t rows() const { return rows_; }
+  std::int64_t count() const { return 2 * batch_ * rows_ * heads_ * dim_; }
+  void* data() { return buffer_.raw(); }
+  TensorRef half(int i) {
+    const std::int64_t e = static_cast<std::int64_t>(dtype_size(buffer_.dtype()));
+    return {static_cast<char*>(buffer_.raw()) + i * batch_ * rows_ * heads_ * dim_ * e,
+            buffer_.dtype(),
+            {batch_, rows_, heads_, dim_},
+            {rows_ * heads_ * dim_, heads_ * dim_, dim_, 1}};
+  }
+  ConstTensorRef chalf(int i) {
+    const TensorRef r = half(i);
+    return {r.ptr, r.dtype, r.shape, r.stride};
+  }
+  void zero() { std::fill_n(static_cast<float*>(buffer_.raw()), count(), 0.0f); }
+
+ private:
+  Tensor buffer_;
+  std::int64_t batch_, capacity_, heads_, dim_, rows_ = 0;
+};
+
+// Copies the spans of this rank's rows (K [B, L, H, D] and V, runs of n rows) into a message, or adds a
+// message's fp32 dK/dV rows into the accumulator's.
+void pack_rows(const Tensor& k, const Tensor& v, const std::vector<RowSpan>& spans, std::int64_t n,
+               Rows& out) {
+  std::int64_t rows = 0;
+  for (const RowSpan& span : spans) rows += span.size();
+  out.set_rows(rows);
+  const Shape4 s = k.shape();
+  const std::size_t row = static_cast<std::size_t>(s.h * s.d) * dtype_size(k.dtype());
+  for (int i = 0; i < 2; ++i) {
+    const auto* src = static_cast<const char*>((i == 0 ? k : v).raw());
+    auto* dst = static_cast<char*>(out.half(i).ptr);
+    for (std::int64_t b = 0; b < s.b; ++b) {
+      std::int64_t offset = 0;
+      for (std::size_t part = 0; part < spans.size(); ++part) {
+        const RowSpan& span = spans[part];
+        if (span.size() == 0) continue;
+        std::memcpy(
+            dst + static_cast<std::size_t>(b * rows + offset) * row,
+            src + static_cast<std::size_t>(b * s.s + static_cast<std::int64_t>(part) * n + span.begin) * row,
+            static_cast<std::size_t>(span.size()) * row);
+        offset += span.size();
+      }
+    }
+  }
+}
+
+void add_spans(Pair& acc, const std::vector<RowSpan>& spans, std::int64_t n, Rows& in) {
+  for (int i = 0; i < 2; ++i) {
+    TensorRef into = i == 0 ? acc.first_mut() : acc.second_mut();
+    const TensorRef from = in.half(i);
+    std::int64_t offset = 0;
+    for (std::size_t part = 0; part < spans.size(); ++part) {
+      const RowSpan& span = spans[part];
+      if (span.size() == 0) continue;
+      const std::int64_t first = static_cast<std::int64_t>(part) * n + span.begin;
+      const Shape4 s = into.shape;
+      float* dst = static_cast<float*>(into.ptr);
+      const float* src = static_cast<const float*>(from.ptr);
+      for (std::int64_t b = 0; b < s.b; ++b) {
+        for (std::int64_t j = 0; j < span.size(); ++j) {
+          float* d = dst + into.offset(b, first + j, 0);
+          const float* x = src + from.offset(b, offset + j, 0);
+          for (std::int64_t e = 0; e < s.h * s.d; ++e) d[e] += x[e];
+        }
+      }
+      offset += span.size();
+    }
+  }
+}
+
+std::int64_t most_rows(const std::vector<ReachStep>& steps, std::int64_t rank, bool sent) {
+  std::int64_t most = 0;
+  for (const ReachStep& step : steps)
+    most = std::max(most, sent ? step.rows_sent(rank) : step.rows_received(rank));
+  return most;
 }
 
 }  // namespace
@@ -253,7 +383,7 @@ AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const T
   const std::int64_t B = a.batch, S = a.seq_len, D = a.head_dim;
   const std::int64_t R = ring.comm.size(), rank = ring.comm.rank();
   const std::int64_t L = q.shape().s, heads = q.shape().h, n = L / ring.parts;
-  Pair current = kv_pair(k, v), next(a.dtype, k.shape());
+  const bool swapped = ring.control == NegativeControl::ring_zigzag_swapped;
   Running run(q.shape());
   std::vector<Tensor> o_call;
   std::vector<std::vector<float>> lse_call;
@@ -265,16 +395,13 @@ AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const T
   const auto mine = pieces(ring.positions[rank], ring.parts, B, packed,
                            [&](std::int64_t b, std::int64_t t) { return seg_local[b * L + t]; });
   *ring.tiles = TileCounts{};
-  if (ring.step_lses != nullptr) ring.step_lses->clear();
   const bool keep_steps = ring.control == NegativeControl::ring_step_lse;
-  for (std::int64_t s = 0; s < R; ++s) {
-    const std::int64_t src = (rank - s + R) % R;
-    std::unique_ptr<PendingShift> hop;
-    if (s + 1 < R)
-      hop = ring.comm.start_shift(current.both.raw(), next.both.raw(), current.count(), comm_dtype(a.dtype));
-    const auto theirs = visiting(ring.positions, src, ring.parts, B, S, seg_full,
-                                 ring.control == NegativeControl::ring_zigzag_swapped);
-    if (keep_steps) ring.step_lses->emplace_back(static_cast<std::size_t>(B * heads * L));
+  if (ring.step_lses != nullptr) ring.step_lses->clear();
+  if (keep_steps)
+    ring.step_lses->assign(static_cast<std::size_t>(R),
+                           std::vector<float>(static_cast<std::size_t>(B * heads * L)));
+  // Step s: this rank's queries against the pieces of src's K/V in (K, V), folded in.
+  auto step = [&](std::int64_t s, ConstTensorRef K, ConstTensorRef V, const std::vector<Piece>& theirs) {
     for (const Piece& qp : mine) {
       for (const Piece& kp : theirs) {
         if (!band.sees_any(qp.lo, qp.hi, kp.lo, kp.hi)) continue;  // every key out of every query's band
@@ -283,8 +410,8 @@ AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const T
           const KernelCall& c = ring.calls[i];
           TileCounts t;
           flash_forward(rows(cref(q), qp.first, n).heads(c.q0, c.nq),
-                        rows(current.first(), kp.first, n).heads(c.kv0, c.nkv),
-                        rows(current.second(), kp.first, n).heads(c.kv0, c.nkv), m, a.scale(), ring.kernel,
+                        rows(K, kp.first, kp.count).heads(c.kv0, c.nkv),
+                        rows(V, kp.first, kp.count).heads(c.kv0, c.nkv), m, a.scale(), ring.kernel,
                         ref(o_call[i]), lse_call[i].data(), &t);
           add_call_tiles(*ring.tiles, t, B, heads, c);
           run.fold(o_call[i], lse_call[i], qp.first, c.q0);
@@ -292,17 +419,56 @@ AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const T
             for (std::int64_t b = 0; b < B; ++b) {
               for (std::int64_t h = 0; h < c.nq; ++h) {
                 std::copy_n(lse_call[i].begin() + (b * c.nq + h) * n, n,
-                            ring.step_lses->back().begin() + ((b * heads + c.q0 + h) * L + qp.first));
+                            (*ring.step_lses)[s].begin() + ((b * heads + c.q0 + h) * L + qp.first));
               }
             }
           }
         }
       }
     }
-    if (hop) {
-      wait_for(*hop, *ring.waited);
-      std::swap(current, next);
+  };
+  const CommDType wire = comm_dtype(a.dtype);
+  if (!a.windowed()) {
+    // Round the ring: at step s the shard of rank src = r - s, passed on one hop per step.
+    Pair current = kv_pair(k, v), next(a.dtype, k.shape());
+    for (std::int64_t s = 0; s < R; ++s) {
+      const std::int64_t src = (rank - s + R) % R;
+      std::unique_ptr<PendingShift> hop;
+      if (s + 1 < R) hop = ring.comm.start_shift(current.both.raw(), next.both.raw(), current.count(), wire);
+      step(s, current.first(), current.second(),
+           visiting(ring.positions, src, ring.parts, B, S, seg_full, swapped));
+      if (hop) {
+        wait_for(*hop, *ring.waited);
+        std::swap(current, next);
+      }
     }
+    return std::move(run).finish(a.dtype, ring.sinks);
+  }
+  // Windowed: only the steps some rank's band reaches, each rank's rows straight to the ranks that see them.
+  const std::vector<ReachStep> steps = ring_reach(ring.positions, ring.parts, band);
+  const std::int64_t hkv = k.shape().h, most_in = most_rows(steps, rank, false),
+                     most_out = most_rows(steps, rank, true);
+  Rows send[2] = {{a.dtype, B, most_out, hkv, D}, {a.dtype, B, most_out, hkv, D}};
+  Rows recv[2] = {{a.dtype, B, most_in, hkv, D}, {a.dtype, B, most_in, hkv, D}};
+  auto start = [&](std::size_t j) {
+    const ReachStep& st = steps[j];
+    Rows &out = send[j % 2], &in = recv[j % 2];
+    pack_rows(k, v, st.seen[static_cast<std::size_t>((rank + st.distance) % R)], n, out);
+    in.set_rows(st.rows_received(rank));
+    return ring.comm.start_shift_v(out.data(), out.count(), in.data(), in.count(), wire,
+                                   static_cast<int>(st.distance));
+  };
+  std::unique_ptr<PendingShift> hop;
+  if (!steps.empty()) hop = start(0);
+  step(0, cref(k), cref(v), visiting(ring.positions, rank, ring.parts, B, S, seg_full, swapped));
+  for (std::size_t j = 0; j < steps.size(); ++j) {
+    wait_for(*hop, *ring.waited);
+    hop.reset();
+    if (j + 1 < steps.size()) hop = start(j + 1);
+    const std::int64_t src = (rank - steps[j].distance + R) % R;
+    step(
+        steps[j].distance, recv[j % 2].chalf(0), recv[j % 2].chalf(1),
+        arrived(ring.positions, src, steps[j].seen[static_cast<std::size_t>(rank)], B, S, seg_full, swapped));
   }
   return std::move(run).finish(a.dtype, ring.sinks);
 }
@@ -316,10 +482,10 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
   const std::int64_t B = a.batch, S = a.seq_len, D = a.head_dim;
   const std::int64_t R = ring.comm.size(), rank = ring.comm.rank();
   const std::int64_t L = q.shape().s, heads = q.shape().h, n = L / ring.parts;
+  const bool swapped = ring.control == NegativeControl::ring_zigzag_swapped;
   const Shape4 kv_shape = k.shape();
-  Pair current = kv_pair(k, v), next(a.dtype, kv_shape);
-  // The dK/dV accumulator of the shard this rank holds, and the one arriving with the next shard.
-  Pair acc(DType::f32, kv_shape), acc_next(DType::f32, kv_shape);
+  // The dK/dV accumulator of the shard this rank holds.
+  Pair acc(DType::f32, kv_shape);
   Tensor dq(DType::f32, q.shape());
   std::vector<Tensor> dq_call, dk_call, dv_call;
   for (const KernelCall& c : ring.calls) {
@@ -327,23 +493,15 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
     dk_call.emplace_back(DType::f32, Shape4{B, n, c.nkv, D});
     dv_call.emplace_back(DType::f32, Shape4{B, n, c.nkv, D});
   }
-  Tensor dk_step(DType::f32, kv_shape), dv_step(DType::f32, kv_shape);
   const auto mine = pieces(ring.positions[rank], ring.parts, B, !seg_local.empty(),
                            [&](std::int64_t b, std::int64_t t) { return seg_local[b * L + t]; });
-  std::unique_ptr<PendingShift> acc_hop;
-  for (std::int64_t s = 0; s < R; ++s) {
-    const std::int64_t src = (rank - s + R) % R;
-    std::unique_ptr<PendingShift> kv_hop;
-    if (s + 1 < R)
-      kv_hop =
-          ring.comm.start_shift(current.both.raw(), next.both.raw(), current.count(), comm_dtype(a.dtype));
-    const auto theirs = visiting(ring.positions, src, ring.parts, B, S, seg_full,
-                                 ring.control == NegativeControl::ring_zigzag_swapped);
+  // Step s: dQ of this rank's rows, and the step's dK/dV of src's pieces in (K, V) added into (dk, dv) at
+  // the pieces' rows.
+  auto step = [&](std::int64_t s, ConstTensorRef K, ConstTensorRef V, const std::vector<Piece>& theirs,
+                  TensorRef dk, TensorRef dv) {
     // Every step uses the final O and LSE.
     const std::vector<float>& lse =
         ring.control == NegativeControl::ring_step_lse ? (*ring.step_lses)[s] : lse_in;
-    std::fill_n(dk_step.data<float>(), dk_step.numel(), 0.0f);
-    std::fill_n(dv_step.data<float>(), dv_step.numel(), 0.0f);
     for (const Piece& qp : mine) {
       std::vector<std::vector<float>> lse_piece;
       for (const KernelCall& c : ring.calls)
@@ -353,43 +511,118 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
         const AttentionMask m = a.mask(qp.pos, kp.pos, qp.seg, kp.seg);
         for (std::size_t i = 0; i < ring.calls.size(); ++i) {
           const KernelCall& c = ring.calls[i];
-          flash_backward(rows(cref(q), qp.first, n).heads(c.q0, c.nq),
-                         rows(current.first(), kp.first, n).heads(c.kv0, c.nkv),
-                         rows(current.second(), kp.first, n).heads(c.kv0, c.nkv),
-                         rows(cref(o), qp.first, n).heads(c.q0, c.nq), lse_piece[i].data(),
-                         rows(cref(d_out), qp.first, n).heads(c.q0, c.nq), m, a.scale(), ring.kernel,
-                         ref(dq_call[i]), ref(dk_call[i]), ref(dv_call[i]));
-          add_rows(dq, qp.first, c.q0, dq_call[i]);
-          add_rows(dk_step, kp.first, c.kv0, dk_call[i]);
-          add_rows(dv_step, kp.first, c.kv0, dv_call[i]);
+          const TensorRef dk_i = compact(dk_call[i], kp.count), dv_i = compact(dv_call[i], kp.count);
+          flash_backward(
+              rows(cref(q), qp.first, n).heads(c.q0, c.nq), rows(K, kp.first, kp.count).heads(c.kv0, c.nkv),
+              rows(V, kp.first, kp.count).heads(c.kv0, c.nkv), rows(cref(o), qp.first, n).heads(c.q0, c.nq),
+              lse_piece[i].data(), rows(cref(d_out), qp.first, n).heads(c.q0, c.nq), m, a.scale(),
+              ring.kernel, ref(dq_call[i]), dk_i, dv_i);
+          add_rows(ref(dq), qp.first, c.q0, cref(dq_call[i]));
+          add_rows(dk, kp.first, c.kv0, {dk_i.ptr, dk_i.dtype, dk_i.shape, dk_i.stride});
+          add_rows(dv, kp.first, c.kv0, {dv_i.ptr, dv_i.dtype, dv_i.shape, dv_i.stride});
         }
       }
     }
+  };
+  auto result = [&]() {
+    RingGradients g{std::move(dq), Tensor(DType::f32, kv_shape), Tensor(DType::f32, kv_shape)};
+    const std::size_t bytes = static_cast<std::size_t>(g.dk.numel()) * sizeof(float);
+    std::memcpy(g.dk.raw(), acc.first().ptr, bytes);
+    std::memcpy(g.dv.raw(), acc.second().ptr, bytes);
+    return g;
+  };
+  const CommDType wire = comm_dtype(a.dtype);
+  Tensor dk_step(DType::f32, kv_shape), dv_step(DType::f32, kv_shape);
+  if (!a.windowed()) {
+    // Round the ring: K/V travel again, each shard's accumulator (fp32) with them, home after the last step.
+    Pair current = kv_pair(k, v), next(a.dtype, kv_shape), acc_next(DType::f32, kv_shape);
+    std::unique_ptr<PendingShift> acc_hop;
+    for (std::int64_t s = 0; s < R; ++s) {
+      const std::int64_t src = (rank - s + R) % R;
+      std::unique_ptr<PendingShift> kv_hop;
+      if (s + 1 < R)
+        kv_hop = ring.comm.start_shift(current.both.raw(), next.both.raw(), current.count(), wire);
+      std::fill_n(dk_step.data<float>(), dk_step.numel(), 0.0f);
+      std::fill_n(dv_step.data<float>(), dv_step.numel(), 0.0f);
+      step(s, current.first(), current.second(),
+           visiting(ring.positions, src, ring.parts, B, S, seg_full, swapped), ref(dk_step), ref(dv_step));
+      if (acc_hop) {
+        wait_for(*acc_hop, *ring.waited);  // src's accumulator, from the ranks before this one
+        acc_hop.reset();
+        std::swap(acc, acc_next);
+      }
+      accumulate(acc, dk_step, dv_step);
+      // With its shard to the next rank, or (after the last step) home to its owner, rank r + 1.
+      const bool last = s + 1 == R;
+      if (last && ring.control == NegativeControl::ring_accumulator_one_hop_short) break;
+      if (R > 1)
+        acc_hop = ring.comm.start_shift(acc.both.raw(), acc_next.both.raw(), acc.count(), CommDType::f32);
+      if (kv_hop) {
+        wait_for(*kv_hop, *ring.waited);
+        std::swap(current, next);
+      }
+    }
     if (acc_hop) {
-      wait_for(*acc_hop, *ring.waited);  // src's accumulator, from the ranks before this one
-      acc_hop.reset();
+      wait_for(*acc_hop, *ring.waited);
       std::swap(acc, acc_next);
     }
-    accumulate(acc, dk_step, dv_step);
-    // With its shard to the next rank, or (after the last step) home to its owner, rank r + 1.
-    const bool last = s + 1 == R;
-    if (last && ring.control == NegativeControl::ring_accumulator_one_hop_short) break;
-    if (R > 1)
-      acc_hop = ring.comm.start_shift(acc.both.raw(), acc_next.both.raw(), acc.count(), CommDType::f32);
-    if (kv_hop) {
-      wait_for(*kv_hop, *ring.waited);
-      std::swap(current, next);
+    return result();
+  }
+  // Windowed: K/V rows arrive straight from the ranks whose rows this rank sees (as in the forward); the
+  // dK/dV of those rows go straight back, and each rank adds what comes back into its accumulator in step
+  // order (the order round the ring).
+  const std::vector<ReachStep> steps = ring_reach(ring.positions, ring.parts, band);
+  const std::int64_t hkv = kv_shape.h, most_in = most_rows(steps, rank, false),
+                     most_out = most_rows(steps, rank, true);
+  Rows kv_send[2] = {{a.dtype, B, most_out, hkv, D}, {a.dtype, B, most_out, hkv, D}};
+  Rows kv_recv[2] = {{a.dtype, B, most_in, hkv, D}, {a.dtype, B, most_in, hkv, D}};
+  Rows part_send[2] = {{DType::f32, B, most_in, hkv, D}, {DType::f32, B, most_in, hkv, D}};
+  Rows part_recv[2] = {{DType::f32, B, most_out, hkv, D}, {DType::f32, B, most_out, hkv, D}};
+  auto start = [&](std::size_t j) {
+    const ReachStep& st = steps[j];
+    Rows &out = kv_send[j % 2], &in = kv_recv[j % 2];
+    pack_rows(k, v, st.seen[static_cast<std::size_t>((rank + st.distance) % R)], n, out);
+    in.set_rows(st.rows_received(rank));
+    return ring.comm.start_shift_v(out.data(), out.count(), in.data(), in.count(), wire,
+                                   static_cast<int>(st.distance));
+  };
+  // The dK/dV that came back for step j: what rank r + distance saw of this rank's rows.
+  auto take_back = [&](std::size_t j) {
+    const ReachStep& st = steps[j];
+    add_spans(acc, st.seen[static_cast<std::size_t>((rank + st.distance) % R)], n, part_recv[j % 2]);
+  };
+  std::unique_ptr<PendingShift> kv_hop, back;
+  if (!steps.empty()) kv_hop = start(0);
+  step(0, cref(k), cref(v), visiting(ring.positions, rank, ring.parts, B, S, seg_full, swapped), ref(dk_step),
+       ref(dv_step));
+  accumulate(acc, dk_step, dv_step);
+  for (std::size_t j = 0; j < steps.size(); ++j) {
+    wait_for(*kv_hop, *ring.waited);
+    kv_hop.reset();
+    if (j + 1 < steps.size()) kv_hop = start(j + 1);
+    const ReachStep& st = steps[j];
+    const std::int64_t src = (rank - st.distance + R) % R;
+    Rows& partial = part_send[j % 2];
+    partial.set_rows(st.rows_received(rank));
+    partial.zero();
+    step(st.distance, kv_recv[j % 2].chalf(0), kv_recv[j % 2].chalf(1),
+         arrived(ring.positions, src, st.seen[static_cast<std::size_t>(rank)], B, S, seg_full, swapped),
+         partial.half(0), partial.half(1));
+    if (back) {
+      wait_for(*back, *ring.waited);
+      back.reset();
+      take_back(j - 1);
     }
+    Rows& in = part_recv[j % 2];
+    in.set_rows(st.rows_sent(rank));
+    back = ring.comm.start_shift_v(partial.data(), partial.count(), in.data(), in.count(), CommDType::f32,
+                                   -static_cast<int>(st.distance));
   }
-  if (acc_hop) {
-    wait_for(*acc_hop, *ring.waited);
-    std::swap(acc, acc_next);
+  if (back) {
+    wait_for(*back, *ring.waited);
+    if (ring.control != NegativeControl::ring_accumulator_one_hop_short) take_back(steps.size() - 1);
   }
-  RingGradients g{std::move(dq), Tensor(DType::f32, kv_shape), Tensor(DType::f32, kv_shape)};
-  const std::size_t bytes = static_cast<std::size_t>(g.dk.numel()) * sizeof(float);
-  std::memcpy(g.dk.raw(), acc.first().ptr, bytes);
-  std::memcpy(g.dv.raw(), acc.second().ptr, bytes);
-  return g;
+  return result();
 }
 
 }  // namespace cp

@@ -56,12 +56,13 @@ std::string ScheduledCommunicator::event_name(CollectiveKind kind) const {
 }
 
 void ScheduledCommunicator::check_next(CollectiveKind kind, std::int64_t count, CommDType dtype,
-                                       const std::vector<std::int64_t>* sends) {
+                                       const std::vector<std::int64_t>* sends, int distance) {
   if (!checking_) return;
   const std::string phase = group_.counters().phase();
   const std::string amount = sends ? list_text(*sends) + " per rank" : std::to_string(count);
-  const std::string issued = std::string(to_string(kind)) + " of " + amount + " " + to_string(dtype) + " (" +
-                             phase + (name_.empty() ? "" : ", group " + name_) + ")";
+  const std::string issued = std::string(to_string(kind)) + " of " + amount + " " + to_string(dtype) +
+                             (distance != 0 ? " by " + std::to_string(distance) : "") + " (" + phase +
+                             (name_.empty() ? "" : ", group " + name_) + ")";
   if (next_ >= calls_.size()) {
     throw Error(ErrorKind::internal, "schedule", issued, "the strategy issued an unscheduled " + issued);
   }
@@ -69,13 +70,15 @@ void ScheduledCommunicator::check_next(CollectiveKind kind, std::int64_t count, 
   const bool variable = !want.blocks.empty();
   const bool same_amount = sends ? variable && want.blocks[static_cast<std::size_t>(rank())] == *sends
                                  : !variable && want.count == count;
-  if (want.kind != kind || !same_amount || want.dtype != dtype || want.phase != phase) {
+  const bool same_distance = distance == 0 || want.distance == distance;
+  if (want.kind != kind || !same_amount || want.dtype != dtype || want.phase != phase || !same_distance) {
     const std::string wanted = variable
                                    ? list_text(want.blocks[static_cast<std::size_t>(rank())]) + " per rank"
                                    : std::to_string(want.count);
     throw Error(ErrorKind::internal, "schedule", issued,
                 "the strategy issued " + issued + " where its schedule has " + to_string(want.kind) + " of " +
-                    want.tensor + ": " + wanted + " " + to_string(want.dtype) + " (" + want.phase + ")");
+                    want.tensor + ": " + wanted + " " + to_string(want.dtype) +
+                    (distance != 0 ? " by " + std::to_string(want.distance) : "") + " (" + want.phase + ")");
   }
   ++next_;
 }
@@ -124,12 +127,14 @@ void ScheduledCommunicator::collective_permute(const void* send, void* recv, std
   group_.collective_permute(send, recv, count, dtype, dest);
 }
 
-std::unique_ptr<PendingShift> ScheduledCommunicator::start_shift(const void* send, void* recv,
-                                                                 std::int64_t count, CommDType dtype) {
-  check_next(CollectiveKind::collective_permute, count, dtype);
-  if (!trace::enabled()) return group_.start_shift(send, recv, count, dtype);
+std::unique_ptr<PendingShift> ScheduledCommunicator::start_shift_v(const void* send, std::int64_t send_count,
+                                                                   void* recv, std::int64_t recv_count,
+                                                                   CommDType dtype, int distance) {
+  check_next(CollectiveKind::collective_permute, send_count, dtype, nullptr, distance);
+  if (!trace::enabled()) return group_.start_shift_v(send, send_count, recv, recv_count, dtype, distance);
   const trace::Scope event("collective", event_name(CollectiveKind::collective_permute) + " start");
-  return std::make_unique<TracedShift>(group_.start_shift(send, recv, count, dtype));
+  return std::make_unique<TracedShift>(
+      group_.start_shift_v(send, send_count, recv, recv_count, dtype, distance));
 }
 
 }  // namespace cpattn::cp

@@ -39,19 +39,21 @@ class ScheduledCommunicator final : public Communicator {
   void reduce_scatter_sum(const void* send, void* recv, std::int64_t count, CommDType dtype) override;
   void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
                           const std::vector<int>& dest) override;
-  std::unique_ptr<PendingShift> start_shift(const void* send, void* recv, std::int64_t count,
-                                            CommDType dtype) override;
+  std::unique_ptr<PendingShift> start_shift_v(const void* send, std::int64_t send_count, void* recv,
+                                              std::int64_t recv_count, CommDType dtype,
+                                              int distance) override;
   void barrier() override { group_.barrier(); }
   CollectiveCounters& counters() override { return group_.counters(); }
   void all_reduce(std::int64_t* values, int n, ReduceOp op) override { group_.all_reduce(values, n, op); }
   std::unique_ptr<Communicator> split(int color, int key) override { return group_.split(color, key); }
 
  private:
-  // sends: an all_to_all_v's elements to each rank (then count is 0), else null.
   // The trace event's name: the kind, the scheduled call's tensor and phase, the group.
   std::string event_name(CollectiveKind kind) const;
+  // sends: an all_to_all_v's elements to each rank (then count is 0), else null. distance: a shift's (0: not
+  // a shift).
   void check_next(CollectiveKind kind, std::int64_t count, CommDType dtype,
-                  const std::vector<std::int64_t>* sends = nullptr);
+                  const std::vector<std::int64_t>* sends = nullptr, int distance = 0);
 
   Communicator& group_;
   std::string name_;

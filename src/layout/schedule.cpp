@@ -1,6 +1,7 @@
 #include "cpattn/schedule.hpp"
 
 #include "cpattn/placement.hpp"
+#include "cpattn/sequence_layout.hpp"
 
 namespace cpattn {
 
@@ -71,6 +72,47 @@ StrategySchedule ulysses_schedule(const AttentionSpec& a, const ParallelSpec& p,
   return s;
 }
 
+// The shifts of a ring of R ranks (ring: every rank; hybrid: its ring group) holding `rows` rows each, a row
+// `row` elements of K (V alike), as ring rank `me` issues them (ring_strategy.cpp). Round the ring: per step
+// but the last, K||V of one shard to the next rank; backward per step K||V again (but the last step) and the
+// fp32 dK||dV accumulator that travels with them, its last hop going home. Windowed (ring_reach): only the
+// steps some band reaches, each K||V message holding the rows its receiver sees, sent `distance` ranks on;
+// backward the same K||V messages, and after each step its fp32 dK||dV rows back to their owner.
+void ring_shifts(StrategySchedule& s, const AttentionSpec& a, const ParallelSpec& p, std::int64_t rows,
+                 std::int64_t row, std::int64_t me, const char* group, const std::vector<ReachStep>* reach) {
+  const std::int64_t R = p.ring_degree();
+  const CommDType e = comm_dtype(a.dtype), f32 = CommDType::f32;
+  const std::int64_t ranks = *group != 0 ? R : 0;
+  auto shift = [&](const char* phase, const char* tensor, std::int64_t count, CommDType t, std::int64_t d) {
+    return ScheduledCollective{
+        CollectiveKind::collective_permute, phase, tensor, count, t, {}, group, ranks, d};
+  };
+  if (R <= 1) return;
+  if (!a.windowed()) {
+    const std::int64_t kv = 2 * a.batch * rows * row;
+    for (std::int64_t step = 0; step + 1 < R; ++step) s.forward.push_back(shift("forward", "kv", kv, e, 1));
+    for (std::int64_t step = 0; step < R; ++step) {
+      if (step + 1 < R) s.backward.push_back(shift("backward", "kv", kv, e, 1));
+      s.backward.push_back(shift("backward", "dkv", kv, f32, 1));
+    }
+    return;
+  }
+  std::vector<ReachStep> found;
+  if (reach == nullptr)
+    found = ring_reach(rank_positions(p.ring_layout(), a.seq_len, R), p.ring_parts(), a.band());
+  const std::vector<ReachStep>& steps = reach != nullptr ? *reach : found;
+  auto kv = [&](const char* phase, const ReachStep& st) {
+    return shift(phase, "kv", 2 * a.batch * st.rows_sent(me) * row, e, st.distance);
+  };
+  for (const ReachStep& st : steps) s.forward.push_back(kv("forward", st));
+  if (!steps.empty()) s.backward.push_back(kv("backward", steps[0]));
+  for (std::size_t j = 0; j < steps.size(); ++j) {
+    if (j + 1 < steps.size()) s.backward.push_back(kv("backward", steps[j + 1]));
+    s.backward.push_back(
+        shift("backward", "dkv", 2 * a.batch * steps[j].rows_received(me) * row, f32, -steps[j].distance));
+  }
+}
+
 // hybrid (U x R): the ulysses swaps inside the rank's group of U (none at U = 1), the packed segment ids
 // gathered in the group and then around the ring, and between the swaps the ring over R ranks holding the
 // rank's ulysses heads for U*S/cp tokens: per step but the last, K||V [2, B, U*S/cp, nkv_u, D]; backward
@@ -78,12 +120,8 @@ StrategySchedule ulysses_schedule(const AttentionSpec& a, const ParallelSpec& p,
 StrategySchedule hybrid_schedule(const AttentionSpec& a, const ParallelSpec& p, const ScheduleOptions& o) {
   const std::int64_t U = p.ulysses_degree, R = p.cp / U, B = a.batch, D = a.head_dim, sl = a.seq_len / p.cp;
   const Swaps w{U, B, sl, D, ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, U), kUlyssesGroup};
-  const std::int64_t kv = 2 * B * U * sl * w.heads.kv[p.ulysses_rank(o.rank)].size() * D;
   const CommDType e = comm_dtype(a.dtype), f32 = CommDType::f32;
   using K = CollectiveKind;
-  auto ring = [&](const char* phase, const char* tensor, CommDType t) {
-    return ScheduledCollective{K::collective_permute, phase, tensor, kv, t, {}, kRingGroup, R};
-  };
   StrategySchedule s;
   if (U > 1) {
     s.forward = {w.to_heads("forward", "q", e, false), w.to_heads("forward", "k", e, true),
@@ -95,16 +133,16 @@ StrategySchedule hybrid_schedule(const AttentionSpec& a, const ParallelSpec& p, 
   if (o.packed && R > 1)
     s.forward.push_back(
         {K::all_gather, "forward", "segment_ids", B * U * sl, CommDType::i32, {}, kRingGroup, R});
-  for (std::int64_t step = 0; step + 1 < R; ++step) s.forward.push_back(ring("forward", "kv", e));
+  StrategySchedule ring;
+  ring_shifts(ring, a, p, U * sl, w.heads.kv[p.ulysses_rank(o.rank)].size() * D, p.ring_rank(o.rank),
+              kRingGroup, o.reach);
+  s.forward.insert(s.forward.end(), ring.forward.begin(), ring.forward.end());
   if (U > 1) {
     s.forward.push_back(w.to_sequence("forward", "o", e, false, D));
     s.forward.push_back(w.to_sequence("forward", "lse", f32, false, 1));
     s.backward.push_back(w.to_heads("backward", "d_out", e, false));
   }
-  for (std::int64_t step = 0; step < R && R > 1; ++step) {
-    if (step + 1 < R) s.backward.push_back(ring("backward", "kv", e));
-    s.backward.push_back(ring("backward", "dkv", f32));
-  }
+  s.backward.insert(s.backward.end(), ring.backward.begin(), ring.backward.end());
   if (U > 1) {
     s.backward.push_back(w.to_sequence("backward", "dq", e, false, D));
     s.backward.push_back(w.to_sequence("backward", "dk", f32, true, D));
@@ -134,23 +172,14 @@ StrategySchedule all_gather_schedule(const AttentionSpec& a, const ParallelSpec&
   return s;
 }
 
-// ring: the packed segment ids gathered once; then per step but the last, K and V of one shard as one message
-// [2, B, S/cp, Hkv, D] to the next rank. Backward: per step, K||V again (but the last step) and then the
-// dK||dV accumulator (fp32) that travels with them, its last hop going home; nothing at cp = 1.
+// ring: the packed segment ids gathered once, then the ring's shifts over all cp ranks (ring_shifts).
 StrategySchedule ring_schedule(const AttentionSpec& a, const ParallelSpec& p, const ScheduleOptions& o) {
-  const std::int64_t cp = p.cp, B = a.batch, D = a.head_dim, sl = a.seq_len / cp;
-  const std::int64_t kv = 2 * B * sl * (a.num_kv_heads / p.tp) * D;
-  const CommDType e = comm_dtype(a.dtype);
-  using K = CollectiveKind;
+  const std::int64_t B = a.batch, sl = a.seq_len / p.cp;
   StrategySchedule s;
   if (o.packed)
-    s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "", 0});
-  for (std::int64_t step = 0; step + 1 < cp; ++step)
-    s.forward.push_back({K::collective_permute, "forward", "kv", kv, e, {}, "", 0});
-  for (std::int64_t step = 0; step < cp && cp > 1; ++step) {
-    if (step + 1 < cp) s.backward.push_back({K::collective_permute, "backward", "kv", kv, e, {}, "", 0});
-    s.backward.push_back({K::collective_permute, "backward", "dkv", kv, CommDType::f32, {}, "", 0});
-  }
+    s.forward.push_back(
+        {CollectiveKind::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "", 0});
+  ring_shifts(s, a, p, sl, (a.num_kv_heads / p.tp) * a.head_dim, o.rank, "", o.reach);
   return s;
 }
 

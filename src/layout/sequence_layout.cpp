@@ -1,5 +1,7 @@
 #include "cpattn/sequence_layout.hpp"
 
+#include <algorithm>
+
 namespace cpattn {
 
 std::vector<PositionRange> local_ranges(ShardLayout layout, std::int64_t seq_len, std::int64_t cp,
@@ -116,6 +118,91 @@ RankPositions rank_positions(ShardLayout layout, std::int64_t seq_len, std::int6
   for (std::int64_t r = 0; r < cp; ++r)
     positions.push_back(positions_as_int32(local_positions(layout, seq_len, cp, r)));
   return positions;
+}
+
+std::int64_t ReachStep::rows_received(std::int64_t r) const {
+  std::int64_t rows = 0;
+  for (const RowSpan& s : seen[static_cast<std::size_t>(r)]) rows += s.size();
+  return rows;
+}
+
+std::int64_t ReachStep::rows_sent(std::int64_t r) const {
+  const auto ranks = static_cast<std::int64_t>(seen.size());
+  return rows_received((r + distance) % ranks);
+}
+
+namespace {
+
+// One run of a ring rank's rows: its local rows [first, first + n) and the smallest and largest position;
+// `consecutive` when position t is lo + (t - first) (every layout today), so a span is found without a scan.
+struct Run {
+  std::int64_t first = 0, n = 0, lo = 0, hi = 0;
+  bool consecutive = true;
+};
+
+std::vector<Run> runs_of(const std::vector<std::int32_t>& positions, std::int64_t parts) {
+  std::vector<Run> runs;
+  const std::int64_t n = static_cast<std::int64_t>(positions.size()) / parts;
+  for (std::int64_t part = 0; part < parts; ++part) {
+    Run run{part * n, n, 0, 0, true};
+    if (n > 0) {
+      const auto first = positions.begin() + part * n;
+      const auto [lo, hi] = std::minmax_element(first, first + n);
+      run.lo = *lo;
+      run.hi = *hi;
+      for (std::int64_t t = 0; t < n && run.consecutive; ++t) run.consecutive = first[t] == run.lo + t;
+    }
+    runs.push_back(run);
+  }
+  return runs;
+}
+
+// The hull of the rows of `kv` (local to the run) that some query of the runs `q` sees.
+RowSpan seen_span(const std::vector<Run>& q, const Run& kv, const std::vector<std::int32_t>& kv_positions,
+                  const PositionBand& band) {
+  std::int64_t begin = kv.n, end = 0;
+  for (const Run& qr : q) {
+    if (qr.n == 0 || kv.n == 0 || !band.sees_any(qr.lo, qr.hi, kv.lo, kv.hi)) continue;
+    // Positions [qr.lo - left, qr.hi + right] are within some query's reach.
+    const std::int64_t from = qr.lo - band.left, to = qr.hi + band.right;
+    if (kv.consecutive) {
+      begin = std::min(begin, std::max<std::int64_t>(from, kv.lo) - kv.lo);
+      end = std::max(end, std::min<std::int64_t>(to, kv.hi) - kv.lo + 1);
+      continue;
+    }
+    for (std::int64_t t = 0; t < kv.n; ++t) {
+      const std::int64_t p = kv_positions[static_cast<std::size_t>(kv.first + t)];
+      if (p >= from && p <= to && band.sees_any(qr.lo, qr.hi, p, p)) {
+        begin = std::min(begin, t);
+        end = std::max(end, t + 1);
+      }
+    }
+  }
+  return begin < end ? RowSpan{begin, end} : RowSpan{};
+}
+
+}  // namespace
+
+std::vector<ReachStep> ring_reach(const RankPositions& positions, std::int64_t parts,
+                                  const PositionBand& band) {
+  const auto ranks = static_cast<std::int64_t>(positions.size());
+  std::vector<std::vector<Run>> runs;
+  for (const auto& p : positions) runs.push_back(runs_of(p, parts));
+  std::vector<ReachStep> steps;
+  for (std::int64_t d = 1; d < ranks; ++d) {
+    ReachStep step{d, {}};
+    bool any = false;
+    for (std::int64_t r = 0; r < ranks; ++r) {
+      const auto src = static_cast<std::size_t>((r - d + ranks) % ranks);
+      step.seen.emplace_back();
+      for (const Run& kv : runs[src]) {
+        step.seen.back().push_back(seen_span(runs[static_cast<std::size_t>(r)], kv, positions[src], band));
+        any = any || step.seen.back().back().size() > 0;
+      }
+    }
+    if (any) steps.push_back(std::move(step));
+  }
+  return steps;
 }
 
 }  // namespace cpattn

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <sstream>
@@ -72,11 +73,16 @@ std::int64_t count_tiles(const std::vector<std::int32_t>& q_positions,
 
 std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, const ParallelSpec& p, bool remat,
                                                     bool packed, bool forward_only) {
-  // The calls differ between ranks only in hybrid's ring (by ulysses rank); each field's largest.
-  const std::int64_t ranks = p.traits().sub_groups ? p.head_group_size() : 1;
+  // The calls differ between ranks in hybrid's ring (by ulysses rank) and in a windowed ring (each ring rank
+  // sends the rows its receivers see); each field's largest over the ranks.
+  const bool windowed_ring = p.traits().ring && a.windowed() && p.ring_degree() > 1;
+  const std::int64_t ranks = windowed_ring ? p.cp : p.traits().sub_groups ? p.head_group_size() : 1;
+  std::vector<ReachStep> reach;
+  if (windowed_ring)
+    reach = ring_reach(rank_positions(p.ring_layout(), a.seq_len, p.ring_degree()), p.ring_parts(), a.band());
   std::vector<CollectiveRecord> out;
   for (std::int64_t r = 0; r < ranks; ++r) {
-    StrategySchedule schedule = strategy_schedule(a, p, {remat, packed, r});
+    StrategySchedule schedule = strategy_schedule(a, p, {remat, packed, r, windowed_ring ? &reach : nullptr});
     if (forward_only) schedule.backward.clear();
     const auto records = scheduled_records(schedule, p.cp);
     if (out.empty()) {
@@ -185,6 +191,10 @@ struct PlanContext {
   Links links;
   std::int64_t threads = 1;  // kernel threads per rank where ranks share cores (run's default), else 1
   std::vector<KernelFit> forward_fits, backward_fits;  // the profile's kernel entries, fitted
+  // A windowed ring (ring, hybrid, R > 1 and a window): its steps (ring_reach), each rank's rows straight to
+  // the ranks that see them.
+  bool windowed_ring = false;
+  std::vector<ReachStep> reach;
   // Ranks sharing cores whose kernel threads occupy every one of them.
   bool cores_saturated() const { return req.hardware.cores > 0 && cp * threads >= req.hardware.cores; }
 
@@ -269,26 +279,33 @@ CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
   struct Piece {
     std::vector<kernels::BlockMeta> blocks;
     std::int32_t pos_min = 0, pos_max = 0;
+    std::int64_t rows = 0;
   };
+  // The rows [first, first + count) of a ring rank's positions (and segment ids) as a piece.
+  auto make_piece = [&](const std::vector<std::int32_t>& pos, const std::vector<std::int32_t>& seg,
+                        std::int64_t first, std::int64_t count) {
+    auto cut = [&](const std::vector<std::int32_t>& v) {
+      return v.empty() ? v : std::vector<std::int32_t>(v.begin() + first, v.begin() + first + count);
+    };
+    const auto p_pos = cut(pos);
+    Piece piece{blocks_of(p_pos, cut(seg), c.req.block), 0, 0, count};
+    if (!p_pos.empty()) {
+      piece.pos_min = *std::min_element(p_pos.begin(), p_pos.end());
+      piece.pos_max = *std::max_element(p_pos.begin(), p_pos.end());
+    }
+    return piece;
+  };
+  std::vector<std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>>> ring_tokens;
   std::vector<std::vector<Piece>> ring_pieces;
   std::vector<std::optional<std::vector<std::vector<KernelCall>>>> ring_steps;
   if (c.ring_like()) {
     const std::int64_t parts = c.p.ring_parts(), n = c.S / c.R / parts;
     for (std::int64_t rr = 0; rr < c.R; ++rr) {
-      const auto [pos, seg] = tokens(c.p.ring_layout(), c.R, rr);
+      ring_tokens.push_back(tokens(c.p.ring_layout(), c.R, rr));
+      const auto& [pos, seg] = ring_tokens.back();
       ring_pieces.emplace_back();
-      for (std::int64_t part = 0; part < parts; ++part) {
-        auto cut = [&](const std::vector<std::int32_t>& v) {
-          return v.empty() ? v : std::vector<std::int32_t>(v.begin() + part * n, v.begin() + (part + 1) * n);
-        };
-        const auto p_pos = cut(pos);
-        Piece piece{blocks_of(p_pos, cut(seg), c.req.block), 0, 0};
-        if (!p_pos.empty()) {
-          piece.pos_min = *std::min_element(p_pos.begin(), p_pos.end());
-          piece.pos_max = *std::max_element(p_pos.begin(), p_pos.end());
-        }
-        ring_pieces.back().push_back(std::move(piece));
-      }
+      for (std::int64_t part = 0; part < parts; ++part)
+        ring_pieces.back().push_back(make_piece(pos, seg, part * n, n));
     }
     ring_steps.resize(static_cast<std::size_t>(c.R));
   }
@@ -310,8 +327,28 @@ CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
         steps.emplace();
         const PositionBand band = c.a.band();
         const auto& mine = ring_pieces[static_cast<std::size_t>(ring_rank)];
+        const std::int64_t n = c.S / c.R / c.p.ring_parts();
         for (std::int64_t step = 0; step < c.R; ++step) {
-          const auto& theirs = ring_pieces[static_cast<std::size_t>((ring_rank - step + c.R) % c.R)];
+          const std::int64_t src = (ring_rank - step + c.R) % c.R;
+          // A windowed ring's calls at step > 0 take the rows that arrived: each run's seen span.
+          std::vector<Piece> spans;
+          if (c.windowed_ring && step > 0) {
+            const auto at = std::find_if(c.reach.begin(), c.reach.end(),
+                                         [&](const ReachStep& x) { return x.distance == step; });
+            if (at == c.reach.end()) {
+              steps->emplace_back();
+              continue;
+            }
+            const auto& seen = at->seen[static_cast<std::size_t>(ring_rank)];
+            const auto& [pos, seg] = ring_tokens[static_cast<std::size_t>(src)];
+            for (std::size_t part = 0; part < seen.size(); ++part) {
+              if (seen[part].size() > 0)
+                spans.push_back(make_piece(pos, seg, static_cast<std::int64_t>(part) * n + seen[part].begin,
+                                           seen[part].size()));
+            }
+          }
+          const auto& theirs =
+              c.windowed_ring && step > 0 ? spans : ring_pieces[static_cast<std::size_t>(src)];
           std::vector<KernelCall> step_calls;
           for (const Piece& qp : mine) {
             for (const Piece& kp : theirs) {
@@ -319,8 +356,7 @@ CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
               const std::int64_t tiles = kernels::count_nonempty_tiles(qp.blocks, kp.blocks, band, c.packed);
               if (tiles == 0) continue;
               const bool diagonal = !band.sees_all(qp.pos_min, qp.pos_max, kp.pos_min, kp.pos_max);
-              step_calls.push_back(
-                  {tiles, c.S / c.R / c.p.ring_parts(), c.S / c.R / c.p.ring_parts(), diagonal});
+              step_calls.push_back({tiles, n, kp.rows, diagonal});
             }
           }
           steps->push_back(std::move(step_calls));
@@ -364,14 +400,27 @@ void plan_memory(const PlanContext& c, StrategyPlan& s) {
     }
   } else if (c.ring_like()) {
     // Saved: the ring rank's rows of q, O, LSE and K/V (hybrid: its ulysses heads; the largest over ranks);
-    // in flight: the visiting K/V and the next one.
+    // in flight: the visiting K/V and the next one (windowed: two messages in and two out, of the most rows
+    // a step receives and sends).
     const std::int64_t rows = S / c.R;
+    std::int64_t in_flight = 2 * rows;
+    if (c.windowed_ring) {
+      in_flight = 0;
+      for (std::int64_t rr = 0; rr < c.R; ++rr) {
+        std::int64_t most_in = 0, most_out = 0;
+        for (const ReachStep& st : c.reach) {
+          most_in = std::max(most_in, st.rows_received(rr));
+          most_out = std::max(most_out, st.rows_sent(rr));
+        }
+        in_flight = std::max(in_flight, 2 * (most_in + most_out));
+      }
+    }
     for (std::int64_t r = 0; r < c.U; ++r) {
-      const std::int64_t n_q = c.local_q_heads(r), kv_rows = 2 * B * rows * c.local_kv_heads(r) * D * E;
+      const std::int64_t n_q = c.local_q_heads(r), kv_row = 2 * B * c.local_kv_heads(r) * D * E;
       s.memory_bytes_per_rank =
-          std::max(s.memory_bytes_per_rank, 2 * B * rows * n_q * D * E + B * n_q * rows * 4 + kv_rows +
+          std::max(s.memory_bytes_per_rank, 2 * B * rows * n_q * D * E + B * n_q * rows * 4 + kv_row * rows +
                                                 (c.packed ? B * rows * 4 + B * S * 4 : 0));
-      s.kv_buffer_bytes_per_rank = std::max(s.kv_buffer_bytes_per_rank, 2 * kv_rows);
+      s.kv_buffer_bytes_per_rank = std::max(s.kv_buffer_bytes_per_rank, kv_row * in_flight);
     }
   } else {
     const std::int64_t kv_full = 2 * B * S * hkv * D * E;
@@ -390,16 +439,28 @@ struct CommModel {
   double hops = 0;                        // the ring's shifts end to end (reported, not added)
   std::vector<double> kv_hop, dkv_hop;    // per rank
   std::vector<std::int64_t> inter_bytes;  // per rank
+  // A windowed ring: each step's K||V shift and its dK||dV shift back, at the slowest rank, by the step's
+  // distance.
+  std::map<std::int64_t, double> kv_step, dkv_step;
 };
 
 CommModel plan_communication(const PlanContext& c) {
   const std::int64_t U = c.U;
+  // The schedules ranks differ by: hybrid's by ulysses rank; a windowed ring's by rank (made as they are
+  // needed: a ring of many ranks has many).
+  const std::int64_t kinds = c.windowed_ring ? c.cp : U;
+  auto schedule_of = [&](std::int64_t r) {
+    StrategySchedule s =
+        strategy_schedule(c.a, c.p, {c.req.remat, c.packed, r, c.windowed_ring ? &c.reach : nullptr});
+    if (c.req.forward_only) s.backward.clear();
+    return s;
+  };
   std::vector<StrategySchedule> by_u;
-  for (std::int64_t u = 0; u < U; ++u) {
-    by_u.push_back(strategy_schedule(c.a, c.p, {c.req.remat, c.packed, u}));
-    if (c.req.forward_only) by_u.back().backward.clear();
+  if (!c.windowed_ring) {
+    for (std::int64_t u = 0; u < kinds; ++u) by_u.push_back(schedule_of(u));
   }
-  const std::size_t calls = by_u[0].forward.size() + by_u[0].backward.size();
+  const StrategySchedule first = c.windowed_ring ? schedule_of(0) : by_u[0];
+  const std::size_t calls = first.forward.size() + first.backward.size();
   // traffic[k][rank]: what the rank sends in the k-th call of its schedule.
   std::vector<std::vector<Traffic>> traffic(calls, std::vector<Traffic>(static_cast<std::size_t>(c.cp)));
   std::vector<bool> hop(calls, false), kv(calls, false);
@@ -407,8 +468,10 @@ CommModel plan_communication(const PlanContext& c) {
   m.kv_hop.assign(static_cast<std::size_t>(c.cp), 0.0);
   m.dkv_hop.assign(static_cast<std::size_t>(c.cp), 0.0);
   m.inter_bytes.assign(static_cast<std::size_t>(c.cp), 0);
+  std::vector<std::int64_t> distance(calls, 1);
   for (std::int64_t rank = 0; rank < c.cp; ++rank) {
-    const StrategySchedule& sch = by_u[static_cast<std::size_t>(c.u_of(rank))];
+    const StrategySchedule own = c.windowed_ring ? schedule_of(rank) : StrategySchedule{};
+    const StrategySchedule& sch = c.windowed_ring ? own : by_u[static_cast<std::size_t>(c.u_of(rank))];
     std::size_t k = 0;
     for (const auto* list : {&sch.forward, &sch.backward}) {
       for (const ScheduledCollective& call : *list) {
@@ -425,19 +488,25 @@ CommModel plan_communication(const PlanContext& c) {
           stride = U;
         }
         const std::int64_t e = static_cast<std::int64_t>(comm_dtype_size(call.dtype));
-        // A permute sends to the next rank alone: one peer, not n (a ring of 1024 ranks has 2046 of them).
+        // A permute (a shift) sends to one rank alone, `distance` places on: one peer, not n (a ring of 1024
+        // ranks has 2046 of them); a windowed ring's empty shift sends nothing.
         const bool permute = call.kind == CollectiveKind::collective_permute;
         hop[k] = c.ring_like() && permute;
         traffic[k][rank].all_to_all = call.kind == CollectiveKind::all_to_all;
         kv[k] = call.tensor == "kv";
-        for (std::int64_t i = permute ? (me + 1) % n : 0; i < n; ++i) {
-          if (i == me) continue;
-          std::int64_t elements = call.count;
-          if (!call.blocks.empty()) elements = call.blocks[me][i];
+        distance[k] = call.distance < 0 ? -call.distance : call.distance;
+        auto send = [&](std::int64_t i, std::int64_t elements) {
           const std::int64_t peer = base + i * stride, bytes = elements * e;
           c.links.add(traffic[k][rank], rank, peer, static_cast<double>(bytes));
           if (c.links.crosses(rank, peer)) m.inter_bytes[rank] += bytes;
-          if (permute) break;
+        };
+        if (permute) {
+          const std::int64_t to = ((me + call.distance) % n + n) % n;
+          if (to != me && call.count > 0) send(to, call.count);
+        } else {
+          for (std::int64_t i = 0; i < n; ++i) {
+            if (i != me) send(i, call.blocks.empty() ? call.count : call.blocks[me][i]);
+          }
         }
         ++k;
       }
@@ -446,8 +515,10 @@ CommModel plan_communication(const PlanContext& c) {
   std::vector<double> kv_send(static_cast<std::size_t>(c.cp), 0.0), dkv_send(kv_send);
   for (std::size_t k = 0; k < calls; ++k) {
     const auto t = c.links.call_seconds(traffic[k]);
-    (hop[k] ? m.hops : m.collectives) += *std::max_element(t.begin(), t.end());
+    const double slowest = *std::max_element(t.begin(), t.end());
+    (hop[k] ? m.hops : m.collectives) += slowest;
     if (hop[k]) (kv[k] ? kv_send : dkv_send) = t;
+    if (hop[k] && c.windowed_ring) (kv[k] ? m.kv_step : m.dkv_step)[distance[k]] = slowest;
   }
   // A ring moves at its slowest link.
   for (std::int64_t rank = 0; rank < c.cp; ++rank) {
@@ -673,7 +744,10 @@ double phase_seconds(const PlanContext& c, const std::vector<double>& per_rank) 
 // previous dK/dV hop flies, then its own dK/dV hop home is exposed. The forward: each step but the last
 // against its K/V hop. Every step of a ring of more than one rank adds the profile's ring_step_seconds (its
 // synchronisation). `fixed`: what does not overlap (hybrid's all-to-alls, the segment ids, the reorder).
+double windowed_ring_seconds(const PlanContext& c, const CallPlan& calls, double fixed, const CommModel& m);
+
 double ring_layer_seconds(const PlanContext& c, const CallPlan& calls, double fixed, const CommModel& m) {
+  if (c.windowed_ring) return windowed_ring_seconds(c, calls, fixed, m);
   const double kv_hop = *std::max_element(m.kv_hop.begin(), m.kv_hop.end());
   const double dkv_hop = *std::max_element(m.dkv_hop.begin(), m.dkv_hop.end());
   const double sync = c.R > 1 ? c.req.hardware.ring_step_seconds : 0.0;
@@ -701,6 +775,40 @@ double ring_layer_seconds(const PlanContext& c, const CallPlan& calls, double fi
     } else {
       t += both(bwd, first ? kv_hop : kv_hop + dkv_hop) + sync;
     }
+  }
+  return t;
+}
+
+// The windowed ring's layer time: only step 0 and the steps some band reaches (c.reach), each while the next
+// step's K||V shift flies and (backward) the previous step's dK||dV shift back; the last step's shift back
+// is exposed. Each such step adds ring_step_seconds; a ring whose band reaches no other rank moves nothing.
+double windowed_ring_seconds(const PlanContext& c, const CallPlan& calls, double fixed, const CommModel& m) {
+  std::vector<std::int64_t> active{0};
+  for (const ReachStep& st : c.reach) active.push_back(st.distance);
+  const double sync = active.size() > 1 ? c.req.hardware.ring_step_seconds : 0.0;
+  auto hop = [](const std::map<std::int64_t, double>& by, std::int64_t d) {
+    const auto it = by.find(d);
+    return it == by.end() ? 0.0 : it->second;
+  };
+  auto both = [&](double compute, double shift) {
+    return c.cores_saturated() ? compute + shift : std::max(compute, shift);
+  };
+  double t = fixed;
+  std::vector<double> fwd_r(static_cast<std::size_t>(c.cp)), bwd_r(fwd_r);
+  for (std::size_t j = 0; j < active.size(); ++j) {
+    const std::int64_t step = active[j];
+    for (std::int64_t r = 0; r < c.cp; ++r) {
+      fwd_r[r] = step_seconds(c, r, calls[r][step], false);
+      bwd_r[r] = c.req.forward_only ? 0.0 : step_seconds(c, r, calls[r][step], true);
+    }
+    const double fwd = phase_seconds(c, fwd_r), bwd = phase_seconds(c, bwd_r);
+    const bool last = j + 1 == active.size();
+    const double kv_next = last ? 0.0 : hop(m.kv_step, active[j + 1]);
+    const double dkv_prev = j >= 2 ? hop(m.dkv_step, active[j - 1]) : 0.0;
+    t += both(fwd, kv_next) + sync;
+    if (c.req.forward_only) continue;
+    t += both(bwd, kv_next + dkv_prev) + sync;
+    if (last && j > 0) t += hop(m.dkv_step, step);
   }
   return t;
 }
@@ -747,7 +855,8 @@ using KernelFits = std::pair<std::vector<KernelFit>, std::vector<KernelFit>>;
 
 StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const std::string& name,
                            Strategy strategy, bool load_balance, std::int64_t ulysses_degree = 0) {
-  PlanContext c{req, req.attention, req.parallel, 1, 1, 1, 1, 1, 1, 1, 4, 1, 1, false, {}, {}, 1, {}, {}};
+  PlanContext c{req, req.attention, req.parallel, 1,  1, 1,  1,  1,     1, 1, 4, 1,
+                1,   false,         {},           {}, 1, {}, {}, false, {}};
   c.p.strategy = strategy;
   c.p.load_balance = load_balance;
   c.p.layout.reset();
@@ -777,6 +886,9 @@ StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const
   c.packed = !req.segments.empty();
   c.U = c.ring_like() ? c.p.head_group_size() : 1;
   c.R = c.p.ring_degree();
+  c.windowed_ring = c.ring_like() && c.a.windowed() && c.R > 1;
+  if (c.windowed_ring)
+    c.reach = ring_reach(rank_positions(c.p.ring_layout(), c.S, c.R), c.p.ring_parts(), c.a.band());
   if (c.heads_split()) c.heads = ulysses_heads(c.hq, c.hkv, c.p.head_group_size());
   const HardwareProfile& hw = req.hardware;
   c.forward_fits = fits.first;

@@ -176,6 +176,14 @@ TEST(MpiStrategies, RingMatchesTheSingleDeviceKernel) {
   c.load_balance = true;
   c.dtype = DType::bf16;
   expect_strategy_matches_single_device(c);
+  // Windowed: K/V rows straight to the ranks that see them, dK/dV rows back (shifts by any distance).
+  c.window_left = 20;
+  expect_strategy_matches_single_device(c);
+  c.load_balance = false;
+  c.dtype = DType::f32;
+  c.causal = false;
+  c.window_right = 9;
+  expect_strategy_matches_single_device(c);
 }
 
 TEST(MpiStrategies, AllGatherWithLoadBalanceMatchesTheSingleDeviceKernel) {
