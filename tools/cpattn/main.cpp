@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
   // mapping of its own, no heap trimmed, one heap for every rank thread (glibc shrinks per-thread arenas, and
   // each layer would fault its memory in again, zeroed; docs/performance.md).
   mallopt(M_MMAP_MAX, 0);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, -1);
   mallopt(M_ARENA_MAX, 1);
   CLI::App app{
       "cpattn: context-parallel attention (all_gather, ulysses with KV-head replication, ring, hybrid)"};
