@@ -238,6 +238,51 @@ TEST(Planner, AWindowedRingPlansASixthOfTheBytesOrLess) {
   }
 }
 
+// Interleaved local and global layers (gemma3-27b: 52 local layers of 1024 keys, 10 global, at S = 65536):
+// each strategy's local entry is the plan of a one-layer model whose attention has the local window, the
+// model's time is the two kinds' layers added, and each kind gets its own recommendation.
+TEST(Planner, LocalLayersArePlannedAsTheirWindowAndAddedToTheModel) {
+  const ModelPreset* g = find_preset("gemma3-27b");
+  ASSERT_NE(g, nullptr);
+  PlanRequest r;
+  r.attention.seq_len = 65536;
+  r.attention.num_q_heads = g->num_q_heads;
+  r.attention.num_kv_heads = g->num_kv_heads;
+  r.attention.head_dim = g->head_dim;
+  r.attention.dtype = DType::bf16;
+  r.parallel.cp = 8;
+  r.model = g->model;
+  r.hardware = *find_hardware("h200");
+  ASSERT_EQ(r.model.global_layers(), 10);
+  ASSERT_EQ(r.model.local_layers(), 52);
+  const Plan plan = make_plan(r);
+  PlanRequest local = r;
+  local.attention.window_left = 1023;
+  local.model = {"one", g->model.emb_dim, 1, 1, {}, 1};
+  const Plan alone = make_plan(local);
+  ASSERT_EQ(plan.strategies.size(), alone.strategies.size());
+  std::size_t best_local = 0;
+  for (std::size_t i = 0; i < plan.strategies.size(); ++i) {
+    const StrategyPlan &s = plan.strategies[i], &a = alone.strategies[i];
+    SCOPED_TRACE(s.name);
+    ASSERT_TRUE(s.local != nullptr);
+    if (!s.possible) continue;
+    EXPECT_EQ(s.local->collectives, a.collectives);
+    EXPECT_EQ(s.local->tiles_per_rank, a.tiles_per_rank);
+    EXPECT_DOUBLE_EQ(s.local->layer_seconds, a.layer_seconds);
+    EXPECT_NEAR(s.model_seconds, 10 * s.layer_seconds + 52 * a.layer_seconds, 1e-12 * s.model_seconds);
+    EXPECT_LT(a.layer_seconds, s.layer_seconds);  // a window of 1024 keys is cheaper than the whole row
+    if (a.layer_seconds < alone.strategies[best_local].layer_seconds) best_local = i;
+  }
+  ASSERT_TRUE(plan.recommended_local.has_value());
+  EXPECT_EQ(*plan.recommended_local, best_local);
+  EXPECT_EQ(plan.strategies[plan.recommended].local->layer_seconds,
+            alone.strategies[plan.recommended].layer_seconds);
+  // A model without local layers has no local entries.
+  r.model.local_window.reset();
+  for (const StrategyPlan& s : make_plan(r).strategies) EXPECT_EQ(s.local, nullptr);
+}
+
 // Ulysses at any head counts: the bytes of the variable all-to-alls (largest operand, largest sent, over
 // ranks) and the tiles per rank with the head skew, predicted as counted, for every shape of kAnyHeadCounts.
 TEST(Planner, PredictionsEqualWhatRunCountedAtAnyHeadCounts) {
@@ -384,7 +429,7 @@ TEST(Planner, ReorderPredictionEqualsWhatReorderCounted) {
   r.attention.head_dim = 8;
   r.attention.dtype = DType::bf16;
   r.parallel.cp = cp;
-  r.model = {"test", emb, 2, 2};
+  r.model = {"test", emb, 2, 2, {}, 1};
   r.block = 8;
   r.hardware = *find_hardware("h100");
   const Plan plan = make_plan(r);

@@ -53,6 +53,8 @@ struct PlanInputs {
   std::string profile;                         // a profile file (YAML) in place of a named one
   std::string segments;                        // packed document lengths as typed ("61440,4096"), or empty
   std::optional<std::int64_t> emb_dim, layers, attention_every, ranks_per_host;
+  // Sliding-window layers (ModelShape): the local layers' window (LEFT) and the global layers' period.
+  std::optional<std::int64_t> local_window, global_every;
   std::optional<std::int64_t> block;  // unset: the profile's block, else 512
   bool remat = false;
   bool forward_only = false;                                // prefill: the forward alone

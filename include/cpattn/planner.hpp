@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,7 +20,16 @@ struct ModelShape {
   std::int64_t emb_dim = 0;  // width of the activations the reorder moves
   std::int64_t num_layers = 1;
   std::int64_t attention_every = 1;  // full attention on every N-th layer (layers N-1, 2N-1, ...)
+  // Sliding-window layers (Gemma 2 and 3, gpt-oss, Mistral): of the attention layers, every global_every-th
+  // is global (the request's attention) and the others local, the request's attention with window_left =
+  // local_window (and window_right too without the causal mask). Unset: every attention layer is global.
+  std::optional<std::int64_t> local_window;
+  std::int64_t global_every = 1;
   std::int64_t attention_layers() const { return num_layers / attention_every; }
+  std::int64_t global_layers() const {
+    return local_window ? attention_layers() / global_every : attention_layers();
+  }
+  std::int64_t local_layers() const { return attention_layers() - global_layers(); }
   // Other layers (GDN, ...) need contiguous order when not every layer is attention.
   bool other_layers_need_contiguous_order() const { return attention_every > 1; }
 };
@@ -147,8 +157,12 @@ struct StrategyPlan {
   double communication_seconds = 0;  // attention collectives + reorder
   double exposed_seconds = 0;        // communication + waiting for the straggler
   double layer_seconds = 0;          // straggler compute + communication
-  double model_seconds = 0;          // layer_seconds x attention layers
+  // layer_seconds x global attention layers, plus the local layers' (local) where the model has them.
+  double model_seconds = 0;
   std::int64_t model_bytes_sent_per_rank = 0;
+  // The same strategy on the model's local (sliding-window) layers, planned as one of them; null where the
+  // model has none.
+  std::shared_ptr<const StrategyPlan> local;
 };
 
 // The name of hybrid's plan at U x R: hybrid_u<U>_r<R>, with _load_balanced.
@@ -158,14 +172,17 @@ struct Plan {
   std::vector<StrategyPlan> strategies;
   std::string recommendation;
   std::size_t recommended = 0;  // the index in strategies of the shortest estimated layer
+  // With local (sliding-window) layers: the shortest local layer's (each kind of layer runs the strategy that
+  // suits it: every layer has its own ContextParallelAttention).
+  std::optional<std::size_t> recommended_local;
 };
 
 // The collectives one attention layer issues (forward, remat, backward; `forward_only`: the forward's alone),
 // aggregated by (kind, phase, group) in issue order, each field the largest over ranks; `packed`: segment ids
-// are exchanged too.
+// are exchanged too; `block`: the kernel's kv block (a windowed all_gather moves whole blocks of it).
 std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& attention,
                                                     const ParallelSpec& parallel, bool remat, bool packed,
-                                                    bool forward_only = false);
+                                                    bool forward_only = false, std::int64_t block = 64);
 
 // Validates the request's general rules first (Error(invalid_config), as validate does); a strategy whose own
 // rules fail is planned as not possible, with the reasons.

@@ -43,6 +43,9 @@ struct ScheduleOptions {
   // The windowed ring's steps (ring_reach over the ring's positions) where the caller has them; null: the
   // schedule finds them itself (the planner computes them once for all ranks).
   const std::vector<ReachStep>* reach = nullptr;
+  // The kernel's kv block (FlashConfig::block_kv): a windowed all_gather moves the key rows each rank sees in
+  // whole blocks of it.
+  std::int64_t block = 64;
 };
 
 // One attention layer's calls: those of a forward, and those of the backward after it (remat calls included),

@@ -94,4 +94,18 @@ struct ReachStep {
 std::vector<ReachStep> ring_reach(const RankPositions& positions, std::int64_t parts,
                                   const PositionBand& band);
 
+// The windowed all_gather's keys: the positions some query of a rank (its positions, in `parts` runs) sees
+// under the band, widened to whole blocks of `block` positions from 0 (the kernel's kv grid over the natural
+// order, so that its tiles over them are the single device's), merged, in order, within [0, seq_len).
+std::vector<PositionRange> seen_positions(const std::vector<std::int32_t>& positions, std::int64_t parts,
+                                          const PositionBand& band, std::int64_t seq_len, std::int64_t block);
+// Every rank's (positions: rank_positions of the layout).
+std::vector<std::vector<PositionRange>> seen_positions(const RankPositions& positions, std::int64_t parts,
+                                                       const PositionBand& band, std::int64_t seq_len,
+                                                       std::int64_t block);
+// Whether position x is in sorted, disjoint ranges; how many positions two lists of disjoint ranges share
+// (a rank's runs, local_ranges, against another's seen ranges: the rows it sends that rank).
+bool in_ranges(const std::vector<PositionRange>& ranges, std::int64_t x);
+std::int64_t overlap(const std::vector<PositionRange>& a, const std::vector<PositionRange>& b);
+
 }  // namespace cpattn

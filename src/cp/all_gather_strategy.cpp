@@ -1,6 +1,9 @@
 // all_gather: K/V (and kv segment ids) all-gathered into natural order; this rank's queries, at their global
 // positions, attend the whole sequence. Backward: dQ local; dK/dV partials (fp32) for the whole sequence,
-// reduce-scattered (summed) back to the shards.
+// reduce-scattered (summed) back to the shards. With a sliding window only the key rows some local query
+// sees move (whole kernel blocks, in natural order: the kernel's tiles are the single device's), each
+// rank's from its owner by an all_to_all_v, and their dK/dV partials go back the same way, summed in rank
+// order.
 #include "context_parallel_impl.hpp"
 #include "cpattn/sequence_layout.hpp"
 
@@ -9,11 +12,12 @@ namespace {
 
 struct AllGatherSaved final : ContextParallelAttention::Impl::SavedState {
   AllGatherSaved() : SavedState(Strategy::all_gather) {}
-  Tensor q, o;                                    // local shard, local O
-  Tensor k, v;                                    // remat: the local K/V shards, gathered again in backward
-  Tensor k_full, v_full;                          // without remat: the gathered K/V, natural order
-  std::vector<float> lse;                         // [B, Hq, S/cp]
-  std::vector<std::int32_t> seg_local, seg_full;  // [B, S/cp], [B, S] natural (empty: no segments)
+  Tensor q, o;             // local shard, local O
+  Tensor k, v;             // remat: the local K/V shards, gathered again in backward
+  Tensor k_full, v_full;   // without remat: the gathered K/V, natural order
+  std::vector<float> lse;  // [B, Hq, S/cp]
+  // [B, S/cp], and the keys' [B, S] natural (with a window, [B, V]: the seen rows'); empty: no segments
+  std::vector<std::int32_t> seg_local, seg_full;
   std::int64_t bytes() const override {
     return cp::saved_bytes({&q, &o, &k, &v, &k_full, &v_full},
                            lse.size() * 4 + (seg_local.size() + seg_full.size()) * 4);
@@ -22,22 +26,67 @@ struct AllGatherSaved final : ContextParallelAttention::Impl::SavedState {
 
 }  // namespace
 
+namespace {
+
+// A windowed all_gather moves only the key rows some query of the receiving rank sees (seen_positions, whole
+// kernel blocks): each rank's seen ranges, its key positions and (packed) segment ids.
+struct SeenKeys {
+  std::vector<std::vector<PositionRange>> seen;  // every rank's; empty: no window, the whole row
+  std::vector<std::int32_t> positions;           // [B, V]: this rank's seen rows (natural: all S)
+};
+
+SeenKeys seen_keys(const AttentionSpec& a, const ParallelSpec& p, const RankPositions& positions,
+                   std::int64_t rank, std::int64_t block) {
+  SeenKeys k;
+  if (!a.windowed()) {
+    k.positions = natural_positions(a.batch, a.seq_len);
+    return k;
+  }
+  const std::int64_t parts = p.effective_layout() == ShardLayout::dual_chunk_swap ? 2 : 1;
+  k.seen = seen_positions(positions, parts, a.band(), a.seq_len, block);
+  std::vector<std::int64_t> mine;
+  for (const PositionRange& r : k.seen[static_cast<std::size_t>(rank)]) {
+    for (std::int64_t x = r.begin; x < r.end; ++x) mine.push_back(x);
+  }
+  k.positions = positions_as_int32(mine, a.batch);
+  return k;
+}
+
+std::vector<std::int32_t> segments_at(const std::vector<std::int32_t>& seg_full, std::int64_t batch,
+                                      std::int64_t seq, const std::vector<std::int32_t>& positions) {
+  if (seg_full.empty()) return {};
+  std::vector<std::int32_t> out;
+  const std::int64_t n = static_cast<std::int64_t>(positions.size()) / batch;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    for (std::int64_t i = 0; i < n; ++i) out.push_back(seg_full[b * seq + positions[b * n + i]]);
+  }
+  return out;
+}
+
+}  // namespace
+
 AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor& q, const Tensor& k,
                                                                    const Tensor& v, bool forward_only) {
   const std::int64_t B = attention.batch;
-  // k, v: [B, S/cp, Hkv, D] -> [B, S, Hkv, D] natural order
-  Tensor k_full = cp::all_gather_sequence(comm, k, positions);
-  Tensor v_full = cp::all_gather_sequence(comm, v, positions);
+  const SeenKeys keys = seen_keys(attention, parallel, positions, rank, kernel_config().block_kv);
+  // k, v: [B, S/cp, Hkv, D] -> [B, S, Hkv, D] natural order, or with a window the rows this rank sees
+  auto gather = [&](const Tensor& x) {
+    return keys.seen.empty() ? cp::all_gather_sequence(comm, x, positions)
+                             : cp::gather_seen(comm, x, positions, keys.seen);
+  };
+  Tensor k_full = gather(k);
+  Tensor v_full = gather(v);
   std::vector<std::int32_t> seg_full;
   if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, B, positions);
+  const std::vector<std::int32_t> kv_seg =
+      keys.seen.empty() ? seg_full : segments_at(seg_full, B, attention.seq_len, keys.positions);
 
   const auto q_pos = positions_as_int32(
       cpattn::local_positions(parallel.effective_layout(), attention.seq_len, cp, rank), B);
-  const auto kv_pos = natural_positions(B, attention.seq_len);
   AttentionOutput out;
   out.o = Tensor(attention.dtype, q.shape());
   out.lse.assign(static_cast<std::size_t>(B * hq * local_seq), 0.0f);
-  AttentionMask m = mask(q_pos, kv_pos, seg_local, seg_full);
+  AttentionMask m = mask(q_pos, keys.positions, seg_local, kv_seg);
   m.sinks = sinks_local;
   flash_forward(cref(q), cref(k_full), cref(v_full), m, attention.scale(), kernel_config(), ref(out.o),
                 out.lse.data(), &tiles);
@@ -47,7 +96,7 @@ AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor&
     s.o = out.o;
     s.lse = out.lse;
     s.seg_local = seg_local;
-    s.seg_full = std::move(seg_full);
+    s.seg_full = kv_seg;
     if (options.remat) {
       s.k = k;
       s.v = v;
@@ -63,26 +112,32 @@ AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor&
 AttentionGradients ContextParallelAttention::Impl::all_gather_backward(const Tensor& d_out) {
   AllGatherSaved& s = saved_as<AllGatherSaved>();
   const std::int64_t B = attention.batch;
+  const SeenKeys keys = seen_keys(attention, parallel, positions, rank, kernel_config().block_kv);
   if (options.remat) {
     CollectiveCounters::PhaseScope phase(group.counters(), "remat");
-    s.k_full = cp::all_gather_sequence(comm, s.k, positions);
-    s.v_full = cp::all_gather_sequence(comm, s.v, positions);
+    s.k_full = keys.seen.empty() ? cp::all_gather_sequence(comm, s.k, positions)
+                                 : cp::gather_seen(comm, s.k, positions, keys.seen);
+    s.v_full = keys.seen.empty() ? cp::all_gather_sequence(comm, s.v, positions)
+                                 : cp::gather_seen(comm, s.v, positions, keys.seen);
   }
   const auto q_pos = positions_as_int32(
       cpattn::local_positions(parallel.effective_layout(), attention.seq_len, cp, rank), B);
-  const auto kv_pos = natural_positions(B, attention.seq_len);
   AttentionGradients g;
   g.dq = Tensor(attention.dtype, s.q.shape());
   Tensor dk_partial(DType::f32, s.k_full.shape()), dv_partial(DType::f32, s.v_full.shape());
-  AttentionMask m = mask(q_pos, kv_pos, s.seg_local, s.seg_full);
+  AttentionMask m = mask(q_pos, keys.positions, s.seg_local, s.seg_full);
   m.sinks = s.sinks;
   g.dsinks.assign(s.sinks.size(), 0.0f);  // this rank's rows of every head
   flash_backward(cref(s.q), cref(s.k_full), cref(s.v_full), cref(s.o), s.lse.data(), cref(d_out), m,
                  attention.scale(), kernel_config(), ref(g.dq), ref(dk_partial), ref(dv_partial), nullptr,
                  s.sinks.empty() ? nullptr : g.dsinks.data());
-  // [B, S, Hkv, D] fp32 partials -> [B, S/cp, Hkv, D] sums
-  g.dk = cp::reduce_scatter_sequence(comm, dk_partial, positions).to(attention.dtype);
-  g.dv = cp::reduce_scatter_sequence(comm, dv_partial, positions).to(attention.dtype);
+  // [B, S (or the seen rows), Hkv, D] fp32 partials -> [B, S/cp, Hkv, D] sums
+  auto scatter = [&](const Tensor& partial) {
+    return keys.seen.empty() ? cp::reduce_scatter_sequence(comm, partial, positions)
+                             : cp::scatter_seen(comm, partial, positions, keys.seen);
+  };
+  g.dk = scatter(dk_partial).to(attention.dtype);
+  g.dv = scatter(dv_partial).to(attention.dtype);
   if (options.remat) {
     s.k_full = Tensor();
     s.v_full = Tensor();

@@ -286,7 +286,8 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
   comm_wait_seconds = 0;
   seg_local.assign(seg.begin(), seg.end());
   sinks_local.assign(sinks.begin(), sinks.end());
-  StrategySchedule schedule = strategy_schedule(attention, parallel, {options.remat, !seg.empty(), rank});
+  StrategySchedule schedule = strategy_schedule(
+      attention, parallel, {options.remat, !seg.empty(), rank, nullptr, options.kernel.block_kv});
   CollectiveCounters::PhaseScope phase(group.counters(), "forward");
   expect(schedule.forward, unscheduled());
   AttentionOutput out = run_forward(q, k, v, forward_only);

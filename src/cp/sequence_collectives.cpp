@@ -1,5 +1,6 @@
 #include "sequence_collectives.hpp"
 
+#include <algorithm>
 #include <cstring>
 
 #include "cpattn/error.hpp"
@@ -138,6 +139,134 @@ Tensor reduce_scatter_sequence(Communicator& comm, const Tensor& partial, const 
   Tensor out(DType::f32, {s.b, sl, s.h, s.d});
   comm.reduce_scatter_sum(send.data(), out.raw(), out.numel(), CommDType::f32);
   return out;
+}
+
+namespace {
+
+// The seen-row exchange of one rank: for each peer p, the local rows of this rank whose positions p sees
+// (sent to p, in local order) and the local rows of p whose positions this rank sees (received, in p's
+// order); and where a position lands among this rank's seen rows.
+struct SeenRows {
+  std::vector<std::vector<std::int64_t>> to, from;
+  std::vector<PositionRange> mine;
+  std::vector<std::int64_t> before;  // before[i]: the seen rows of mine's ranges before range i
+  std::int64_t total = 0;
+
+  SeenRows(int rank, const RankPositions& positions, const std::vector<std::vector<PositionRange>>& seen)
+      : to(positions.size()), from(positions.size()), mine(seen[static_cast<std::size_t>(rank)]) {
+    for (std::size_t p = 0; p < positions.size(); ++p) {
+      const auto& own = positions[static_cast<std::size_t>(rank)];
+      for (std::size_t t = 0; t < own.size(); ++t) {
+        if (in_ranges(seen[p], own[t])) to[p].push_back(static_cast<std::int64_t>(t));
+      }
+      for (std::size_t t = 0; t < positions[p].size(); ++t) {
+        if (in_ranges(mine, positions[p][t])) from[p].push_back(static_cast<std::int64_t>(t));
+      }
+    }
+    for (const PositionRange& r : mine) {
+      before.push_back(total);
+      total += r.size();
+    }
+  }
+  std::int64_t row_of(std::int64_t position) const {
+    const auto it = std::upper_bound(mine.begin(), mine.end(), position,
+                                     [](std::int64_t v, const PositionRange& r) { return v < r.begin; });
+    const auto i = static_cast<std::size_t>(std::prev(it) - mine.begin());
+    return before[i] + position - mine[i].begin;
+  }
+  // Contiguous blocks of `rows[p].size()` rows per batch row, one after another (B-major in each).
+  static BlockList blocks(const std::vector<std::vector<std::int64_t>>& rows, std::int64_t batch,
+                          std::int64_t row) {
+    BlockList list{{}, {}, 0, 0};
+    std::int64_t offset = 0;
+    for (const auto& r : rows) {
+      const std::int64_t count = batch * static_cast<std::int64_t>(r.size()) * row;
+      list.shape.push_back({1, 1, count});
+      list.offset.push_back(offset);
+      offset += count;
+    }
+    return list;
+  }
+};
+
+std::int64_t elements_of(const BlockList& list) {
+  std::int64_t n = 0;
+  for (const BlockShape& s : list.shape) n += s.count();
+  return n;
+}
+
+}  // namespace
+
+Tensor gather_seen(Communicator& comm, const Tensor& x, const RankPositions& positions,
+                   const std::vector<std::vector<PositionRange>>& seen) {
+  const int cp = comm.size();
+  const Shape4 s = x.shape();
+  const SeenRows rows(comm.rank(), positions, seen);
+  const std::int64_t row = s.h * s.d;
+  const std::size_t bytes = static_cast<std::size_t>(row) * dtype_size(x.dtype());
+  const BlockList out = SeenRows::blocks(rows.to, s.b, row), in = SeenRows::blocks(rows.from, s.b, row);
+  Bytes send(static_cast<std::size_t>(elements_of(out)) * dtype_size(x.dtype()));
+  Bytes recv(static_cast<std::size_t>(elements_of(in)) * dtype_size(x.dtype()));
+  for (int p = 0; p < cp; ++p) {
+    unsigned char* at = send.data() + static_cast<std::size_t>(out.offset[p]) * dtype_size(x.dtype());
+    for (std::int64_t b = 0; b < s.b; ++b) {
+      for (const std::int64_t t : rows.to[p]) {
+        std::memcpy(at, row_ptr(x, b, t, 0), bytes);
+        at += bytes;
+      }
+    }
+  }
+  comm.all_to_all_v(send.data(), out, recv.data(), in, comm_dtype(x.dtype()));
+  Tensor y(x.dtype(), {s.b, rows.total, s.h, s.d});
+  for (int p = 0; p < cp; ++p) {
+    const unsigned char* at = recv.data() + static_cast<std::size_t>(in.offset[p]) * dtype_size(x.dtype());
+    for (std::int64_t b = 0; b < s.b; ++b) {
+      for (const std::int64_t t : rows.from[p]) {
+        std::memcpy(row_ptr(y, b, rows.row_of(positions[p][t]), 0), at, bytes);
+        at += bytes;
+      }
+    }
+  }
+  return y;
+}
+
+Tensor scatter_seen(Communicator& comm, const Tensor& partial, const RankPositions& positions,
+                    const std::vector<std::vector<PositionRange>>& seen) {
+  const int cp = comm.size();
+  const Shape4 s = partial.shape();
+  CPATTN_ASSERT(partial.dtype() == DType::f32);
+  const SeenRows rows(comm.rank(), positions, seen);
+  const std::int64_t row = s.h * s.d;
+  const std::size_t bytes = static_cast<std::size_t>(row) * 4;
+  // The reverse of gather_seen: to each p the partial of p's rows this rank saw, from each p its partial of
+  // this rank's rows.
+  const BlockList out = SeenRows::blocks(rows.from, s.b, row), in = SeenRows::blocks(rows.to, s.b, row);
+  Bytes send(static_cast<std::size_t>(elements_of(out)) * 4),
+      recv(static_cast<std::size_t>(elements_of(in)) * 4);
+  for (int p = 0; p < cp; ++p) {
+    unsigned char* at = send.data() + static_cast<std::size_t>(out.offset[p]) * 4;
+    for (std::int64_t b = 0; b < s.b; ++b) {
+      for (const std::int64_t t : rows.from[p]) {
+        std::memcpy(at, row_ptr(partial, b, rows.row_of(positions[p][t]), 0), bytes);
+        at += bytes;
+      }
+    }
+  }
+  comm.all_to_all_v(send.data(), out, recv.data(), in, CommDType::f32);
+  const std::int64_t sl = static_cast<std::int64_t>(positions[static_cast<std::size_t>(comm.rank())].size());
+  Tensor y(DType::f32, {s.b, sl, s.h, s.d});
+  for (int p = 0; p < cp; ++p) {  // in rank order
+    const float* at =
+        reinterpret_cast<const float*>(recv.data() + static_cast<std::size_t>(in.offset[p]) * 4);
+    for (std::int64_t b = 0; b < s.b; ++b) {
+      for (const std::int64_t t : rows.to[p]) {
+        float* into = reinterpret_cast<float*>(row_ptr(y, b, t, 0));
+        for (std::int64_t e = 0; e < row; ++e) into[e] += at[e];
+        at += row;
+      }
+    }
+  }
+  return y;
 }
 
 }  // namespace cpattn::cp

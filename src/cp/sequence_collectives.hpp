@@ -31,4 +31,14 @@ std::vector<std::int32_t> all_gather_segments(Communicator& comm, const std::vec
 // partial: [B, S, H, D] fp32 natural order -> [B, S/cp, H, D] fp32: the sum over ranks of this rank's tokens.
 Tensor reduce_scatter_sequence(Communicator& comm, const Tensor& partial, const RankPositions& positions);
 
+// The windowed all_gather's (seen[r]: the positions rank r's queries see, seen_positions), as all_to_all_v's
+// that move only those rows. x: [B, S/cp, H, D] -> [B, V, H, D]: the rows of this rank's seen positions in
+// natural order (V of them).
+Tensor gather_seen(Communicator& comm, const Tensor& x, const RankPositions& positions,
+                   const std::vector<std::vector<PositionRange>>& seen);
+// partial: [B, V, H, D] fp32, this rank's seen rows -> [B, S/cp, H, D] fp32: each rank's partial of this
+// rank's rows, summed in rank order (reduce_scatter_sum's order).
+Tensor scatter_seen(Communicator& comm, const Tensor& partial, const RankPositions& positions,
+                    const std::vector<std::vector<PositionRange>>& seen);
+
 }  // namespace cpattn::cp

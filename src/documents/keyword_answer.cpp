@@ -107,6 +107,8 @@ std::vector<Keyword> plan_keywords() {
       integer("emb_dim", 1, kMaxPlanEmbDim, [](Request& r, Int v) { r.plan.emb_dim = v; }),
       integer("layers", 1, kMaxPlanLayers, [](Request& r, Int v) { r.plan.layers = v; }),
       integer("attention_every", 1, kMaxPlanLayers, [](Request& r, Int v) { r.plan.attention_every = v; }),
+      integer("local_window", 0, kMaxWindowSide, [](Request& r, Int v) { r.plan.local_window = v; }),
+      integer("global_every", 1, kMaxPlanLayers, [](Request& r, Int v) { r.plan.global_every = v; }),
       integer("block", 1, kMaxPlanSeq, [](Request& r, Int v) { r.plan.block = v; }),
       text("segments", [](Request& r, const std::string& v) { r.plan.segments = v; }),
       flag("remat", [](Request& r, bool v) { r.plan.remat = v; }),

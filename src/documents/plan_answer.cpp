@@ -75,6 +75,31 @@ void plan_bounds(const ConfigValues& values, const PlanInputs& opt, const Hardwa
   positive(values.num_layers, "--layers");
   positive(values.attention_every, "--attention-every");
   positive(values.emb_dim, "--emb-dim");
+  positive(opt.global_every, "--global-every");
+  if (opt.local_window && (*opt.local_window < 0 || *opt.local_window > kMaxWindowSide)) {
+    errors.push_back({{"--local-window"},
+                      std::to_string(*opt.local_window),
+                      "--local-window (" + std::to_string(*opt.local_window) + ") must be 0.." +
+                          std::to_string(kMaxWindowSide)});
+  }
+  // Local layers need a period of global ones, and a period needs local layers, unless a preset gives the
+  // other.
+  const ModelPreset* preset = opt.preset.empty() ? nullptr : find_preset(opt.preset);
+  const bool window = opt.local_window || (preset != nullptr && preset->model.local_window);
+  const std::int64_t every = opt.global_every.value_or(preset != nullptr ? preset->model.global_every : 1);
+  if (window && every < 2 && !(opt.global_every && *opt.global_every < 1)) {
+    errors.push_back(
+        {{"--global-every"},
+         std::to_string(every),
+         "--local-window makes local layers only with --global-every N >= 2 (every N-th attention "
+         "layer global, the others local)"});
+  }
+  if (opt.global_every && !window) {
+    errors.push_back({{"--global-every"},
+                      std::to_string(*opt.global_every),
+                      "--global-every sets the period of global layers among local ones: give --local-window "
+                      "(the local layers' window) too"});
+  }
   if (opt.forward_only && opt.remat) {
     errors.push_back(
         {{"remat", "forward_only"},
@@ -122,8 +147,15 @@ PlanRequest plan_request(const ConfigValues& values, const Specs& specs, const P
   PlanRequest req;
   req.attention = specs.attention;
   req.parallel = specs.parallel;
-  req.model = {opt.preset.empty() ? "custom" : opt.preset, values.emb_dim.value_or(0),
-               values.num_layers.value_or(1), values.attention_every.value_or(1)};
+  const ModelPreset* preset = opt.preset.empty() ? nullptr : find_preset(opt.preset);
+  std::optional<std::int64_t> local_window = opt.local_window;
+  if (!local_window && preset != nullptr) local_window = preset->model.local_window;
+  req.model = {opt.preset.empty() ? "custom" : opt.preset,
+               values.emb_dim.value_or(0),
+               values.num_layers.value_or(1),
+               values.attention_every.value_or(1),
+               local_window,
+               opt.global_every.value_or(preset != nullptr ? preset->model.global_every : 1)};
   req.block = plan_block(opt, &hw);
   if (!opt.segments.empty()) req.segments = parse_document_lengths(opt.segments, "--segments");
   req.remat = opt.remat;
@@ -161,7 +193,13 @@ nlohmann::ordered_json plan_document(const PlanRequest& req, const Plan& plan) {
                                                {"forward_only", req.forward_only},
                                                {"emb_dim", req.model.emb_dim},
                                                {"layers", req.model.num_layers},
-                                               {"attention_layers", req.model.attention_layers()}});
+                                               {"attention_layers", req.model.attention_layers()},
+                                               {"global_layers", req.model.global_layers()},
+                                               {"local_layers", req.model.local_layers()}});
+  if (req.model.local_window) {
+    doc["problem"]["local_window"] = *req.model.local_window;
+    doc["problem"]["global_every"] = req.model.global_every;
+  }
   doc["hardware"] = {{"name", req.hardware.name},
                      {"flops", req.hardware.flops},
                      {"bandwidth_bytes_per_second", req.hardware.bandwidth},
@@ -178,43 +216,56 @@ nlohmann::ordered_json plan_document(const PlanRequest& req, const Plan& plan) {
       j["ulysses_degree"] = s.ulysses_degree;
       j["ring_degree"] = s.ring_degree;
     }
-    j["possible"] = s.possible;
+    // One layer's entry (a global layer's, or under "local_layers" a local one's).
+    auto layer = [](const StrategyPlan& x, nlohmann::ordered_json& into) {
+      into["possible"] = x.possible;
+      if (!x.possible) {
+        into["why_not"] = nlohmann::ordered_json::parse(errors_to_json(x.why_not));
+        return;
+      }
+      into["collectives"] = records_json(x.collectives);
+      into["reorder_collectives"] = records_json(x.reorder);
+      into["tiles_per_rank_per_q_head"] = x.tiles_per_rank_per_q_head;
+      into["tiles_per_rank"] = x.tiles_per_rank;
+      into["tiles_skew"] = x.tiles_skew;
+      into["memory_bytes_per_rank"] = x.memory_bytes_per_rank;
+      into["kv_buffer_bytes_per_rank"] = x.kv_buffer_bytes_per_rank;
+      into["estimated_seconds"] = {{"compute_per_rank", x.compute_seconds_per_rank},
+                                   {"straggler_rank", x.straggler_rank},
+                                   {"communication", x.communication_seconds},
+                                   {"exposed", x.exposed_seconds},
+                                   {"layer", x.layer_seconds}};
+    };
+    layer(s, j);
     if (!s.possible) {
-      j["why_not"] = nlohmann::ordered_json::parse(errors_to_json(s.why_not));
       doc["strategies"].push_back(j);
       continue;
     }
-    j["collectives"] = records_json(s.collectives);
-    j["reorder_collectives"] = records_json(s.reorder);
-    j["tiles_per_rank_per_q_head"] = s.tiles_per_rank_per_q_head;
-    j["tiles_per_rank"] = s.tiles_per_rank;
-    j["tiles_skew"] = s.tiles_skew;
-    j["memory_bytes_per_rank"] = s.memory_bytes_per_rank;
-    j["kv_buffer_bytes_per_rank"] = s.kv_buffer_bytes_per_rank;
-    j["estimated_seconds"] = {{"compute_per_rank", s.compute_seconds_per_rank},
-                              {"straggler_rank", s.straggler_rank},
-                              {"communication", s.communication_seconds},
-                              {"exposed", s.exposed_seconds},
-                              {"layer", s.layer_seconds},
-                              {"model", s.model_seconds}};
+    j["estimated_seconds"]["model"] = s.model_seconds;
     j["model_bytes_sent_per_rank"] = s.model_bytes_sent_per_rank;
     j["inter_host_bytes_sent_per_rank"] = s.inter_host_bytes_sent_per_rank;
+    if (s.local) {
+      j["local_layers"] = nlohmann::ordered_json::object();
+      layer(*s.local, j["local_layers"]);
+      j["local_layers"]["inter_host_bytes_sent_per_rank"] = s.local->inter_host_bytes_sent_per_rank;
+    }
     doc["strategies"].push_back(j);
   }
   doc["recommendation"] = plan.recommendation;
-  {
-    // What to run: a strategy that neither splits heads nor passes a ring (all_gather) has no degrees;
-    // ulysses is U = cp, R = 1; ring U = 1, R = cp.
-    const StrategyPlan& best = plan.strategies[plan.recommended];
+  // What to run: a strategy that neither splits heads nor passes a ring (all_gather) has no degrees;
+  // ulysses is U = cp, R = 1; ring U = 1, R = cp. With local layers, "recommended_local" is theirs.
+  auto pick = [](const StrategyPlan& best) {
     const StrategyTraits traits = strategy_traits(best.strategy);
     const bool degrees = traits.heads != HeadSplit::none || traits.ring;
-    doc["recommended"] = {
+    return nlohmann::ordered_json{
         {"name", best.name},
         {"strategy", to_string(best.strategy)},
         {"load_balance", best.load_balance},
         {"ulysses_degree", degrees ? nlohmann::ordered_json(best.ulysses_degree) : nlohmann::ordered_json()},
         {"ring_degree", degrees ? nlohmann::ordered_json(best.ring_degree) : nlohmann::ordered_json()}};
-  }
+  };
+  doc["recommended"] = pick(plan.strategies[plan.recommended]);
+  if (plan.recommended_local) doc["recommended_local"] = pick(plan.strategies[*plan.recommended_local]);
   return doc;
 }
 
@@ -230,7 +281,12 @@ void print_plan(const PlanRequest& req, const Plan& plan, const std::string& seg
               : std::string())
       << (req.segments.empty() ? "one document" : "segments " + segments) << (req.remat ? ", remat" : "")
       << (req.forward_only ? ", forward only (prefill)" : "") << "; " << req.model.attention_layers()
-      << " attention layers of " << req.model.num_layers << "; " << req.hardware.name << "\n";
+      << " attention layers of " << req.model.num_layers;
+  if (req.model.local_layers() > 0) {
+    out << " (" << req.model.global_layers() << " global, " << req.model.local_layers()
+        << " local with window " << *req.model.local_window << ")";
+  }
+  out << "; " << req.hardware.name << "\n";
   for (const auto& s : plan.strategies) {
     out << "\n== " << s.name << "\n";
     if (!s.possible) {
@@ -262,6 +318,20 @@ void print_plan(const PlanRequest& req, const Plan& plan, const std::string& seg
         << fmt_double(s.model_seconds * 1e3) << " ms\n";
     if (req.hardware.ranks_per_host > 0 && req.parallel.cp > req.hardware.ranks_per_host) {
       out << "  across hosts per rank per layer: " << mib(s.inter_host_bytes_sent_per_rank) << "\n";
+    }
+    if (s.local && s.local->possible) {
+      const StrategyPlan& l = *s.local;
+      std::int64_t sent = 0;
+      for (const auto* list : {&l.collectives, &l.reorder}) {
+        for (const auto& c : *list) sent += c.bytes_sent_per_rank;
+      }
+      out << "  local layer (window " << *req.model.local_window << "): sent per rank " << mib(sent)
+          << ", tiles max/min " << fmt_double(l.tiles_skew) << ", compute "
+          << fmt_double(l.compute_seconds_per_rank[l.straggler_rank] * 1e3) << " ms, communication "
+          << fmt_double(l.communication_seconds * 1e3) << " ms, layer " << fmt_double(l.layer_seconds * 1e3)
+          << " ms\n  model: " << req.model.global_layers() << " x " << fmt_double(s.layer_seconds * 1e3)
+          << " + " << req.model.local_layers() << " x " << fmt_double(l.layer_seconds * 1e3)
+          << " ms = " << fmt_double(s.model_seconds * 1e3) << " ms\n";
     }
   }
   out << "\nrecommendation: " << plan.recommendation << "\n";

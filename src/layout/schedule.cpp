@@ -152,23 +152,49 @@ StrategySchedule hybrid_schedule(const AttentionSpec& a, const ParallelSpec& p, 
 }
 
 // k, v: [B, S/cp, Hkv, D] gathered into [B, S, Hkv, D]; dK/dV fp32 partials [B, S, Hkv, D] reduce-scattered.
+// With a window, all_to_all_v's of the rows each rank sees (seen_positions in blocks of o.block): rank r
+// sends rank p its rows in p's seen ranges; the partials come back the same way.
 StrategySchedule all_gather_schedule(const AttentionSpec& a, const ParallelSpec& p,
                                      const ScheduleOptions& o) {
   const std::int64_t B = a.batch, sl = a.seq_len / p.cp;
-  const std::int64_t kv = B * sl * (a.num_kv_heads / p.tp) * a.head_dim;
+  const std::int64_t row = (a.num_kv_heads / p.tp) * a.head_dim, kv = B * sl * row;
   const CommDType e = comm_dtype(a.dtype);
   using K = CollectiveKind;
+  std::vector<std::vector<std::int64_t>> seen_rows;  // [r][p]: what rank r sends rank p
+  if (a.windowed()) {
+    const RankPositions positions = rank_positions(p.effective_layout(), a.seq_len, p.cp);
+    const std::int64_t parts = p.effective_layout() == ShardLayout::dual_chunk_swap ? 2 : 1;
+    const auto seen = seen_positions(positions, parts, a.band(), a.seq_len, o.block);
+    for (std::int64_t r = 0; r < p.cp; ++r) {
+      const std::vector<PositionRange> mine = local_ranges(p.effective_layout(), a.seq_len, p.cp, r);
+      seen_rows.emplace_back();
+      for (std::int64_t q = 0; q < p.cp; ++q) seen_rows.back().push_back(B * overlap(mine, seen[q]) * row);
+    }
+  }
+  auto gather = [&](const char* phase, const char* tensor) {
+    if (seen_rows.empty()) return ScheduledCollective{K::all_gather, phase, tensor, kv, e, {}, "", 0};
+    return ScheduledCollective{K::all_to_all, phase, tensor, 0, e, seen_rows, "", 0};
+  };
+  auto scatter = [&](const char* tensor) {
+    if (seen_rows.empty())
+      return ScheduledCollective{K::reduce_scatter, "backward", tensor, kv, CommDType::f32, {}, "", 0};
+    std::vector<std::vector<std::int64_t>> back(seen_rows.size(),
+                                                std::vector<std::int64_t>(seen_rows.size()));
+    for (std::size_t r = 0; r < seen_rows.size(); ++r) {
+      for (std::size_t q = 0; q < seen_rows.size(); ++q) back[r][q] = seen_rows[q][r];
+    }
+    return ScheduledCollective{K::all_to_all, "backward", tensor, 0, CommDType::f32, back, "", 0};
+  };
   StrategySchedule s;
-  s.forward = {{K::all_gather, "forward", "k", kv, e, {}, "", 0},
-               {K::all_gather, "forward", "v", kv, e, {}, "", 0}};
+  s.forward = {gather("forward", "k"), gather("forward", "v")};
   if (o.packed)
     s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "", 0});
   if (o.remat) {
-    s.backward.push_back({K::all_gather, "remat", "k", kv, e, {}, "", 0});
-    s.backward.push_back({K::all_gather, "remat", "v", kv, e, {}, "", 0});
+    s.backward.push_back(gather("remat", "k"));
+    s.backward.push_back(gather("remat", "v"));
   }
-  s.backward.push_back({K::reduce_scatter, "backward", "dk", kv, CommDType::f32, {}, "", 0});
-  s.backward.push_back({K::reduce_scatter, "backward", "dv", kv, CommDType::f32, {}, "", 0});
+  s.backward.push_back(scatter("dk"));
+  s.backward.push_back(scatter("dv"));
   return s;
 }
 
@@ -211,12 +237,16 @@ std::vector<CollectiveRecord> scheduled_records(const StrategySchedule& schedule
     for (const ScheduledCollective& c : *calls) {
       const std::size_t e = comm_dtype_size(c.dtype);
       const int ranks = static_cast<int>(c.ranks > 0 ? c.ranks : cp);
-      // A scheduled collective_permute is the ring's shift.
-      const std::vector<int> ring = ring_destinations(ranks);
-      add_to_records(records, c.kind, c.phase,
-                     c.blocks.empty() ? collective_cost(c.kind, c.count, e, ranks, &ring)
-                                      : all_to_all_v_cost(c.blocks, e),
-                     c.group);
+      CollectiveCost cost;
+      if (c.kind == CollectiveKind::collective_permute) {
+        // A scheduled collective_permute is a ring shift (collective_cost's rule without the destinations:
+        // it moves something unless it goes a whole number of turns).
+        const auto bytes = c.count * static_cast<std::int64_t>(e);
+        cost = {bytes, c.distance % ranks != 0 ? bytes : 0, 0};
+      } else {
+        cost = c.blocks.empty() ? collective_cost(c.kind, c.count, e, ranks) : all_to_all_v_cost(c.blocks, e);
+      }
+      add_to_records(records, c.kind, c.phase, cost, c.group);
     }
   }
   return records;

@@ -183,6 +183,53 @@ RowSpan seen_span(const std::vector<Run>& q, const Run& kv, const std::vector<st
 
 }  // namespace
 
+std::vector<PositionRange> seen_positions(const std::vector<std::int32_t>& positions, std::int64_t parts,
+                                          const PositionBand& band, std::int64_t seq_len,
+                                          std::int64_t block) {
+  std::vector<PositionRange> out;
+  for (const Run& run : runs_of(positions, parts)) {
+    if (run.n == 0) continue;
+    const std::int64_t from = std::max<std::int64_t>(0, run.lo - band.left);
+    const std::int64_t to = std::min<std::int64_t>(seq_len - 1, run.hi + band.right);
+    if (from > to) continue;
+    out.push_back({from / block * block, std::min(seq_len, (to / block + 1) * block)});
+  }
+  std::sort(out.begin(), out.end(),
+            [](const PositionRange& a, const PositionRange& b) { return a.begin < b.begin; });
+  std::vector<PositionRange> merged;
+  for (const PositionRange& r : out) {
+    if (!merged.empty() && r.begin <= merged.back().end) {
+      merged.back().end = std::max(merged.back().end, r.end);
+    } else {
+      merged.push_back(r);
+    }
+  }
+  return merged;
+}
+
+std::vector<std::vector<PositionRange>> seen_positions(const RankPositions& positions, std::int64_t parts,
+                                                       const PositionBand& band, std::int64_t seq_len,
+                                                       std::int64_t block) {
+  std::vector<std::vector<PositionRange>> out;
+  for (const auto& p : positions) out.push_back(seen_positions(p, parts, band, seq_len, block));
+  return out;
+}
+
+bool in_ranges(const std::vector<PositionRange>& ranges, std::int64_t x) {
+  const auto it = std::upper_bound(ranges.begin(), ranges.end(), x,
+                                   [](std::int64_t v, const PositionRange& r) { return v < r.begin; });
+  return it != ranges.begin() && x < std::prev(it)->end;
+}
+
+std::int64_t overlap(const std::vector<PositionRange>& a, const std::vector<PositionRange>& b) {
+  std::int64_t n = 0;
+  for (const PositionRange& x : a) {
+    for (const PositionRange& y : b)
+      n += std::max<std::int64_t>(0, std::min(x.end, y.end) - std::max(x.begin, y.begin));
+  }
+  return n;
+}
+
 std::vector<ReachStep> ring_reach(const RankPositions& positions, std::int64_t parts,
                                   const PositionBand& band) {
   const auto ranks = static_cast<std::int64_t>(positions.size());

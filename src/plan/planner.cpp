@@ -18,16 +18,22 @@ namespace cpattn {
 
 const std::vector<ModelPreset>& model_presets() {
   static const std::vector<ModelPreset> presets = {
-      {{"qwen3.5-397b-a17b", 4096, 60, 4}, 32, 2, 256},
-      {{"qwen3-next-80b-a3b", 2048, 48, 4}, 16, 2, 256},
-      {{"llama3-70b", 8192, 80, 1}, 64, 8, 128},
+      {{"qwen3.5-397b-a17b", 4096, 60, 4, {}, 1}, 32, 2, 256},
+      {{"qwen3-next-80b-a3b", 2048, 48, 4, {}, 1}, 16, 2, 256},
+      {{"llama3-70b", 8192, 80, 1, {}, 1}, 64, 8, 128},
       // Their config.json (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head
       // dim). The first three have head counts that cp = 8 or 16 does not divide (ulysses splits them
       // unevenly); llama3-8b's 8 kv heads are replicated at cp = 16.
-      {{"qwen2.5-7b", 3584, 28, 1}, 28, 4, 128},
-      {{"qwen2.5-32b", 5120, 64, 1}, 40, 8, 128},
-      {{"phi-3-medium", 5120, 40, 1}, 40, 10, 128},
-      {{"llama3-8b", 4096, 32, 1}, 32, 8, 128},
+      {{"qwen2.5-7b", 3584, 28, 1, {}, 1}, 28, 4, 128},
+      {{"qwen2.5-32b", 5120, 64, 1, {}, 1}, 40, 8, 128},
+      {{"phi-3-medium", 5120, 40, 1, {}, 1}, 40, 10, 128},
+      {{"llama3-8b", 4096, 32, 1, {}, 1}, 32, 8, 128},
+      // Sliding-window models (config.json: sliding_window W keys, the query's own included: window W - 1).
+      // Gemma 3 27B: five local layers of 1024 keys to each global one (sliding_window_pattern 6), no
+      // soft-cap; gpt-oss-120b: local (128 keys) and global layers alternate, with sinks (which move
+      // nothing).
+      {{"gemma3-27b", 5376, 62, 1, 1023, 6}, 32, 16, 128},
+      {{"gpt-oss-120b", 2880, 36, 1, 127, 2}, 64, 8, 64},
   };
   return presets;
 }
@@ -72,7 +78,7 @@ std::int64_t count_tiles(const std::vector<std::int32_t>& q_positions,
 }  // namespace
 
 std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, const ParallelSpec& p, bool remat,
-                                                    bool packed, bool forward_only) {
+                                                    bool packed, bool forward_only, std::int64_t block) {
   // The calls differ between ranks in hybrid's ring (by ulysses rank) and in a windowed ring (each ring rank
   // sends the rows its receivers see); each field's largest over the ranks.
   const bool windowed_ring = p.traits().ring && a.windowed() && p.ring_degree() > 1;
@@ -82,7 +88,8 @@ std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, cons
     reach = ring_reach(rank_positions(p.ring_layout(), a.seq_len, p.ring_degree()), p.ring_parts(), a.band());
   std::vector<CollectiveRecord> out;
   for (std::int64_t r = 0; r < ranks; ++r) {
-    StrategySchedule schedule = strategy_schedule(a, p, {remat, packed, r, windowed_ring ? &reach : nullptr});
+    StrategySchedule schedule =
+        strategy_schedule(a, p, {remat, packed, r, windowed_ring ? &reach : nullptr, block});
     if (forward_only) schedule.backward.clear();
     const auto records = scheduled_records(schedule, p.cp);
     if (out.empty()) {
@@ -195,6 +202,9 @@ struct PlanContext {
   // the ranks that see them.
   bool windowed_ring = false;
   std::vector<ReachStep> reach;
+  std::vector<std::int64_t> reach_at;  // reach_at[d]: the index in reach of distance d, or -1
+  // all_gather's key rows per rank: S, or with a window the rows it sees (seen_positions).
+  std::vector<std::int64_t> gathered_rows;
   // Ranks sharing cores whose kernel threads occupy every one of them.
   bool cores_saturated() const { return req.hardware.cores > 0 && cp * threads >= req.hardware.cores; }
 
@@ -330,28 +340,36 @@ CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
         const std::int64_t n = c.S / c.R / c.p.ring_parts();
         for (std::int64_t step = 0; step < c.R; ++step) {
           const std::int64_t src = (ring_rank - step + c.R) % c.R;
-          // A windowed ring's calls at step > 0 take the rows that arrived: each run's seen span.
-          std::vector<Piece> spans;
+          // A windowed ring's calls at step > 0 take the rows that arrived: each run's seen span (a whole
+          // run: its piece as made once).
+          std::vector<const Piece*> theirs;
+          std::vector<Piece> cut;
+          cut.reserve(static_cast<std::size_t>(c.p.ring_parts()));
           if (c.windowed_ring && step > 0) {
-            const auto at = std::find_if(c.reach.begin(), c.reach.end(),
-                                         [&](const ReachStep& x) { return x.distance == step; });
-            if (at == c.reach.end()) {
+            const std::int64_t at = c.reach_at[static_cast<std::size_t>(step)];
+            if (at < 0) {
               steps->emplace_back();
               continue;
             }
-            const auto& seen = at->seen[static_cast<std::size_t>(ring_rank)];
+            const auto& seen =
+                c.reach[static_cast<std::size_t>(at)].seen[static_cast<std::size_t>(ring_rank)];
             const auto& [pos, seg] = ring_tokens[static_cast<std::size_t>(src)];
             for (std::size_t part = 0; part < seen.size(); ++part) {
-              if (seen[part].size() > 0)
-                spans.push_back(make_piece(pos, seg, static_cast<std::int64_t>(part) * n + seen[part].begin,
-                                           seen[part].size()));
+              if (seen[part].size() == n) {
+                theirs.push_back(&ring_pieces[static_cast<std::size_t>(src)][part]);
+              } else if (seen[part].size() > 0) {
+                cut.push_back(make_piece(pos, seg, static_cast<std::int64_t>(part) * n + seen[part].begin,
+                                         seen[part].size()));
+                theirs.push_back(&cut.back());
+              }
             }
+          } else {
+            for (const Piece& p : ring_pieces[static_cast<std::size_t>(src)]) theirs.push_back(&p);
           }
-          const auto& theirs =
-              c.windowed_ring && step > 0 ? spans : ring_pieces[static_cast<std::size_t>(src)];
           std::vector<KernelCall> step_calls;
           for (const Piece& qp : mine) {
-            for (const Piece& kp : theirs) {
+            for (const Piece* k : theirs) {
+              const Piece& kp = *k;
               if (!band.sees_any(qp.pos_min, qp.pos_max, kp.pos_min, kp.pos_max)) continue;
               const std::int64_t tiles = kernels::count_nonempty_tiles(qp.blocks, kp.blocks, band, c.packed);
               if (tiles == 0) continue;
@@ -374,7 +392,8 @@ CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
     } else {
       const auto [q_pos, q_seg] = tokens(layout, c.cp, r);
       per_head = count_tiles(q_pos, q_seg, natural_blocks, c.a.band(), c.req.block);
-      calls.push_back({{{per_head, c.sl, c.S, c.a.band().bounded()}}});
+      calls.push_back(
+          {{{per_head, c.sl, c.gathered_rows[static_cast<std::size_t>(r)], c.a.band().bounded()}}});
     }
     s.tiles_per_rank_per_q_head.push_back(per_head);
     s.tiles_per_rank.push_back(per_head * c.local_q_heads(r) * c.B);
@@ -423,7 +442,9 @@ void plan_memory(const PlanContext& c, StrategyPlan& s) {
       s.kv_buffer_bytes_per_rank = std::max(s.kv_buffer_bytes_per_rank, kv_row * in_flight);
     }
   } else {
-    const std::int64_t kv_full = 2 * B * S * hkv * D * E;
+    // The gathered K/V (with a window, the most rows a rank sees).
+    const std::int64_t kv_full =
+        2 * B * *std::max_element(c.gathered_rows.begin(), c.gathered_rows.end()) * hkv * D * E;
     s.memory_bytes_per_rank = 2 * B * sl * hq * D * E /* q, O */ + B * hq * sl * 4 +
                               (c.req.remat ? 2 * B * sl * hkv * D * E : kv_full) + seg_bytes;
     s.kv_buffer_bytes_per_rank = kv_full;
@@ -450,8 +471,8 @@ CommModel plan_communication(const PlanContext& c) {
   // needed: a ring of many ranks has many).
   const std::int64_t kinds = c.windowed_ring ? c.cp : U;
   auto schedule_of = [&](std::int64_t r) {
-    StrategySchedule s =
-        strategy_schedule(c.a, c.p, {c.req.remat, c.packed, r, c.windowed_ring ? &c.reach : nullptr});
+    StrategySchedule s = strategy_schedule(
+        c.a, c.p, {c.req.remat, c.packed, r, c.windowed_ring ? &c.reach : nullptr, c.req.block});
     if (c.req.forward_only) s.backward.clear();
     return s;
   };
@@ -845,8 +866,8 @@ void plan_time(const PlanContext& c, StrategyPlan& s, const CallPlan& calls, con
     s.layer_seconds = s.communication_seconds + phase_seconds(c, fwd_r) + phase_seconds(c, bwd_r);
   }
   s.exposed_seconds = s.layer_seconds - fastest;
-  s.model_seconds = s.layer_seconds * static_cast<double>(c.req.model.attention_layers());
-  s.model_bytes_sent_per_rank = sent * c.req.model.attention_layers();
+  s.model_seconds = s.layer_seconds * static_cast<double>(c.req.model.global_layers());
+  s.model_bytes_sent_per_rank = sent * c.req.model.global_layers();
 }
 
 // The profile's kernel entries fitted once per plan (forward, backward): every strategy prices its calls
@@ -855,8 +876,8 @@ using KernelFits = std::pair<std::vector<KernelFit>, std::vector<KernelFit>>;
 
 StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const std::string& name,
                            Strategy strategy, bool load_balance, std::int64_t ulysses_degree = 0) {
-  PlanContext c{req, req.attention, req.parallel, 1,  1, 1,  1,  1,     1, 1, 4, 1,
-                1,   false,         {},           {}, 1, {}, {}, false, {}};
+  PlanContext c{req, req.attention, req.parallel, 1,  1, 1,  1,  1,     1,  1,  4, 1,
+                1,   false,         {},           {}, 1, {}, {}, false, {}, {}, {}};
   c.p.strategy = strategy;
   c.p.load_balance = load_balance;
   c.p.layout.reset();
@@ -887,8 +908,24 @@ StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const
   c.U = c.ring_like() ? c.p.head_group_size() : 1;
   c.R = c.p.ring_degree();
   c.windowed_ring = c.ring_like() && c.a.windowed() && c.R > 1;
-  if (c.windowed_ring)
+  c.gathered_rows.assign(static_cast<std::size_t>(c.cp), c.S);
+  if (c.p.strategy == Strategy::all_gather && c.a.windowed()) {
+    const ShardLayout layout = c.p.effective_layout();
+    const auto seen =
+        seen_positions(rank_positions(layout, c.S, c.cp), layout == ShardLayout::dual_chunk_swap ? 2 : 1,
+                       c.a.band(), c.S, req.block);
+    for (std::int64_t r = 0; r < c.cp; ++r) {
+      std::int64_t rows = 0;
+      for (const PositionRange& x : seen[static_cast<std::size_t>(r)]) rows += x.size();
+      c.gathered_rows[static_cast<std::size_t>(r)] = rows;
+    }
+  }
+  if (c.windowed_ring) {
     c.reach = ring_reach(rank_positions(c.p.ring_layout(), c.S, c.R), c.p.ring_parts(), c.a.band());
+    c.reach_at.assign(static_cast<std::size_t>(c.R), -1);
+    for (std::size_t i = 0; i < c.reach.size(); ++i)
+      c.reach_at[static_cast<std::size_t>(c.reach[i].distance)] = static_cast<std::int64_t>(i);
+  }
   if (c.heads_split()) c.heads = ulysses_heads(c.hq, c.hkv, c.p.head_group_size());
   const HardwareProfile& hw = req.hardware;
   c.forward_fits = fits.first;
@@ -909,7 +946,7 @@ StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const
              hw.socket_bandwidth,
              hw.socket_all_to_all_bandwidth > 0 ? hw.socket_all_to_all_bandwidth : hw.socket_bandwidth,
              hw.socket_latency > 0 ? hw.socket_latency : hw.latency};
-  s.collectives = attention_collectives(c.a, c.p, req.remat, c.packed, req.forward_only);
+  s.collectives = attention_collectives(c.a, c.p, req.remat, c.packed, req.forward_only, req.block);
   CommModel m = plan_communication(c);
   const double reorder_seconds = plan_reorder(c, s, m.inter_bytes);
   s.inter_host_bytes_sent_per_rank = *std::max_element(m.inter_bytes.begin(), m.inter_bytes.end());
@@ -1064,6 +1101,25 @@ Plan make_plan(const PlanRequest& req) {
       }
     }
   }
+  // The local (sliding-window) layers: each strategy again on one of them (its reorder as the model's), added
+  // to the model's time and bytes.
+  if (req.model.local_layers() > 0) {
+    PlanRequest local = req;
+    local.attention.window_left = *req.model.local_window;
+    local.attention.window_right.reset();
+    if (!req.attention.causal) local.attention.window_right = *req.model.local_window;
+    local.model.local_window.reset();
+    local.model.num_layers = local.model.attention_every;  // one attention layer
+    const double n = static_cast<double>(req.model.local_layers());
+    for (StrategyPlan& s : plan.strategies) {
+      auto l = std::make_shared<StrategyPlan>(
+          plan_strategy(local, fits, s.name, s.strategy, s.load_balance,
+                        s.strategy == Strategy::hybrid ? s.ulysses_degree : 0));
+      s.model_seconds += n * l->model_seconds;
+      s.model_bytes_sent_per_rank += req.model.local_layers() * l->model_bytes_sent_per_rank;
+      s.local = std::move(l);
+    }
+  }
 
   std::size_t best = plan.strategies.size();
   for (std::size_t i = 0; i < plan.strategies.size(); ++i) {
@@ -1073,6 +1129,16 @@ Plan make_plan(const PlanRequest& req) {
       best = i;
   }
   plan.recommended = best;
+  if (req.model.local_layers() > 0) {
+    std::size_t local = plan.strategies.size();
+    for (std::size_t i = 0; i < plan.strategies.size(); ++i) {
+      const StrategyPlan& s = *plan.strategies[i].local;
+      if (s.possible &&
+          (local == plan.strategies.size() || s.layer_seconds < plan.strategies[local].local->layer_seconds))
+        local = i;
+    }
+    if (local < plan.strategies.size()) plan.recommended_local = local;
+  }
   const bool hosts = req.hardware.ranks_per_host > 0 && req.parallel.cp > req.hardware.ranks_per_host;
   auto detail = [&](const StrategyPlan& s) {
     std::ostringstream d;
@@ -1094,6 +1160,12 @@ Plan make_plan(const PlanRequest& req) {
     } else {
       why << "; " << s.name << " " << detail(s);
     }
+  }
+  if (plan.recommended_local) {
+    const StrategyPlan& l = plan.strategies[*plan.recommended_local];
+    why << ". Local layers (window " << *req.model.local_window << ", " << req.model.local_layers() << " of "
+        << req.model.attention_layers() << "): " << l.name << ", the shortest estimated local layer ("
+        << detail(*l.local) << ")";
   }
   plan.recommendation = why.str();
   return plan;

@@ -92,7 +92,8 @@ TEST(CliDocuments, KeywordsAreTheFlagsWithTheirRanges) {
     const std::vector<std::string> listed = cpattn::document_keywords(command);
     EXPECT_EQ(flags, std::set<std::string>(listed.begin(), listed.end())) << command;
     if (command == "plan") {
-      EXPECT_EQ(ranged.size(), 5u) << "--emb-dim --layers --attention-every --block --ranks-per-host";
+      EXPECT_EQ(ranged.size(), 7u)
+          << "--emb-dim --layers --attention-every --local-window --global-every --block --ranks-per-host";
     }
     for (const auto& [name, max] : ranged) {
       EXPECT_NO_THROW(cpattn::keyword_answer(command, {{name, std::to_string(max)}}))

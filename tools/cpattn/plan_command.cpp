@@ -45,6 +45,11 @@ void add_plan_command(CLI::App& app, int& exit_code, std::ostream& out, std::ost
   add_integer(*sub, "--layers", in.layers, 1, kMaxPlanLayers, "decoder layers");
   add_integer(*sub, "--attention-every", in.attention_every, 1, kMaxPlanLayers,
               "full attention on every N-th layer");
+  add_integer(*sub, "--local-window", in.local_window, 0, kMaxWindowSide,
+              "sliding-window layers: their window (LEFT, as --window), every attention layer but each "
+              "--global-every-th");
+  add_integer(*sub, "--global-every", in.global_every, 1, kMaxPlanLayers,
+              "with --local-window: every N-th attention layer global, the others local");
   add_integer(*sub, "--block", in.block, 1, kMaxPlanSeq,
               "square tile size (default: the profile's block, else 512)");
   add_text(*sub, "--segments", in.segments, "packed document lengths, e.g. 61440,4096");
