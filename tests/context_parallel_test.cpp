@@ -207,9 +207,12 @@ TEST(ContextParallel, AWindowSendsOnlyTheRowsItReaches) {
     }
     return most;
   };
-  const std::tuple<Strategy, bool, std::int64_t, double> setups[] = {{Strategy::ring, false, 0, 1.0 / 30},
-                                                                     {Strategy::ring, true, 0, 1.0 / 15},
-                                                                     {Strategy::hybrid, true, 2, 1.0 / 15}};
+  const std::tuple<Strategy, bool, std::int64_t, double> setups[] = {
+      {Strategy::ring, false, 0, 1.0 / 30},
+      {Strategy::ring, true, 0, 1.0 / 15},
+      {Strategy::hybrid, true, 2, 1.0 / 15},
+      {Strategy::all_gather, false, 0, 1.0 / 15},
+      {Strategy::all_gather, true, 0, 1.0 / 7}};
   for (const auto& [strategy, lb, u, most] : setups) {
     CpCase c;
     c.strategy = strategy;
@@ -240,6 +243,43 @@ TEST(ContextParallel, AWindowSendsOnlyTheRowsItReaches) {
       testing::expect_ring_matches_single_device(c);
     }
 #endif
+  }
+}
+
+// A window past the row reaches every key the mask lets a query see: the windowed ring's every distance
+// whole (the same calls in the same order as round the ring, the dK/dV summed in the same order) and the
+// windowed all_gather's every row, so every output equals the windowless run's bit for bit, causal and not.
+TEST(ContextParallel, AWindowPastTheRowIsNoWindowBitForBitOnEveryStrategy) {
+  const std::tuple<Strategy, bool, std::int64_t> setups[] = {{Strategy::ring, false, 0},
+                                                             {Strategy::ring, true, 0},
+                                                             {Strategy::hybrid, true, 2},
+                                                             {Strategy::all_gather, true, 0},
+                                                             {Strategy::ulysses, false, 0}};
+  for (const auto& [strategy, lb, u] : setups) {
+    for (const bool causal : {true, false}) {
+      CpCase c;
+      c.strategy = strategy;
+      c.load_balance = lb;
+      c.ulysses_degree = u;
+      c.cp = 4;
+      c.hq = 4;
+      c.hkv = 2;
+      c.dim = 16;
+      c.seq = 256;
+      c.segments = {100, 156};
+      c.causal = causal;
+      const auto in = testing::make_whole_inputs(c, 13);
+      const testing::CpRun plain = testing::run_context_parallel(c, in);
+      c.window_left = 256;
+      if (!causal) c.window_right = 1000;
+      SCOPED_TRACE(c.name());
+      const testing::CpRun windowed = testing::run_context_parallel(c, in);
+      EXPECT_EQ(testing::count_bit_differences(windowed.o, plain.o), 0) << "o";
+      EXPECT_EQ(testing::count_bit_differences(windowed.lse, plain.lse), 0) << "lse";
+      EXPECT_EQ(testing::count_bit_differences(windowed.dq, plain.dq), 0) << "dq";
+      EXPECT_EQ(testing::count_bit_differences(windowed.dk, plain.dk), 0) << "dk";
+      EXPECT_EQ(testing::count_bit_differences(windowed.dv, plain.dv), 0) << "dv";
+    }
   }
 }
 

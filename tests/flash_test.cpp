@@ -294,6 +294,31 @@ TEST(FlashKernel, SlidingWindowsMatchTheReferenceOnEveryPath) {
   }
 }
 
+// Negative control for the windows above: the kernel's window against the reference's with one key more
+// (or less) on either side is far outside the tolerances that hold at the same window, causal and not. A
+// kernel that masked one key too many or too few would fail SlidingWindowsMatchTheReferenceOnEveryPath so.
+TEST(FlashKernel, AWindowOffByOneIsFarOutsideTheTolerance) {
+  Case c{1, 300, 4, 2, 64, true, {40, 200, 60}, DType::f32};
+  const Inputs in = make_inputs(c, 29);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.dim));
+  for (const bool causal : {true, false}) {
+    AttentionMask mask = in.mask(causal);
+    mask.window_left = 7;
+    if (!causal) mask.window_right = 5;
+    const auto fwd = flash_attention_forward(in.q, in.k, in.v, mask, scale, {});
+    for (const auto& [left, right] : {std::pair{1, 0}, std::pair{-1, 0}, std::pair{0, 1}, std::pair{0, -1}}) {
+      if (causal && right != 0) continue;
+      SCOPED_TRACE(std::string(causal ? "causal" : "non-causal") + " left " + std::to_string(left) +
+                   " right " + std::to_string(right));
+      AttentionMask off = mask;
+      off.window_left = mask.window_left + left;
+      if (!causal) off.window_right = mask.window_right + right;
+      const auto ref = reference_attention(in.q, in.k, in.v, nullptr, off, scale);
+      EXPECT_GT(testing::compare(fwd.o.to_floats(), ref.o, 2e-6).max_rel, 100 * 2e-6);
+    }
+  }
+}
+
 // Logit soft-capping (Gemma 2) against the float64 reference: caps 2, 30 and 50 on logits of spread 2 (scale
 // 0.25 at D = 64: larger logits cost fp32 its 2e-6 on O without any cap, 2.1e-6 at scale 1), causal and not,
 // packed, with and without a window; fp32 on every SIMD target,

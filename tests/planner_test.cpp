@@ -18,8 +18,9 @@ namespace {
 
 constexpr std::int64_t kMiB = 1 << 20;
 
-PlanRequest seed_request(std::int64_t cp) {
-  const ModelPreset* q = find_preset("qwen3.5-397b-a17b");
+// A preset's model at S = 65536, bf16, on h200.
+PlanRequest preset_request(const std::string& preset, std::int64_t cp) {
+  const ModelPreset* q = find_preset(preset);
   PlanRequest r;
   r.attention.seq_len = 65536;
   r.attention.num_q_heads = q->num_q_heads;
@@ -30,6 +31,10 @@ PlanRequest seed_request(std::int64_t cp) {
   r.model = q->model;
   r.hardware = *find_hardware("h200");
   return r;
+}
+
+PlanRequest seed_request(std::int64_t cp) {
+  return preset_request("qwen3.5-397b-a17b", cp);
 }
 
 const StrategyPlan& by_name(const Plan& p, const std::string& name) {
@@ -151,8 +156,8 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
 }
 
 // Sliding windows, soft-caps and sinks: every strategy's planned tiles per rank are the ones its run
-// computed, and its collectives the ones it counted (a window moves what no window moves today; sinks move
-// nothing more), on a packed row.
+// computed, and its collectives the ones it counted (the windowed ring's and all_gather's rows within reach,
+// each field the largest over ranks; sinks move nothing more), on a packed row.
 TEST(Planner, WindowedPlansEqualWhatRunCounted) {
   auto sorted = [](std::vector<CollectiveRecord> v) {
     std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) {
@@ -240,19 +245,12 @@ TEST(Planner, AWindowedRingPlansASixthOfTheBytesOrLess) {
 
 // Interleaved local and global layers (gemma3-27b: 52 local layers of 1024 keys, 10 global, at S = 65536):
 // each strategy's local entry is the plan of a one-layer model whose attention has the local window, the
-// model's time is the two kinds' layers added, and each kind gets its own recommendation.
+// model's time is the two kinds' layers added, and each kind gets its own recommendation (the local layers'
+// among the strategies with the global recommendation's layout).
 TEST(Planner, LocalLayersArePlannedAsTheirWindowAndAddedToTheModel) {
   const ModelPreset* g = find_preset("gemma3-27b");
   ASSERT_NE(g, nullptr);
-  PlanRequest r;
-  r.attention.seq_len = 65536;
-  r.attention.num_q_heads = g->num_q_heads;
-  r.attention.num_kv_heads = g->num_kv_heads;
-  r.attention.head_dim = g->head_dim;
-  r.attention.dtype = DType::bf16;
-  r.parallel.cp = 8;
-  r.model = g->model;
-  r.hardware = *find_hardware("h200");
+  PlanRequest r = preset_request("gemma3-27b", 8);
   ASSERT_EQ(r.model.global_layers(), 10);
   ASSERT_EQ(r.model.local_layers(), 52);
   const Plan plan = make_plan(r);
@@ -261,7 +259,7 @@ TEST(Planner, LocalLayersArePlannedAsTheirWindowAndAddedToTheModel) {
   local.model = {"one", g->model.emb_dim, 1, 1, {}, 1};
   const Plan alone = make_plan(local);
   ASSERT_EQ(plan.strategies.size(), alone.strategies.size());
-  std::size_t best_local = 0;
+  std::size_t best_local = plan.strategies.size();
   for (std::size_t i = 0; i < plan.strategies.size(); ++i) {
     const StrategyPlan &s = plan.strategies[i], &a = alone.strategies[i];
     SCOPED_TRACE(s.name);
@@ -272,12 +270,25 @@ TEST(Planner, LocalLayersArePlannedAsTheirWindowAndAddedToTheModel) {
     EXPECT_DOUBLE_EQ(s.local->layer_seconds, a.layer_seconds);
     EXPECT_NEAR(s.model_seconds, 10 * s.layer_seconds + 52 * a.layer_seconds, 1e-12 * s.model_seconds);
     EXPECT_LT(a.layer_seconds, s.layer_seconds);  // a window of 1024 keys is cheaper than the whole row
-    if (a.layer_seconds < alone.strategies[best_local].layer_seconds) best_local = i;
+    const bool same_layout = s.load_balance == plan.strategies[plan.recommended].load_balance;
+    if (same_layout && (best_local == plan.strategies.size() ||
+                        a.layer_seconds < alone.strategies[best_local].layer_seconds))
+      best_local = i;
+    EXPECT_GE(s.local->exposed_seconds, 0.0);
   }
   ASSERT_TRUE(plan.recommended_local.has_value());
   EXPECT_EQ(*plan.recommended_local, best_local);
   EXPECT_EQ(plan.strategies[plan.recommended].local->layer_seconds,
             alone.strategies[plan.recommended].layer_seconds);
+  // On a profile with a memory bandwidth (the ring's merges priced), a windowed ring's rank pays for the
+  // steps it runs only: its compute is within its layer (exposed >= 0).
+  r.hardware = *find_hardware("a100");
+  for (const StrategyPlan& s : make_plan(r).strategies) {
+    SCOPED_TRACE(s.name + " on a100");
+    if (!s.possible) continue;
+    EXPECT_GE(s.exposed_seconds, 0.0);
+    EXPECT_GE(s.local->exposed_seconds, 0.0);
+  }
   // A model without local layers has no local entries.
   r.model.local_window.reset();
   for (const StrategyPlan& s : make_plan(r).strategies) EXPECT_EQ(s.local, nullptr);

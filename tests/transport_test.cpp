@@ -209,7 +209,8 @@ TEST(TransportBackend, EveryStrategyIsTheInProcessGroupsBitForBit) {
                       {Strategy::ring, true, 4, 0, DType::bf16, {}},
                       {Strategy::hybrid, true, 4, 2, DType::f32, {}},
                       {Strategy::ring, true, 4, 0, DType::f32, 30},
-                      {Strategy::hybrid, true, 4, 2, DType::bf16, 50}};
+                      {Strategy::hybrid, true, 4, 2, DType::bf16, 50},
+                      {Strategy::all_gather, true, 4, 0, DType::f32, 70}};
   for (const Row& row : rows) {
     testing::CpCase c;
     c.cp = row.cp;

@@ -110,7 +110,8 @@ class Communicator {
   // rank starts the same shifts (same distance) in the same order, empty ones included; what rank r sends
   // must be what its receiver expects. A count that disagrees with the peer's, a failed peer or a timeout is
   // an Error(communication) naming the rank (under MPI a count mismatch is known to the receiver only: its
-  // error ends the job, and the others' waits reach the deadline). Counted when it completes as a
+  // error ends the job, and the others' waits reach the deadline; over a transport a mismatch where one side
+  // is empty goes unseen: transport_comm.hpp). Counted when it completes as a
   // collective_permute of send_count (dest[p] = (p + distance) mod size()). The default runs an all_to_all_v
   // at once (counted as that) and returns a completed handle (no overlap); the backends start real transfers.
   virtual std::unique_ptr<PendingShift> start_shift_v(const void* send, std::int64_t send_count, void* recv,

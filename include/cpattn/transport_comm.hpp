@@ -35,7 +35,9 @@ class TransportCommunicator final : public Communicator {
   void collective_permute(const void* send, void* recv, std::int64_t count, CommDType dtype,
                           const std::vector<int>& dest) override;
   // The send to rank + distance and the receive from rank - distance started now (the transport moves them
-  // while the rank computes); wait() completes them within the timeout.
+  // while the rank computes); wait() completes them within the timeout. Counts are not exchanged and an
+  // empty side posts no message: a peer that sends where this rank expects nothing is not seen here (the
+  // strategies take both sides from one schedule of specs the ranks agreed on).
   std::unique_ptr<PendingShift> start_shift_v(const void* send, std::int64_t send_count, void* recv,
                                               std::int64_t recv_count, CommDType dtype,
                                               int distance) override;

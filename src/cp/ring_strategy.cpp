@@ -371,6 +371,120 @@ std::int64_t most_rows(const std::vector<ReachStep>& steps, std::int64_t rank, b
   return most;
 }
 
+// Starts a windowed ring's K||V message of `step`: this rank's rows its receiver (rank + distance) sees, into
+// `out`; what it sees of rank - distance's rows arrives in `in`.
+std::unique_ptr<PendingShift> start_rows(const cp::RingPass& ring, const Tensor& k, const Tensor& v,
+                                         const ReachStep& step, Rows& out, Rows& in) {
+  const std::int64_t R = ring.comm.size(), rank = ring.comm.rank(), n = k.shape().s / ring.parts;
+  pack_rows(k, v, step.seen[static_cast<std::size_t>((rank + step.distance) % R)], n, out);
+  in.set_rows(step.rows_received(rank));
+  return ring.comm.start_shift_v(out.data(), out.count(), in.data(), in.count(),
+                                 comm_dtype(ring.attention.dtype), static_cast<int>(step.distance));
+}
+
+// The backward's passes over ring_pass_backward's step(s, K, V, pieces, dk, dv), each leaving the rank's own
+// shard's dK/dV in acc. Round the ring: K/V travel again, each shard's accumulator (fp32) with them, home
+// after the last step.
+template <class Step>
+void relay_backward(const cp::RingPass& ring, const Tensor& k, const Tensor& v,
+                    const std::vector<std::int32_t>& seg_full, Pair& acc, Step& step) {
+  const AttentionSpec& a = ring.attention;
+  const std::int64_t B = a.batch, S = a.seq_len, R = ring.comm.size(), rank = ring.comm.rank();
+  const bool swapped = ring.control == NegativeControl::ring_zigzag_swapped;
+  const Shape4 kv_shape = k.shape();
+  const CommDType wire = comm_dtype(a.dtype);
+  Tensor dk_step(DType::f32, kv_shape), dv_step(DType::f32, kv_shape);
+  Pair current = kv_pair(k, v), next(a.dtype, kv_shape), acc_next(DType::f32, kv_shape);
+  std::unique_ptr<PendingShift> acc_hop;
+  for (std::int64_t s = 0; s < R; ++s) {
+    const std::int64_t src = (rank - s + R) % R;
+    std::unique_ptr<PendingShift> kv_hop;
+    if (s + 1 < R) kv_hop = ring.comm.start_shift(current.both.raw(), next.both.raw(), current.count(), wire);
+    std::fill_n(dk_step.data<float>(), dk_step.numel(), 0.0f);
+    std::fill_n(dv_step.data<float>(), dv_step.numel(), 0.0f);
+    step(s, current.first(), current.second(),
+         visiting(ring.positions, src, ring.parts, B, S, seg_full, swapped), ref(dk_step), ref(dv_step));
+    if (acc_hop) {
+      wait_for(*acc_hop, *ring.waited);  // src's accumulator, from the ranks before this one
+      acc_hop.reset();
+      std::swap(acc, acc_next);
+    }
+    accumulate(acc, dk_step, dv_step);
+    // With its shard to the next rank, or (after the last step) home to its owner, rank r + 1.
+    const bool last = s + 1 == R;
+    if (last && ring.control == NegativeControl::ring_accumulator_one_hop_short) break;
+    if (R > 1)
+      acc_hop = ring.comm.start_shift(acc.both.raw(), acc_next.both.raw(), acc.count(), CommDType::f32);
+    if (kv_hop) {
+      wait_for(*kv_hop, *ring.waited);
+      std::swap(current, next);
+    }
+  }
+  if (acc_hop) {
+    wait_for(*acc_hop, *ring.waited);
+    std::swap(acc, acc_next);
+  }
+}
+
+// Windowed: K/V rows arrive straight from the ranks whose rows this rank sees (as in the forward); the dK/dV
+// of those rows go straight back, and each rank adds what comes back into its accumulator in step order (the
+// order round the ring).
+template <class Step>
+void reach_backward(const cp::RingPass& ring, const Tensor& k, const Tensor& v,
+                    const std::vector<std::int32_t>& seg_full, Pair& acc, Step& step) {
+  const AttentionSpec& a = ring.attention;
+  const std::int64_t B = a.batch, S = a.seq_len, D = a.head_dim, R = ring.comm.size(),
+                     rank = ring.comm.rank();
+  const std::int64_t n = k.shape().s / ring.parts, hkv = k.shape().h;
+  const bool swapped = ring.control == NegativeControl::ring_zigzag_swapped;
+  Tensor dk_step(DType::f32, k.shape()), dv_step(DType::f32, k.shape());
+  const std::vector<ReachStep> steps = ring_reach(ring.positions, ring.parts, a.band());
+  const std::int64_t most_in = most_rows(steps, rank, false), most_out = most_rows(steps, rank, true);
+  Rows kv_send[2] = {{a.dtype, B, most_out, hkv, D}, {a.dtype, B, most_out, hkv, D}};
+  Rows kv_recv[2] = {{a.dtype, B, most_in, hkv, D}, {a.dtype, B, most_in, hkv, D}};
+  Rows part_send[2] = {{DType::f32, B, most_in, hkv, D}, {DType::f32, B, most_in, hkv, D}};
+  Rows part_recv[2] = {{DType::f32, B, most_out, hkv, D}, {DType::f32, B, most_out, hkv, D}};
+  auto start = [&](std::size_t j) {
+    return start_rows(ring, k, v, steps[j], kv_send[j % 2], kv_recv[j % 2]);
+  };
+  // The dK/dV that came back for step j: what rank r + distance saw of this rank's rows.
+  auto take_back = [&](std::size_t j) {
+    const ReachStep& st = steps[j];
+    add_spans(acc, st.seen[static_cast<std::size_t>((rank + st.distance) % R)], n, part_recv[j % 2]);
+  };
+  std::unique_ptr<PendingShift> kv_hop, back;
+  if (!steps.empty()) kv_hop = start(0);
+  step(0, cref(k), cref(v), visiting(ring.positions, rank, ring.parts, B, S, seg_full, swapped), ref(dk_step),
+       ref(dv_step));
+  accumulate(acc, dk_step, dv_step);
+  for (std::size_t j = 0; j < steps.size(); ++j) {
+    wait_for(*kv_hop, *ring.waited);
+    kv_hop.reset();
+    if (j + 1 < steps.size()) kv_hop = start(j + 1);
+    const ReachStep& st = steps[j];
+    const std::int64_t src = (rank - st.distance + R) % R;
+    Rows& partial = part_send[j % 2];
+    partial.set_rows(st.rows_received(rank));
+    partial.zero();
+    step(st.distance, kv_recv[j % 2].chalf(0), kv_recv[j % 2].chalf(1),
+         arrived(ring.positions, src, st.seen[static_cast<std::size_t>(rank)], B, S, seg_full, swapped),
+         partial.half(0), partial.half(1));
+    if (back) {
+      wait_for(*back, *ring.waited);
+      back.reset();
+      take_back(j - 1);
+    }
+    Rows& in = part_recv[j % 2];
+    in.set_rows(st.rows_sent(rank));
+    back = ring.comm.start_shift_v(partial.data(), partial.count(), in.data(), in.count(), CommDType::f32,
+                                   -static_cast<int>(st.distance));
+  }
+  if (back) {
+    wait_for(*back, *ring.waited);
+    if (ring.control != NegativeControl::ring_accumulator_one_hop_short) take_back(steps.size() - 1);
+  }
+}
+
 }  // namespace
 
 namespace cp {
@@ -450,14 +564,7 @@ AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const T
                      most_out = most_rows(steps, rank, true);
   Rows send[2] = {{a.dtype, B, most_out, hkv, D}, {a.dtype, B, most_out, hkv, D}};
   Rows recv[2] = {{a.dtype, B, most_in, hkv, D}, {a.dtype, B, most_in, hkv, D}};
-  auto start = [&](std::size_t j) {
-    const ReachStep& st = steps[j];
-    Rows &out = send[j % 2], &in = recv[j % 2];
-    pack_rows(k, v, st.seen[static_cast<std::size_t>((rank + st.distance) % R)], n, out);
-    in.set_rows(st.rows_received(rank));
-    return ring.comm.start_shift_v(out.data(), out.count(), in.data(), in.count(), wire,
-                                   static_cast<int>(st.distance));
-  };
+  auto start = [&](std::size_t j) { return start_rows(ring, k, v, steps[j], send[j % 2], recv[j % 2]); };
   std::unique_ptr<PendingShift> hop;
   if (!steps.empty()) hop = start(0);
   step(0, cref(k), cref(v), visiting(ring.positions, rank, ring.parts, B, S, seg_full, swapped));
@@ -479,10 +586,8 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
                                  const std::vector<std::int32_t>& seg_full) {
   const AttentionSpec& a = ring.attention;
   const PositionBand band = a.band();
-  const std::int64_t B = a.batch, S = a.seq_len, D = a.head_dim;
-  const std::int64_t R = ring.comm.size(), rank = ring.comm.rank();
+  const std::int64_t B = a.batch, D = a.head_dim, rank = ring.comm.rank();
   const std::int64_t L = q.shape().s, heads = q.shape().h, n = L / ring.parts;
-  const bool swapped = ring.control == NegativeControl::ring_zigzag_swapped;
   const Shape4 kv_shape = k.shape();
   // The dK/dV accumulator of the shard this rank holds.
   Pair acc(DType::f32, kv_shape);
@@ -531,96 +636,10 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
     std::memcpy(g.dv.raw(), acc.second().ptr, bytes);
     return g;
   };
-  const CommDType wire = comm_dtype(a.dtype);
-  Tensor dk_step(DType::f32, kv_shape), dv_step(DType::f32, kv_shape);
-  if (!a.windowed()) {
-    // Round the ring: K/V travel again, each shard's accumulator (fp32) with them, home after the last step.
-    Pair current = kv_pair(k, v), next(a.dtype, kv_shape), acc_next(DType::f32, kv_shape);
-    std::unique_ptr<PendingShift> acc_hop;
-    for (std::int64_t s = 0; s < R; ++s) {
-      const std::int64_t src = (rank - s + R) % R;
-      std::unique_ptr<PendingShift> kv_hop;
-      if (s + 1 < R)
-        kv_hop = ring.comm.start_shift(current.both.raw(), next.both.raw(), current.count(), wire);
-      std::fill_n(dk_step.data<float>(), dk_step.numel(), 0.0f);
-      std::fill_n(dv_step.data<float>(), dv_step.numel(), 0.0f);
-      step(s, current.first(), current.second(),
-           visiting(ring.positions, src, ring.parts, B, S, seg_full, swapped), ref(dk_step), ref(dv_step));
-      if (acc_hop) {
-        wait_for(*acc_hop, *ring.waited);  // src's accumulator, from the ranks before this one
-        acc_hop.reset();
-        std::swap(acc, acc_next);
-      }
-      accumulate(acc, dk_step, dv_step);
-      // With its shard to the next rank, or (after the last step) home to its owner, rank r + 1.
-      const bool last = s + 1 == R;
-      if (last && ring.control == NegativeControl::ring_accumulator_one_hop_short) break;
-      if (R > 1)
-        acc_hop = ring.comm.start_shift(acc.both.raw(), acc_next.both.raw(), acc.count(), CommDType::f32);
-      if (kv_hop) {
-        wait_for(*kv_hop, *ring.waited);
-        std::swap(current, next);
-      }
-    }
-    if (acc_hop) {
-      wait_for(*acc_hop, *ring.waited);
-      std::swap(acc, acc_next);
-    }
-    return result();
-  }
-  // Windowed: K/V rows arrive straight from the ranks whose rows this rank sees (as in the forward); the
-  // dK/dV of those rows go straight back, and each rank adds what comes back into its accumulator in step
-  // order (the order round the ring).
-  const std::vector<ReachStep> steps = ring_reach(ring.positions, ring.parts, band);
-  const std::int64_t hkv = kv_shape.h, most_in = most_rows(steps, rank, false),
-                     most_out = most_rows(steps, rank, true);
-  Rows kv_send[2] = {{a.dtype, B, most_out, hkv, D}, {a.dtype, B, most_out, hkv, D}};
-  Rows kv_recv[2] = {{a.dtype, B, most_in, hkv, D}, {a.dtype, B, most_in, hkv, D}};
-  Rows part_send[2] = {{DType::f32, B, most_in, hkv, D}, {DType::f32, B, most_in, hkv, D}};
-  Rows part_recv[2] = {{DType::f32, B, most_out, hkv, D}, {DType::f32, B, most_out, hkv, D}};
-  auto start = [&](std::size_t j) {
-    const ReachStep& st = steps[j];
-    Rows &out = kv_send[j % 2], &in = kv_recv[j % 2];
-    pack_rows(k, v, st.seen[static_cast<std::size_t>((rank + st.distance) % R)], n, out);
-    in.set_rows(st.rows_received(rank));
-    return ring.comm.start_shift_v(out.data(), out.count(), in.data(), in.count(), wire,
-                                   static_cast<int>(st.distance));
-  };
-  // The dK/dV that came back for step j: what rank r + distance saw of this rank's rows.
-  auto take_back = [&](std::size_t j) {
-    const ReachStep& st = steps[j];
-    add_spans(acc, st.seen[static_cast<std::size_t>((rank + st.distance) % R)], n, part_recv[j % 2]);
-  };
-  std::unique_ptr<PendingShift> kv_hop, back;
-  if (!steps.empty()) kv_hop = start(0);
-  step(0, cref(k), cref(v), visiting(ring.positions, rank, ring.parts, B, S, seg_full, swapped), ref(dk_step),
-       ref(dv_step));
-  accumulate(acc, dk_step, dv_step);
-  for (std::size_t j = 0; j < steps.size(); ++j) {
-    wait_for(*kv_hop, *ring.waited);
-    kv_hop.reset();
-    if (j + 1 < steps.size()) kv_hop = start(j + 1);
-    const ReachStep& st = steps[j];
-    const std::int64_t src = (rank - st.distance + R) % R;
-    Rows& partial = part_send[j % 2];
-    partial.set_rows(st.rows_received(rank));
-    partial.zero();
-    step(st.distance, kv_recv[j % 2].chalf(0), kv_recv[j % 2].chalf(1),
-         arrived(ring.positions, src, st.seen[static_cast<std::size_t>(rank)], B, S, seg_full, swapped),
-         partial.half(0), partial.half(1));
-    if (back) {
-      wait_for(*back, *ring.waited);
-      back.reset();
-      take_back(j - 1);
-    }
-    Rows& in = part_recv[j % 2];
-    in.set_rows(st.rows_sent(rank));
-    back = ring.comm.start_shift_v(partial.data(), partial.count(), in.data(), in.count(), CommDType::f32,
-                                   -static_cast<int>(st.distance));
-  }
-  if (back) {
-    wait_for(*back, *ring.waited);
-    if (ring.control != NegativeControl::ring_accumulator_one_hop_short) take_back(steps.size() - 1);
+  if (a.windowed()) {
+    reach_backward(ring, k, v, seg_full, acc, step);
+  } else {
+    relay_backward(ring, k, v, seg_full, acc, step);
   }
   return result();
 }

@@ -91,8 +91,9 @@ void plan_bounds(const ConfigValues& values, const PlanInputs& opt, const Hardwa
     errors.push_back(
         {{"--global-every"},
          std::to_string(every),
-         "--local-window makes local layers only with --global-every N >= 2 (every N-th attention "
-         "layer global, the others local)"});
+         std::string(opt.local_window ? "--local-window" : "the preset's local window") +
+             " makes local layers only with --global-every N >= 2 (every N-th attention layer global, the "
+             "others local)"});
   }
   if (opt.global_every && !window) {
     errors.push_back({{"--global-every"},
@@ -319,7 +320,10 @@ void print_plan(const PlanRequest& req, const Plan& plan, const std::string& seg
     if (req.hardware.ranks_per_host > 0 && req.parallel.cp > req.hardware.ranks_per_host) {
       out << "  across hosts per rank per layer: " << mib(s.inter_host_bytes_sent_per_rank) << "\n";
     }
-    if (s.local && s.local->possible) {
+    if (s.local && !s.local->possible) {
+      out << "  local layer (window " << *req.model.local_window
+          << "): impossible: " << s.local->why_not.front().message << "\n";
+    } else if (s.local) {
       const StrategyPlan& l = *s.local;
       std::int64_t sent = 0;
       for (const auto* list : {&l.collectives, &l.reorder}) {

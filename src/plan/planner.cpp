@@ -262,6 +262,92 @@ struct KernelCall {
 // Per rank, per ring step (one step for the strategies without a ring), its calls.
 using CallPlan = std::vector<std::vector<std::vector<KernelCall>>>;
 
+// The ring's kernel calls (ring_strategy.cpp): each ring rank's rows cut into the calls' pieces (the whole
+// rows, or each chunk with load balance, each on a grid of its own), made once; per step the rank's pieces
+// against the visiting ones (a windowed ring's: the arrived spans), the calls the band hides whole skipped.
+struct RingTiles {
+  struct Piece {
+    std::vector<kernels::BlockMeta> blocks;
+    std::int32_t pos_min = 0, pos_max = 0;
+    std::int64_t rows = 0;
+  };
+  using Tokens = std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>>;  // positions, segment ids
+  const PlanContext& c;
+  std::int64_t n = 0;  // rows per piece
+  std::vector<Tokens> tokens;
+  std::vector<std::vector<Piece>> pieces;
+
+  template <class TokensOf>
+  RingTiles(const PlanContext& context, TokensOf tokens_of) : c(context), n(c.S / c.R / c.p.ring_parts()) {
+    for (std::int64_t rr = 0; rr < c.R; ++rr) {
+      tokens.push_back(tokens_of(c.p.ring_layout(), c.R, rr));
+      pieces.emplace_back();
+      for (std::int64_t part = 0; part < c.p.ring_parts(); ++part)
+        pieces.back().push_back(make_piece(tokens.back(), part * n, n));
+    }
+  }
+  // Rows [first, first + count) of a ring rank's tokens as a piece.
+  Piece make_piece(const Tokens& t, std::int64_t first, std::int64_t count) const {
+    auto cut = [&](const std::vector<std::int32_t>& v) {
+      return v.empty() ? v : std::vector<std::int32_t>(v.begin() + first, v.begin() + first + count);
+    };
+    const auto p_pos = cut(t.first);
+    Piece piece{blocks_of(p_pos, cut(t.second), c.req.block), 0, 0, count};
+    if (!p_pos.empty()) {
+      piece.pos_min = *std::min_element(p_pos.begin(), p_pos.end());
+      piece.pos_max = *std::max_element(p_pos.begin(), p_pos.end());
+    }
+    return piece;
+  }
+  // The pieces of src's rows a step's calls take: all of them, or (windowed, step > 0) each run's seen span
+  // (a whole run: its piece as made once; `cut` keeps the others). Empty where no band reaches.
+  std::vector<const Piece*> visiting(std::int64_t ring_rank, std::int64_t step,
+                                     std::vector<Piece>& cut) const {
+    const std::int64_t src = (ring_rank - step + c.R) % c.R;
+    std::vector<const Piece*> theirs;
+    if (!c.windowed_ring || step == 0) {
+      for (const Piece& p : pieces[static_cast<std::size_t>(src)]) theirs.push_back(&p);
+      return theirs;
+    }
+    const std::int64_t at = c.reach_at[static_cast<std::size_t>(step)];
+    if (at < 0) return theirs;
+    const auto& seen = c.reach[static_cast<std::size_t>(at)].seen[static_cast<std::size_t>(ring_rank)];
+    cut.reserve(seen.size());
+    for (std::size_t part = 0; part < seen.size(); ++part) {
+      if (seen[part].size() == n) {
+        theirs.push_back(&pieces[static_cast<std::size_t>(src)][part]);
+      } else if (seen[part].size() > 0) {
+        cut.push_back(make_piece(tokens[static_cast<std::size_t>(src)],
+                                 static_cast<std::int64_t>(part) * n + seen[part].begin, seen[part].size()));
+        theirs.push_back(&cut.back());
+      }
+    }
+    return theirs;
+  }
+  std::vector<std::vector<KernelCall>> steps_of(std::int64_t ring_rank) const {
+    const PositionBand band = c.a.band();
+    const auto& mine = pieces[static_cast<std::size_t>(ring_rank)];
+    std::vector<std::vector<KernelCall>> steps;
+    for (std::int64_t step = 0; step < c.R; ++step) {
+      std::vector<Piece> cut;
+      const std::vector<const Piece*> theirs = visiting(ring_rank, step, cut);
+      std::vector<KernelCall> calls;
+      for (const Piece& qp : mine) {
+        for (const Piece* k : theirs) {
+          const Piece& kp = *k;
+          if (!band.sees_any(qp.pos_min, qp.pos_max, kp.pos_min, kp.pos_max)) continue;
+          const std::int64_t tiles = kernels::count_nonempty_tiles(qp.blocks, kp.blocks, band, c.packed);
+          if (tiles == 0) continue;
+          const bool diagonal = !band.sees_all(qp.pos_min, qp.pos_max, kp.pos_min, kp.pos_max);
+          calls.push_back({tiles, n, kp.rows, diagonal});
+        }
+      }
+      steps.push_back(std::move(calls));
+    }
+    return steps;
+  }
+};
+
 // Tiles on the block grid, with the kernel's classification: per rank and q head (ulysses: over the whole
 // sequence for each of its n_r heads; ring and hybrid: per step against the visiting ring rank's rows, chunk
 // by chunk on each chunk's own grid; all_gather: the rank's queries against the whole sequence).
@@ -284,41 +370,9 @@ CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
   // (hybrid's ranks of one ulysses group share their ring rank).
   const auto natural_blocks = blocks_of(natural, segments, c.req.block);
   std::optional<std::int64_t> ulysses_per_head;
-  // Ring: each ring rank's rows cut into the kernel calls' pieces (the whole rows, or each chunk with load
-  // balance), each piece's blocks and position range, made once.
-  struct Piece {
-    std::vector<kernels::BlockMeta> blocks;
-    std::int32_t pos_min = 0, pos_max = 0;
-    std::int64_t rows = 0;
-  };
-  // The rows [first, first + count) of a ring rank's positions (and segment ids) as a piece.
-  auto make_piece = [&](const std::vector<std::int32_t>& pos, const std::vector<std::int32_t>& seg,
-                        std::int64_t first, std::int64_t count) {
-    auto cut = [&](const std::vector<std::int32_t>& v) {
-      return v.empty() ? v : std::vector<std::int32_t>(v.begin() + first, v.begin() + first + count);
-    };
-    const auto p_pos = cut(pos);
-    Piece piece{blocks_of(p_pos, cut(seg), c.req.block), 0, 0, count};
-    if (!p_pos.empty()) {
-      piece.pos_min = *std::min_element(p_pos.begin(), p_pos.end());
-      piece.pos_max = *std::max_element(p_pos.begin(), p_pos.end());
-    }
-    return piece;
-  };
-  std::vector<std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>>> ring_tokens;
-  std::vector<std::vector<Piece>> ring_pieces;
-  std::vector<std::optional<std::vector<std::vector<KernelCall>>>> ring_steps;
-  if (c.ring_like()) {
-    const std::int64_t parts = c.p.ring_parts(), n = c.S / c.R / parts;
-    for (std::int64_t rr = 0; rr < c.R; ++rr) {
-      ring_tokens.push_back(tokens(c.p.ring_layout(), c.R, rr));
-      const auto& [pos, seg] = ring_tokens.back();
-      ring_pieces.emplace_back();
-      for (std::int64_t part = 0; part < parts; ++part)
-        ring_pieces.back().push_back(make_piece(pos, seg, part * n, n));
-    }
-    ring_steps.resize(static_cast<std::size_t>(c.R));
-  }
+  std::optional<RingTiles> ring;
+  if (c.ring_like()) ring.emplace(c, tokens);
+  std::vector<std::optional<std::vector<std::vector<KernelCall>>>> ring_steps(static_cast<std::size_t>(c.R));
   for (std::int64_t r = 0; r < c.cp; ++r) {
     std::int64_t per_head = 0;
     if (c.heads_split() && !c.ring_like()) {  // the whole row in one kernel call per head
@@ -333,53 +387,7 @@ CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
       // load balance, each on a grid of its own; calls the mask's band hides whole are skipped.
       const std::int64_t ring_rank = c.p.ring_rank(r);
       auto& steps = ring_steps[static_cast<std::size_t>(ring_rank)];
-      if (!steps) {
-        steps.emplace();
-        const PositionBand band = c.a.band();
-        const auto& mine = ring_pieces[static_cast<std::size_t>(ring_rank)];
-        const std::int64_t n = c.S / c.R / c.p.ring_parts();
-        for (std::int64_t step = 0; step < c.R; ++step) {
-          const std::int64_t src = (ring_rank - step + c.R) % c.R;
-          // A windowed ring's calls at step > 0 take the rows that arrived: each run's seen span (a whole
-          // run: its piece as made once).
-          std::vector<const Piece*> theirs;
-          std::vector<Piece> cut;
-          cut.reserve(static_cast<std::size_t>(c.p.ring_parts()));
-          if (c.windowed_ring && step > 0) {
-            const std::int64_t at = c.reach_at[static_cast<std::size_t>(step)];
-            if (at < 0) {
-              steps->emplace_back();
-              continue;
-            }
-            const auto& seen =
-                c.reach[static_cast<std::size_t>(at)].seen[static_cast<std::size_t>(ring_rank)];
-            const auto& [pos, seg] = ring_tokens[static_cast<std::size_t>(src)];
-            for (std::size_t part = 0; part < seen.size(); ++part) {
-              if (seen[part].size() == n) {
-                theirs.push_back(&ring_pieces[static_cast<std::size_t>(src)][part]);
-              } else if (seen[part].size() > 0) {
-                cut.push_back(make_piece(pos, seg, static_cast<std::int64_t>(part) * n + seen[part].begin,
-                                         seen[part].size()));
-                theirs.push_back(&cut.back());
-              }
-            }
-          } else {
-            for (const Piece& p : ring_pieces[static_cast<std::size_t>(src)]) theirs.push_back(&p);
-          }
-          std::vector<KernelCall> step_calls;
-          for (const Piece& qp : mine) {
-            for (const Piece* k : theirs) {
-              const Piece& kp = *k;
-              if (!band.sees_any(qp.pos_min, qp.pos_max, kp.pos_min, kp.pos_max)) continue;
-              const std::int64_t tiles = kernels::count_nonempty_tiles(qp.blocks, kp.blocks, band, c.packed);
-              if (tiles == 0) continue;
-              const bool diagonal = !band.sees_all(qp.pos_min, qp.pos_max, kp.pos_min, kp.pos_max);
-              step_calls.push_back({tiles, n, kp.rows, diagonal});
-            }
-          }
-          steps->push_back(std::move(step_calls));
-        }
-      }
+      if (!steps) steps = ring->steps_of(ring_rank);
       std::vector<std::int64_t> per_step;
       for (const auto& step : *steps) {
         std::int64_t tiles = 0;
@@ -420,9 +428,9 @@ void plan_memory(const PlanContext& c, StrategyPlan& s) {
   } else if (c.ring_like()) {
     // Saved: the ring rank's rows of q, O, LSE and K/V (hybrid: its ulysses heads; the largest over ranks);
     // in flight: the visiting K/V and the next one (windowed: two messages in and two out, of the most rows
-    // a step receives and sends).
+    // a step receives and sends, and in backward as many rows of fp32 dK/dV going back and coming back).
     const std::int64_t rows = S / c.R;
-    std::int64_t in_flight = 2 * rows;
+    std::int64_t in_flight = 2 * rows, partial_rows = 0;
     if (c.windowed_ring) {
       in_flight = 0;
       for (std::int64_t rr = 0; rr < c.R; ++rr) {
@@ -433,13 +441,15 @@ void plan_memory(const PlanContext& c, StrategyPlan& s) {
         }
         in_flight = std::max(in_flight, 2 * (most_in + most_out));
       }
+      if (!c.req.forward_only) partial_rows = in_flight;
     }
     for (std::int64_t r = 0; r < c.U; ++r) {
       const std::int64_t n_q = c.local_q_heads(r), kv_row = 2 * B * c.local_kv_heads(r) * D * E;
       s.memory_bytes_per_rank =
           std::max(s.memory_bytes_per_rank, 2 * B * rows * n_q * D * E + B * n_q * rows * 4 + kv_row * rows +
                                                 (c.packed ? B * rows * 4 + B * S * 4 : 0));
-      s.kv_buffer_bytes_per_rank = std::max(s.kv_buffer_bytes_per_rank, kv_row * in_flight);
+      s.kv_buffer_bytes_per_rank =
+          std::max(s.kv_buffer_bytes_per_rank, kv_row * in_flight + kv_row / E * 4 * partial_rows);
     }
   } else {
     // The gathered K/V (with a window, the most rows a rank sees).
@@ -469,7 +479,6 @@ CommModel plan_communication(const PlanContext& c) {
   const std::int64_t U = c.U;
   // The schedules ranks differ by: hybrid's by ulysses rank; a windowed ring's by rank (made as they are
   // needed: a ring of many ranks has many).
-  const std::int64_t kinds = c.windowed_ring ? c.cp : U;
   auto schedule_of = [&](std::int64_t r) {
     StrategySchedule s = strategy_schedule(
         c.a, c.p, {c.req.remat, c.packed, r, c.windowed_ring ? &c.reach : nullptr, c.req.block});
@@ -478,7 +487,7 @@ CommModel plan_communication(const PlanContext& c) {
   };
   std::vector<StrategySchedule> by_u;
   if (!c.windowed_ring) {
-    for (std::int64_t u = 0; u < kinds; ++u) by_u.push_back(schedule_of(u));
+    for (std::int64_t u = 0; u < U; ++u) by_u.push_back(schedule_of(u));
   }
   const StrategySchedule first = c.windowed_ring ? schedule_of(0) : by_u[0];
   const std::size_t calls = first.forward.size() + first.backward.size();
@@ -722,8 +731,18 @@ double kernel_seconds(const PlanContext& c, std::int64_t rank, const std::vector
 // memory_bandwidth: the forward folds each call's output rows into the running output (merge_bytes per
 // element); the backward sums each call's dQ, dK and dV into the rank's and the step's, and the step's dK/dV
 // into the travelling accumulator (accumulate_bytes per element).
+// The rows of dK/dV a ring rank adds into its accumulator at `step`: the whole shard as it travels (or, in a
+// windowed ring, its own step 0), else the windowed ring's rows that come back at that distance (none where
+// no band reaches).
+double accumulated_rows(const PlanContext& c, std::int64_t rank, std::int64_t step) {
+  if (!c.windowed_ring || step == 0) return static_cast<double>(c.S / c.R);
+  const std::int64_t at = c.reach_at[static_cast<std::size_t>(step)];
+  return at < 0 ? 0.0
+                : static_cast<double>(c.reach[static_cast<std::size_t>(at)].rows_sent(c.p.ring_rank(rank)));
+}
+
 double merge_seconds(const PlanContext& c, std::int64_t rank, const std::vector<KernelCall>& calls,
-                     bool backward) {
+                     bool backward, std::int64_t step) {
   const HardwareProfile& hw = c.req.hardware;
   if (!c.ring_like() || !(hw.memory_bandwidth > 0)) return 0;
   const double hq = static_cast<double>(c.local_q_heads(rank)),
@@ -735,15 +754,15 @@ double merge_seconds(const PlanContext& c, std::int64_t rank, const std::vector<
     elements += static_cast<double>(k.q) * hq * row;
     if (backward) elements += 2 * static_cast<double>(k.kv) * hkv * row;
   }
-  if (backward) elements += 2 * static_cast<double>(c.S / c.R) * hkv * row;
+  if (backward) elements += 2 * accumulated_rows(c, rank, step) * hkv * row;
   const double threads = static_cast<double>(hw.cores > 0 ? c.threads : 1);
   return elements * (backward ? hw.accumulate_bytes : hw.merge_bytes) / (hw.memory_bandwidth * threads);
 }
 
 // A rank's seconds for one step's calls: their kernels and the step's merges.
 double step_seconds(const PlanContext& c, std::int64_t rank, const std::vector<KernelCall>& calls,
-                    bool backward) {
-  return kernel_seconds(c, rank, calls, backward) + merge_seconds(c, rank, calls, backward);
+                    bool backward, std::int64_t step) {
+  return kernel_seconds(c, rank, calls, backward) + merge_seconds(c, rank, calls, backward, step);
 }
 
 // A compute phase's seconds from each rank's own: the slowest rank's; where ranks share cores, at least all
@@ -776,8 +795,8 @@ double ring_layer_seconds(const PlanContext& c, const CallPlan& calls, double fi
   std::vector<double> fwd_r(static_cast<std::size_t>(c.cp)), bwd_r(fwd_r);
   for (std::int64_t step = 0; step < c.R; ++step) {
     for (std::int64_t r = 0; r < c.cp; ++r) {
-      fwd_r[r] = step_seconds(c, r, calls[r][step], false);
-      bwd_r[r] = c.req.forward_only ? 0.0 : step_seconds(c, r, calls[r][step], true);
+      fwd_r[r] = step_seconds(c, r, calls[r][step], false, step);
+      bwd_r[r] = c.req.forward_only ? 0.0 : step_seconds(c, r, calls[r][step], true, step);
     }
     const double fwd = phase_seconds(c, fwd_r), bwd = phase_seconds(c, bwd_r);
     const bool first = step == 0, last = step + 1 == c.R;
@@ -819,8 +838,8 @@ double windowed_ring_seconds(const PlanContext& c, const CallPlan& calls, double
   for (std::size_t j = 0; j < active.size(); ++j) {
     const std::int64_t step = active[j];
     for (std::int64_t r = 0; r < c.cp; ++r) {
-      fwd_r[r] = step_seconds(c, r, calls[r][step], false);
-      bwd_r[r] = c.req.forward_only ? 0.0 : step_seconds(c, r, calls[r][step], true);
+      fwd_r[r] = step_seconds(c, r, calls[r][step], false, step);
+      bwd_r[r] = c.req.forward_only ? 0.0 : step_seconds(c, r, calls[r][step], true, step);
     }
     const double fwd = phase_seconds(c, fwd_r), bwd = phase_seconds(c, bwd_r);
     const bool last = j + 1 == active.size();
@@ -846,9 +865,10 @@ void plan_time(const PlanContext& c, StrategyPlan& s, const CallPlan& calls, con
   double fastest = 1e300, slowest = 0;
   for (std::int64_t r = 0; r < c.cp; ++r) {
     double fwd = 0, bwd = 0;
-    for (const auto& step : calls[r]) {
-      fwd += step_seconds(c, r, step, false);
-      bwd += c.req.forward_only ? 0.0 : step_seconds(c, r, step, true);
+    for (std::size_t step = 0; step < calls[r].size(); ++step) {
+      const auto at = static_cast<std::int64_t>(step);
+      fwd += step_seconds(c, r, calls[r][step], false, at);
+      bwd += c.req.forward_only ? 0.0 : step_seconds(c, r, calls[r][step], true, at);
     }
     fwd_r.push_back(fwd);
     bwd_r.push_back(bwd);
@@ -1037,6 +1057,47 @@ void check_profile(const HardwareProfile& hw, std::int64_t cp) {
 
 }  // namespace
 
+namespace {
+
+// The local (sliding-window) layers: each strategy again on one of them (its reorder as the model's), added
+// to the model's time and bytes.
+void plan_local_layers(const PlanRequest& req, const KernelFits& fits, Plan& plan) {
+  if (req.model.local_layers() == 0) return;
+  PlanRequest local = req;
+  local.attention.window_left = *req.model.local_window;
+  local.attention.window_right.reset();
+  if (!req.attention.causal) local.attention.window_right = *req.model.local_window;
+  local.model.local_window.reset();
+  local.model.num_layers = local.model.attention_every;  // one attention layer
+  const double n = static_cast<double>(req.model.local_layers());
+  for (StrategyPlan& s : plan.strategies) {
+    auto l =
+        std::make_shared<StrategyPlan>(plan_strategy(local, fits, s.name, s.strategy, s.load_balance,
+                                                     s.strategy == Strategy::hybrid ? s.ulysses_degree : 0));
+    s.model_seconds += n * l->model_seconds;
+    s.model_bytes_sent_per_rank += req.model.local_layers() * l->model_bytes_sent_per_rank;
+    s.local = std::move(l);
+  }
+}
+
+// The local layers' recommendation among the strategies whose tokens sit where the global recommendation's
+// (`best`) do (the same layout): another layout would reorder the activations at every switch between the
+// kinds of layer, which the plan does not price.
+std::optional<std::size_t> recommended_local(const PlanRequest& req, const Plan& plan, std::size_t best) {
+  if (req.model.local_layers() == 0 || best >= plan.strategies.size()) return std::nullopt;
+  const bool balanced = plan.strategies[best].load_balance;
+  std::optional<std::size_t> local;
+  for (std::size_t i = 0; i < plan.strategies.size(); ++i) {
+    const StrategyPlan& s = *plan.strategies[i].local;
+    if (s.possible && plan.strategies[i].load_balance == balanced &&
+        (!local || s.layer_seconds < plan.strategies[*local].local->layer_seconds))
+      local = i;
+  }
+  return local;
+}
+
+}  // namespace
+
 Plan make_plan(const PlanRequest& req) {
   if (req.block < 1) {
     throw Error(ErrorKind::invalid_config, "block", std::to_string(req.block),
@@ -1060,6 +1121,16 @@ Plan make_plan(const PlanRequest& req) {
   if (!(req.hardware.flops > 0) || !(req.hardware.bandwidth > 0)) {
     throw Error(ErrorKind::invalid_config, "hardware", req.hardware.name,
                 "flops and bandwidth must be positive");
+  }
+  if (req.model.num_layers < 1 || req.model.attention_every < 1 || req.model.global_every < 1) {
+    throw Error(ErrorKind::invalid_config, "model", req.model.name,
+                "the model's num_layers, attention_every and global_every must be >= 1 (" +
+                    std::to_string(req.model.num_layers) + ", " + std::to_string(req.model.attention_every) +
+                    ", " + std::to_string(req.model.global_every) + ")");
+  }
+  if (req.model.local_window && (*req.model.local_window < 0 || *req.model.local_window > kMaxWindowSide)) {
+    throw Error(ErrorKind::invalid_config, "local_window", std::to_string(*req.model.local_window),
+                "the model's local_window must be 0.." + std::to_string(kMaxWindowSide));
   }
   if (req.forward_only && req.remat) {
     throw Error(
@@ -1101,26 +1172,7 @@ Plan make_plan(const PlanRequest& req) {
       }
     }
   }
-  // The local (sliding-window) layers: each strategy again on one of them (its reorder as the model's), added
-  // to the model's time and bytes.
-  if (req.model.local_layers() > 0) {
-    PlanRequest local = req;
-    local.attention.window_left = *req.model.local_window;
-    local.attention.window_right.reset();
-    if (!req.attention.causal) local.attention.window_right = *req.model.local_window;
-    local.model.local_window.reset();
-    local.model.num_layers = local.model.attention_every;  // one attention layer
-    const double n = static_cast<double>(req.model.local_layers());
-    for (StrategyPlan& s : plan.strategies) {
-      auto l = std::make_shared<StrategyPlan>(
-          plan_strategy(local, fits, s.name, s.strategy, s.load_balance,
-                        s.strategy == Strategy::hybrid ? s.ulysses_degree : 0));
-      s.model_seconds += n * l->model_seconds;
-      s.model_bytes_sent_per_rank += req.model.local_layers() * l->model_bytes_sent_per_rank;
-      s.local = std::move(l);
-    }
-  }
-
+  plan_local_layers(req, fits, plan);
   std::size_t best = plan.strategies.size();
   for (std::size_t i = 0; i < plan.strategies.size(); ++i) {
     const StrategyPlan& s = plan.strategies[i];
@@ -1129,16 +1181,7 @@ Plan make_plan(const PlanRequest& req) {
       best = i;
   }
   plan.recommended = best;
-  if (req.model.local_layers() > 0) {
-    std::size_t local = plan.strategies.size();
-    for (std::size_t i = 0; i < plan.strategies.size(); ++i) {
-      const StrategyPlan& s = *plan.strategies[i].local;
-      if (s.possible &&
-          (local == plan.strategies.size() || s.layer_seconds < plan.strategies[local].local->layer_seconds))
-        local = i;
-    }
-    if (local < plan.strategies.size()) plan.recommended_local = local;
-  }
+  plan.recommended_local = recommended_local(req, plan, best);
   const bool hosts = req.hardware.ranks_per_host > 0 && req.parallel.cp > req.hardware.ranks_per_host;
   auto detail = [&](const StrategyPlan& s) {
     std::ostringstream d;
@@ -1164,8 +1207,10 @@ Plan make_plan(const PlanRequest& req) {
   if (plan.recommended_local) {
     const StrategyPlan& l = plan.strategies[*plan.recommended_local];
     why << ". Local layers (window " << *req.model.local_window << ", " << req.model.local_layers() << " of "
-        << req.model.attention_layers() << "): " << l.name << ", the shortest estimated local layer ("
-        << detail(*l.local) << ")";
+        << req.model.attention_layers() << "): " << l.name
+        << ", the shortest estimated local layer of the strategies with the global layers' layout ("
+        << detail(*l.local)
+        << "; another layout would reorder the activations at each switch between the kinds, not priced)";
   }
   plan.recommendation = why.str();
   return plan;

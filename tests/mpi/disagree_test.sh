@@ -89,6 +89,21 @@ case_of --comm-timeout "30 on rank 0; 20 on rank 1" "" "--comm-timeout 20"
 case_of --remat "false on rank 0; true on rank 1" "" "--remat"
 case_of --forward-only "false on rank 0; true on rank 1" "" "--forward-only"
 case_of window_left "unset (unbounded) on rank 0; 8 on rank 1" "" "--window 8"
+case_of softcap "unset (none) on rank 0; 30 on rank 1" "" "--softcap 30"
+# Sinks ([Hq] fp32): given on rank 1 alone, and two files on the two ranks.
+# npy_f32 FILE VALUE...: a float32 .npy of the values (version 1.0, the header padded to 64 bytes).
+npy_f32() {
+  local file="$1"
+  shift
+  perl -e 'my $d = "{\x27descr\x27: \x27<f4\x27, \x27fortran_order\x27: False, \x27shape\x27: (" .
+    scalar(@ARGV) . ",), }"; $d .= " " x (64 - 10 - length($d) - 1) . "\n";
+    print "\x93NUMPY\x01\x00", pack("v", length $d), $d, pack("f<*", @ARGV)' "$@" >"$file"
+}
+npy_f32 "$work/sinks.npy" 0.5 -1 2 0
+npy_f32 "$work/other.npy" 0.5 -1 2 1
+case_of sinks "false on rank 0; true on rank 1" "" "--sinks $work/sinks.npy"
+case_of --sinks "'$work/sinks.npy' on rank 0; '$work/other.npy' on rank 1" "--sinks $work/sinks.npy" \
+  "--sinks $work/other.npy"
 
 # The same flags on both ranks: agreed, computed, checked.
 printf '%s\n' "$cpattn" "${base[@]}" >"$work/rank1.args"

@@ -26,7 +26,8 @@ int main(int argc, char** argv) {
   const std::string strategy = argc > 1 ? argv[1] : "ulysses", mode = argc > 2 ? argv[2] : "exit";
   const double timeout_s = argc > 3 ? std::atof(argv[3]) : 600.0;
   {
-    cpattn::MpiCommunicator comm(MPI_COMM_WORLD, std::chrono::milliseconds(static_cast<long>(timeout_s * 1000)));
+    cpattn::MpiCommunicator comm(MPI_COMM_WORLD,
+                                 std::chrono::milliseconds(static_cast<long>(timeout_s * 1000)));
     if (strategy == "all_to_all" || strategy == "all_gather" || strategy == "reduce_scatter") {
       const std::int64_t n = 1 << 16;
       std::vector<float> send(static_cast<std::size_t>(n * comm.size()), 1.0f), recv(send.size());

@@ -195,6 +195,9 @@ TEST(MpiStrategies, AllGatherWithLoadBalanceMatchesTheSingleDeviceKernel) {
   c.hkv = 2;
   c.seq = 256;
   expect_strategy_matches_single_device(c);
+  // Windowed: only the key rows each rank sees (all_to_all_v both ways).
+  c.window_left = 40;
+  expect_strategy_matches_single_device(c);
 }
 
 }  // namespace
