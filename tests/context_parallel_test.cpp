@@ -213,7 +213,15 @@ TEST(ContextParallel, AWindowSendsOnlyTheRowsItReaches) {
       {Strategy::hybrid, true, 2, 1.0 / 15},
       {Strategy::all_gather, false, 0, 1.0 / 15},
       {Strategy::all_gather, true, 0, 1.0 / 7}};
+  [[maybe_unused]] int i = 0;
   for (const auto& [strategy, lb, u, most] : setups) {
+    // Under TSan the zigzag ring alone, under ASan every other setup: the threading and the memory are the
+    // same in each, every setup's bytes are checked in the other builds.
+#if defined(__SANITIZE_THREAD__)
+    if (i++ != 1) continue;
+#elif defined(__SANITIZE_ADDRESS__)
+    if (i++ % 2 != 1) continue;
+#endif
     CpCase c;
     c.strategy = strategy;
     c.load_balance = lb;
@@ -256,6 +264,9 @@ TEST(ContextParallel, AWindowPastTheRowIsNoWindowBitForBitOnEveryStrategy) {
                                                              {Strategy::all_gather, true, 0},
                                                              {Strategy::ulysses, false, 0}};
   for (const auto& [strategy, lb, u] : setups) {
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
+    if (strategy != Strategy::ring) continue;  // the sanitizers' share: the windowed ring's two paths
+#endif
     for (const bool causal : {true, false}) {
       CpCase c;
       c.strategy = strategy;
@@ -284,9 +295,10 @@ TEST(ContextParallel, AWindowPastTheRowIsNoWindowBitForBitOnEveryStrategy) {
 }
 
 TEST(ContextParallel, UlyssesMatchesReferenceWhenKvHeadsFewerThanRanks) {
-  // The seed's configuration, scaled down: Hq = 32, Hkv = 2 at cp = 4 (rep 2) and cp = 8 (rep 4); under TSan
-  // cp = 4 alone (the group's threading is the same; cp 8's replication is checked in the other builds).
-#if defined(__SANITIZE_THREAD__)
+  // The seed's configuration, scaled down: Hq = 32, Hkv = 2 at cp = 4 (rep 2) and cp = 8 (rep 4); under the
+  // sanitizers cp = 4 alone (the group's threading and memory are the same; cp 8's replication is checked in
+  // the default build).
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
   for (std::int64_t cp : {4}) {
 #else
   for (std::int64_t cp : {4, 8}) {

@@ -141,10 +141,15 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
             if (!validation_errors(c.attention(), c.parallel()).empty()) continue;
             if (remat && !strategy_traits(strategy).remat) continue;  // refused: ring, hybrid
             SCOPED_TRACE(c.name());
+            ++cases;
+#if defined(__SANITIZE_THREAD__)
+            // Under TSan a third of the cases (every strategy among them): the accounting is the same
+            // arithmetic in every build, the threads the same in every case.
+            if (cases % 3 != 0) continue;
+#endif
             const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
             const auto predicted = attention_collectives(c.attention(), c.parallel(), remat, packed);
             for (const auto& counted : run.records) EXPECT_EQ(sorted(counted), sorted(predicted));
-            ++cases;
           }
         }
       }
@@ -699,6 +704,38 @@ PlanRequest small_request() {
   return r;
 }
 
+// A soft-cap multiplies each kernel call's time by the profile's factor and nothing else: a forward-only
+// plan's compute per rank is the uncapped one's times softcap_forward (no launch cost here), a whole layer's
+// lies between the two factors' products, and at factor 1 nothing changes.
+TEST(CostModel, ASoftCapCostsTheProfilesFactor) {
+  PlanRequest r = seed_request(4);
+  r.forward_only = true;
+  const Plan plain = make_plan(r);
+  r.attention.softcap = 30.0;
+  EXPECT_EQ(make_plan(r).strategies[0].compute_seconds_per_rank,
+            plain.strategies[0].compute_seconds_per_rank);
+  r.hardware.softcap_forward = 1.5;
+  r.hardware.softcap_backward = 1.25;
+  const Plan capped = make_plan(r);
+  for (std::size_t i = 0; i < plain.strategies.size(); ++i) {
+    const StrategyPlan &a = plain.strategies[i], &b = capped.strategies[i];
+    SCOPED_TRACE(a.name);
+    if (!a.possible) continue;
+    for (std::size_t k = 0; k < a.compute_seconds_per_rank.size(); ++k)
+      EXPECT_NEAR(b.compute_seconds_per_rank[k], 1.5 * a.compute_seconds_per_rank[k],
+                  1e-12 * b.compute_seconds_per_rank[k]);
+  }
+  r.forward_only = false;
+  r.attention.softcap.reset();
+  const Plan both = make_plan(r);
+  r.attention.softcap = 30.0;
+  const Plan both_capped = make_plan(r);
+  const double a = both.strategies[0].compute_seconds_per_rank[0],
+               b = both_capped.strategies[0].compute_seconds_per_rank[0];
+  EXPECT_GT(b, 1.25 * a);
+  EXPECT_LT(b, 1.5 * a);
+}
+
 TEST(CostModel, ProfileRoundTripsThroughItsYaml) {
   HardwareProfile p;
   p.name = "calibrated";
@@ -719,6 +756,8 @@ TEST(CostModel, ProfileRoundTripsThroughItsYaml) {
   p.merge_bytes = 33;
   p.accumulate_bytes = 10;
   p.call_seconds = 2e-6;
+  p.softcap_forward = 1.2;
+  p.softcap_backward = 1.125;
   p.cores = 2;
   p.block = 64;
   p.all_to_all_bandwidth = 4e9;
@@ -743,6 +782,8 @@ TEST(CostModel, ProfileRoundTripsThroughItsYaml) {
   EXPECT_EQ(q.memory_bandwidth, p.memory_bandwidth);
   EXPECT_EQ(q.merge_bytes, p.merge_bytes);
   EXPECT_EQ(q.accumulate_bytes, p.accumulate_bytes);
+  EXPECT_EQ(q.softcap_forward, p.softcap_forward);
+  EXPECT_EQ(q.softcap_backward, p.softcap_backward);
   EXPECT_EQ(q.ring_step_seconds, p.ring_step_seconds);
   EXPECT_EQ(q.call_seconds, p.call_seconds);
   EXPECT_EQ(q.cores, p.cores);

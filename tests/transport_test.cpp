@@ -212,6 +212,9 @@ TEST(TransportBackend, EveryStrategyIsTheInProcessGroupsBitForBit) {
                       {Strategy::hybrid, true, 4, 2, DType::bf16, 50},
                       {Strategy::all_gather, true, 4, 0, DType::f32, 70}};
   for (const Row& row : rows) {
+#if defined(__SANITIZE_THREAD__)
+    if (row.window) continue;  // the windowed shifts' threading runs under TSan in the collective cases
+#endif
     testing::CpCase c;
     c.cp = row.cp;
     c.hq = 8;

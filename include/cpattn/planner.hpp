@@ -85,8 +85,11 @@ struct HardwareProfile {
   double memory_bandwidth = 0;
   double merge_bytes = 12;  // bytes moved per output element folded (cpattn: read the call's fp32 O, read
                             // and write the running fp32 O)
-  double accumulate_bytes = 12;    // bytes moved per gradient element summed (dQ, dK, dV; cpattn: fp32 +=)
-  double call_seconds = 0;         // a kernel call's fixed cost (launch, setup)
+  double accumulate_bytes = 12;  // bytes moved per gradient element summed (dQ, dK, dV; cpattn: fp32 +=)
+  double call_seconds = 0;       // a kernel call's fixed cost (launch, setup)
+  // A logit soft-cap's kernel time as a multiple of the same call's without (a tanh per score; cpattn's CPU
+  // kernel on the Zen 5 guest: fp32 1.20 forward, 1.13 backward; bf16 1.13, 1.07); 1: not priced.
+  double softcap_forward = 1, softcap_backward = 1;
   std::int64_t cores = 0;          // ranks share this many cores (CPU; rates per core); 0: a device per rank
   std::int64_t block = 0;          // the tile size the rates count in (0: the request's)
   std::vector<KernelRate> kernel;  // measured rates by call shape (interpolated); empty: `flops`
@@ -106,7 +109,7 @@ std::string hardware_profile_names();  // "a100, h100, ..."
 // A profile from YAML text (`where` names it in errors) or a file (`plan --profile FILE`): keys name, flops,
 // bandwidth, source (required), ranks_per_host, inter_bandwidth (required where ranks_per_host > 0), latency,
 // inter_latency, ranks_per_switch, switch_bandwidth (required with ranks_per_switch), all_to_all_bandwidth,
-// ring_step_seconds,
+// ring_step_seconds, memory_bandwidth, merge_bytes, accumulate_bytes, softcap_forward, softcap_backward,
 // call_seconds, cores, block, kernel (a list of {dtype, head_dim, q, kv, causal, forward, backward}); unknown
 // or repeated keys and values out of range are Error(invalid_input) naming the file and the key.
 // `profile_yaml` writes a profile that parse_hardware_profile reads back to the same figures.

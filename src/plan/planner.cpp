@@ -714,23 +714,22 @@ double kernel_seconds(const PlanContext& c, std::int64_t rank, const std::vector
   const std::vector<KernelFit>& fits = backward ? c.backward_fits : c.forward_fits;
   const double tile_flops = attention_forward_flops(1, c.req.block, 1, c.D, false) * heads *
                             (backward ? kBackwardFlopsPerForward : 1.0);
-  double t = 0;
+  double t = 0, launches = 0;
   for (const KernelCall& k : calls) {
     if (k.tiles == 0) continue;
+    launches += hw.call_seconds;
     if (const auto fitted = fitted_seconds(fits, c.D, k, c.req.block)) {
-      t += *fitted * heads / threads + hw.call_seconds;
+      t += *fitted * heads / threads;
       continue;
     }
     const double rate = hw.kernel_rate(c.a.dtype, c.D, k.q, k.kv, k.diagonal, backward) * threads;
-    t += static_cast<double>(k.tiles) * tile_flops / rate + hw.call_seconds;
+    t += static_cast<double>(k.tiles) * tile_flops / rate;
   }
-  return t;
+  // A soft-cap's tanh per score, at the profile's measured factor.
+  if (c.a.softcap) t *= backward ? hw.softcap_backward : hw.softcap_forward;
+  return t + launches;
 }
 
-// The memory traffic of a ring step outside its kernel calls (ring, hybrid), at the profile's
-// memory_bandwidth: the forward folds each call's output rows into the running output (merge_bytes per
-// element); the backward sums each call's dQ, dK and dV into the rank's and the step's, and the step's dK/dV
-// into the travelling accumulator (accumulate_bytes per element).
 // The rows of dK/dV a ring rank adds into its accumulator at `step`: the whole shard as it travels (or, in a
 // windowed ring, its own step 0), else the windowed ring's rows that come back at that distance (none where
 // no band reaches).
@@ -741,6 +740,10 @@ double accumulated_rows(const PlanContext& c, std::int64_t rank, std::int64_t st
                 : static_cast<double>(c.reach[static_cast<std::size_t>(at)].rows_sent(c.p.ring_rank(rank)));
 }
 
+// The memory traffic of a ring step outside its kernel calls (ring, hybrid), at the profile's
+// memory_bandwidth: the forward folds each call's output rows into the running output (merge_bytes per
+// element); the backward sums each call's dQ, dK and dV into the rank's and the step's, and the step's dK/dV
+// into the travelling accumulator (accumulate_bytes per element).
 double merge_seconds(const PlanContext& c, std::int64_t rank, const std::vector<KernelCall>& calls,
                      bool backward, std::int64_t step) {
   const HardwareProfile& hw = c.req.hardware;

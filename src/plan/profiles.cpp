@@ -37,6 +37,8 @@ constexpr const char* kProfileKeys[] = {"name",
                                         "merge_bytes",
                                         "accumulate_bytes",
                                         "call_seconds",
+                                        "softcap_forward",
+                                        "softcap_backward",
                                         "cores",
                                         "block",
                                         "kernel",
@@ -66,6 +68,8 @@ constexpr RealKey kRealKeys[] = {
     {"merge_bytes", &HardwareProfile::merge_bytes, 0, 1e6, "bytes per element, 0 to 1e6"},
     {"accumulate_bytes", &HardwareProfile::accumulate_bytes, 0, 1e6, "bytes per element, 0 to 1e6"},
     {"call_seconds", &HardwareProfile::call_seconds, 0, 10, "seconds, 0 to 10"},
+    {"softcap_forward", &HardwareProfile::softcap_forward, 1, 100, "a factor, 1 to 100"},
+    {"softcap_backward", &HardwareProfile::softcap_backward, 1, 100, "a factor, 1 to 100"},
 };
 struct CountKey {
   const char* key;
@@ -360,6 +364,8 @@ std::string profile_yaml(const HardwareProfile& p) {
   o << "merge_bytes: " << number(p.merge_bytes) << "\n";
   o << "accumulate_bytes: " << number(p.accumulate_bytes) << "\n";
   o << "call_seconds: " << number(p.call_seconds) << "\n";
+  if (p.softcap_forward != 1) o << "softcap_forward: " << number(p.softcap_forward) << "\n";
+  if (p.softcap_backward != 1) o << "softcap_backward: " << number(p.softcap_backward) << "\n";
   if (p.cores > 0) o << "cores: " << p.cores << "\n";
   if (p.block > 0) o << "block: " << p.block << "\n";
   if (!p.kernel.empty()) {

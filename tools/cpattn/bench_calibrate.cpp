@@ -71,8 +71,8 @@ double best_of(const std::function<void()>& fn, double budget = 0.2) {
 // 4·Bq·Bk·D, the backward's 2.5x that, over the seconds), one thread per core on every core at once, each on
 // inputs of its own: the rate one core keeps while the others compute too (they share the caches and the
 // memory), as ranks sharing the cores do. The slowest core's time.
-KernelRate measure_cell(DType dtype, std::int64_t d, std::int64_t q, std::int64_t kv, bool causal,
-                        int cores) {
+KernelRate measure_cell(DType dtype, std::int64_t d, std::int64_t q, std::int64_t kv, bool causal, int cores,
+                        double softcap = 0) {
   FlashConfig cfg;
   cfg.threads = 1;
   struct Inputs {
@@ -89,7 +89,8 @@ KernelRate measure_cell(DType dtype, std::int64_t d, std::int64_t q, std::int64_
   }
   std::vector<std::int32_t> q_pos(static_cast<std::size_t>(q)), kv_pos = natural_positions(1, kv);
   for (std::int64_t i = 0; i < q; ++i) q_pos[i] = static_cast<std::int32_t>(kv - q + i);
-  const AttentionMask mask{q_pos, kv_pos, {}, {}, causal};
+  AttentionMask mask{q_pos, kv_pos, {}, {}, causal};
+  mask.softcap = softcap;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   TileCounts tiles;
   // Every core's call at once; the time until the last one ends.
@@ -277,6 +278,17 @@ int bench_calibrate(const CalibrateOptions& opt) {
   } else {
     p.kernel = read_hardware_profile(opt.kernel_from).kernel;
   }
+  if (opt.kernel_from.empty()) {
+    // A soft-cap's cost: one fp32 cell with a cap of 50 against the same without (the planner multiplies a
+    // capped call's time by it).
+    const std::int64_t d = opt.quick ? 64 : 128;
+    const KernelRate plain = measure_cell(DType::f32, d, 1024, 1024, false, cores),
+                     capped = measure_cell(DType::f32, d, 1024, 1024, false, cores, 50.0);
+    p.softcap_forward = std::max(1.0, four_digits(plain.forward / capped.forward));
+    p.softcap_backward = std::max(1.0, four_digits(plain.backward / capped.backward));
+    std::cout << std::setprecision(4) << "soft-cap (fp32, D " << d << ", 1024 x 1024, cap 50): forward x"
+              << p.softcap_forward << ", backward x" << p.softcap_backward << "\n";
+  }
   p.memory_bandwidth = measure_memory(cores);
   std::cout << std::setprecision(4) << "memory (per core, " << cores
             << " cores at once): " << p.memory_bandwidth / 1e9
@@ -297,7 +309,8 @@ int bench_calibrate(const CalibrateOptions& opt) {
       "all_to_all and all_gather on " +
       std::to_string(links.ranks) +
       " ranks, 4 KiB to 4 MiB per rank; memory: per core with every core folding fp32 arrays of 16 MiB; "
-      "merge and accumulate bytes: cpattn's own ring (12 per element); flops: the best forward rate";
+      "merge and accumulate bytes: cpattn's own ring (12 per element); flops: the best forward rate" +
+      (opt.kernel_from.empty() ? "; soft-cap factors: fp32, 1024 x 1024, cap 50 against none" : "");
   const std::string yaml = profile_yaml(p);
   parse_hardware_profile(yaml, "the calibrated profile");  // what plan will read, read back
   if (opt.output.empty()) {
