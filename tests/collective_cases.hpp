@@ -197,7 +197,12 @@ inline std::int64_t wrong_distance_shifts(Communicator& c) {
   auto peer = [n](int rank, int d) { return ((rank + d) % n + n) % n; };
   const std::vector<CollectiveRecord> before = c.counters().records();
   std::vector<int> distances;
+#if defined(__SANITIZE_THREAD__)
+  distances = {-1, 1, 2,
+               n};  // under TSan (a thread per shift and rank) a backward, two forward, a whole turn
+#else
   for (int d = -n; d <= n + 1; ++d) distances.push_back(d);
+#endif
   std::vector<std::vector<float>> send, recv;
   std::vector<std::unique_ptr<PendingShift>> shifts;
   std::int64_t sent = 0;

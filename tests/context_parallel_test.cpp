@@ -91,7 +91,9 @@ TEST(ContextParallel, Bf16OnEveryPathIsBitIdenticalAcrossStrategiesCpAndThreads)
          {std::tuple{Strategy::ulysses, false, 4}, std::tuple{Strategy::all_gather, true, 2},
           std::tuple{Strategy::all_gather, false, 8}}) {
 #if defined(__SANITIZE_THREAD__)
-      if (cp == 8) continue;  // eight ranks' threading is the group tests' (InProcessGroup) under TSan
+      // Under TSan the all_gather at cp 2 alone: more ranks' threading is the group tests' (InProcessGroup),
+      // the other strategies' bits are checked in the other builds.
+      if (cp != 2) continue;
 #endif
       CpCase c;
       c.dtype = DType::bf16;
