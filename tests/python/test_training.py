@@ -16,7 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(os.environ.get("CPATTN_EXAMPLES", os.path.join(HERE, "..", "..", "examples")),
                        "train_long_context.py")
 MPIRUN = shutil.which("mpirun")
-STEPS = 30
+STEPS = 15
 SHORT = ["--seq", "1024", "--start-seq", "1024", "--tokens-per-step", "1024", "--steps", str(STEPS), "--eval-every", "0",
          "--threads", "1", "--quiet"]
 
