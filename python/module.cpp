@@ -209,6 +209,49 @@ WindowSides read_window(const py::handle& obj, Problems& problems) {
   return w;
 }
 
+// documents=: None or a sequence of document lengths (ints >= 1; their sum is validation's).
+std::vector<std::int64_t> read_documents(const py::handle& obj, Problems& problems) {
+  std::vector<std::int64_t> lengths;
+  if (obj.is_none()) return lengths;
+  if (py::isinstance<py::str>(obj) || py::isinstance<py::bytes>(obj) || !py::isinstance<py::sequence>(obj)) {
+    problems.add("documents", repr_of(obj),
+                 "documents: expected a sequence of document lengths (ints >= 1), got " + type_of(obj) + " " +
+                     repr_of(obj));
+    return lengths;
+  }
+  const auto items = py::reinterpret_borrow<py::sequence>(obj);
+  for (std::size_t i = 0; i < py::len(items); ++i) {
+    const auto n = read_count(items[i], "documents[" + std::to_string(i) + "]", 1,
+                              std::numeric_limits<std::int32_t>::max(), problems);
+    if (!n) return {};
+    lengths.push_back(*n);
+  }
+  return lengths;
+}
+
+// The positions of rank `rank` in a layout cut by documents (per_document, solver: make_layout with the
+// band of `causal` and `window`), after the rules that bear on it (an Error(invalid_config) naming them).
+std::vector<std::int64_t> document_layout_positions(std::int64_t seq_len, const ParallelSpec& parallel,
+                                                    std::int64_t rank, bool causal,
+                                                    const WindowSides& window) {
+  AttentionSpec a;
+  a.seq_len = seq_len;
+  a.num_q_heads = a.num_kv_heads = a.head_dim = 1;
+  a.causal = causal;
+  a.window_left = window.left;
+  a.window_right = window.right;
+  std::vector<ErrorItem> errors;
+  for (const ErrorItem& e : validation_errors(a, parallel)) {
+    const std::string& f = e.fields.front();
+    if (f == "documents" || f == "seq_len" || f == "layout" || f == "window_left" || f == "window_right" ||
+        f == "causal") {
+      errors.push_back(e);
+    }
+  }
+  if (!errors.empty()) throw Error(ErrorKind::invalid_config, std::move(errors));
+  return layout_of(a, parallel).positions(rank);
+}
+
 std::optional<double> read_number(const py::handle& obj, const std::string& field, double min, double max,
                                   Problems& problems) {
   if (obj.is_none()) return std::nullopt;
@@ -556,15 +599,16 @@ py::tuple attention_backward(const py::object& q_obj, const py::object& k_obj, c
 constexpr std::int64_t kMaxLocalPositions = std::int64_t{1} << 27;
 
 py::array local_positions_of(const py::object& seq_obj, const py::object& cp_obj, const py::object& rank_obj,
-                             const py::object& layout_obj) {
+                             const py::object& layout_obj, const py::object& documents_obj,
+                             const py::object& causal_obj, const py::object& window_obj) {
   Problems problems;
   const auto seq = read_count(seq_obj, "seq_len", 1, std::numeric_limits<std::int32_t>::max(), problems);
   const auto cp_read = read_count(cp_obj, "cp", 1, kMaxRanks, problems);
   const auto rank_read = read_count(rank_obj, "rank", 0, kMaxRanks - 1, problems);
   if (!py::isinstance<py::str>(layout_obj)) {
     problems.add("layout", repr_of(layout_obj),
-                 "layout: expected 'contiguous' or 'dual_chunk_swap', got " + type_of(layout_obj) + " " +
-                     repr_of(layout_obj));
+                 "layout: expected 'contiguous', 'dual_chunk_swap', 'per_document' or 'solver', got " +
+                     type_of(layout_obj) + " " + repr_of(layout_obj));
   }
   for (const auto& [obj, field] :
        {std::pair{&seq_obj, "seq_len"}, std::pair{&cp_obj, "cp"}, std::pair{&rank_obj, "rank"}}) {
@@ -597,8 +641,21 @@ py::array local_positions_of(const py::object& seq_obj, const py::object& cp_obj
                  "seq_len: " + std::to_string(seq_len) + " must be a positive multiple of " +
                      std::to_string(chunks) + " (" + to_string(l) + " at cp " + std::to_string(cp) + ")");
   }
+  const std::vector<std::int64_t> documents = read_documents(documents_obj, problems);
+  const bool causal = read_switch(causal_obj, "causal", problems).value_or(true);
+  const WindowSides window = read_window(window_obj, problems);
   problems.raise();
-  const auto pos = local_positions(l, seq_len, cp, rank);
+  std::vector<std::int64_t> pos;
+  if (layout_reads_documents(l)) {
+    ParallelSpec p;
+    p.cp = cp;
+    p.strategy = Strategy::ring;
+    p.layout = l;
+    p.documents = documents;
+    pos = document_layout_positions(seq_len, p, rank, causal, window);
+  } else {
+    pos = local_positions(l, seq_len, cp, rank);
+  }
   py::array_t<std::int64_t> out(static_cast<py::ssize_t>(pos.size()));
   std::copy(pos.begin(), pos.end(), out.mutable_data());
   return out;
@@ -730,10 +787,11 @@ class ContextParallel {
       parse([&] { parallel_.layout = parse_layout(layout_text, "layout"); });
     } else if (!layout.is_none()) {
       problems.add("layout", repr_of(layout),
-                   "layout: expected 'contiguous' or 'dual_chunk_swap', got " + type_of(layout) + " " +
-                       repr_of(layout));
+                   "layout: expected 'contiguous', 'dual_chunk_swap', 'per_document' or 'solver', got " +
+                       type_of(layout) + " " + repr_of(layout));
     }
     parallel_.load_balance = read_switch(get("load_balance"), "load_balance", problems).value_or(false);
+    parallel_.documents = read_documents(get("documents"), problems);
     parallel_.ulysses_degree =
         read_count(get("ulysses_degree"), "ulysses_degree", 1, kMaxRanks, problems).value_or(0);
     causal_ = read_switch(get("causal"), "causal", problems).value_or(true);
@@ -767,6 +825,7 @@ class ContextParallel {
         .add("softcap", softcap_.value_or(0.0))
         .add("load_balance", parallel_.load_balance)
         .add_text("layout", layout_text)
+        .add("documents", static_cast<std::int64_t>(parallel_.documents.size()))
         .add("ulysses_degree", parallel_.ulysses_degree)
         .add("scale", scale_.value_or(0.0))
         .add("remat", options_.remat)
@@ -882,8 +941,18 @@ class ContextParallel {
   }
 
   py::array local_positions(const py::object& seq_len) const {
-    return local_positions_of(seq_len, py::int_(parallel_.cp), py::int_(comm_->rank()),
-                              py::str(to_string(parallel_.effective_layout())));
+    const ShardLayout l = parallel_.effective_layout();
+    if (!layout_reads_documents(l)) {
+      return local_positions_of(seq_len, py::int_(parallel_.cp), py::int_(comm_->rank()),
+                                py::str(to_string(l)), py::none(), py::bool_(true), py::none());
+    }
+    Problems problems;
+    const auto seq = read_count(seq_len, "seq_len", 1, std::numeric_limits<std::int32_t>::max(), problems);
+    problems.raise();
+    const auto pos = document_layout_positions(*seq, parallel_, comm_->rank(), causal_, window_);
+    py::array_t<std::int64_t> out(static_cast<py::ssize_t>(pos.size()));
+    std::copy(pos.begin(), pos.end(), out.mutable_data());
+    return out;
   }
 
  private:
@@ -1026,7 +1095,8 @@ PYBIND11_MODULE(_cpattn, m) {
         py::arg("segment_ids") = py::none(), py::arg("scale") = py::none(), py::arg("threads") = py::none(),
         py::arg("window") = py::none(), py::arg("softcap") = py::none(), py::arg("sinks") = py::none());
   m.def("local_positions", &local_positions_of, py::arg("seq_len"), py::arg("cp"), py::arg("rank"),
-        py::arg("layout") = py::str("contiguous"));
+        py::arg("layout") = py::str("contiguous"), py::arg("documents") = py::none(),
+        py::arg("causal") = py::bool_(true), py::arg("window") = py::none());
   m.def("_run_document", &run_document);
   m.def("simd_target", [] { return flash_vector_target(); });
   m.attr("with_mpi") = available(Backend::mpi);

@@ -29,13 +29,15 @@ struct CpCase {
   std::optional<double> softcap;
   bool sinks = false;                  // attention sinks: make_whole_inputs gives one per q head
   std::vector<std::int64_t> segments;  // document lengths; empty: one document
+  std::optional<ShardLayout> layout;   // unset: by load_balance; per_document and solver cut by `segments`
   DType dtype = DType::f32;
   NegativeControl control = NegativeControl::none;
   FlashConfig kernel;  // block sizes and the bf16 path, for the ranks and the single-device kernel alike
 
   std::string name() const {
-    std::string s = std::string(to_string(strategy)) + (load_balance ? "_lb" : "") + (remat ? "_remat" : "") +
-                    "_cp" + std::to_string(cp) +
+    std::string s = std::string(to_string(strategy)) + (load_balance ? "_lb" : "") +
+                    (layout ? std::string("_") + to_string(*layout) : std::string()) +
+                    (remat ? "_remat" : "") + "_cp" + std::to_string(cp) +
                     (ulysses_degree > 0 ? "_U" + std::to_string(ulysses_degree) : std::string()) + "_Hq" +
                     std::to_string(hq) + "_Hkv" + std::to_string(hkv) + "_D" + std::to_string(dim) + "_S" +
                     std::to_string(seq) + "_B" + std::to_string(batch) + (causal ? "_causal" : "_full") +
@@ -70,6 +72,8 @@ struct CpCase {
     p.strategy = strategy;
     p.load_balance = load_balance;
     p.ulysses_degree = ulysses_degree;
+    p.layout = layout;
+    if (layout && layout_reads_documents(*layout)) p.documents = segments;
     return p;
   }
 };

@@ -182,32 +182,38 @@ TEST(SequenceLayout, EveryPermutationRoundTrips) {
 
 // The windowed ring's steps, against a brute force over every (query, key) pair: the span a rank receives
 // is the hull of the source's rows some query of it sees, and a step is left out exactly when no rank sees
-// anything at that distance. Causal and not, windows short and long, contiguous and zigzag.
+// anything at that distance. Causal and not, windows short and long, every layout (per_document and solver
+// on a row of three documents).
 TEST(RingReach, SpansAreTheHullOfWhatSomeQuerySees) {
-  for (const ShardLayout layout : {ShardLayout::contiguous, ShardLayout::dual_chunk_swap}) {
+  for (const ShardLayout layout : {ShardLayout::contiguous, ShardLayout::dual_chunk_swap,
+                                   ShardLayout::per_document, ShardLayout::solver}) {
     for (const std::int64_t ranks : {2, 3, 4, 8}) {
-      const std::int64_t seq = 96 * ranks, parts = layout == ShardLayout::contiguous ? 1 : 2;
-      const std::int64_t n = seq / ranks / parts;
-      const RankPositions positions = rank_positions(layout, seq, ranks);
+      const std::int64_t seq = 96 * ranks;
+      const SequenceLayout l =
+          make_layout(layout, seq, ranks, {seq / 2 - 5, 13, seq / 2 - 8}, {kUnboundedWindow, 0});
+      const RankPositions positions = l.rank_positions();
+      const RankRuns runs = l.rank_run_lengths();
       for (const PositionBand band :
            {PositionBand{0, 0}, PositionBand{7, 0}, PositionBand{47, 0}, PositionBand{48, 0},
             PositionBand{200, 0}, PositionBand{kUnboundedWindow, 0}, PositionBand{5, 9}, PositionBand{0, 100},
             PositionBand{60, 60}}) {
         SCOPED_TRACE(std::to_string(static_cast<int>(layout)) + " R " + std::to_string(ranks) + " band " +
                      std::to_string(band.left) + "," + std::to_string(band.right));
-        const std::vector<ReachStep> steps = ring_reach(positions, parts, band);
+        const std::vector<ReachStep> steps = ring_reach(positions, runs, band);
         std::size_t next = 0;
         for (std::int64_t d = 1; d < ranks; ++d) {
           std::vector<std::vector<RowSpan>> want;
           bool any = false;
           for (std::int64_t r = 0; r < ranks; ++r) {
-            const auto& src = positions[static_cast<std::size_t>((r - d + ranks) % ranks)];
+            const std::size_t from = static_cast<std::size_t>((r - d + ranks) % ranks);
+            const auto& src = positions[from];
             want.emplace_back();
-            for (std::int64_t part = 0; part < parts; ++part) {
+            std::int64_t first = 0;
+            for (const std::int64_t n : runs[from]) {
               std::int64_t lo = n, hi = 0;
               for (std::int64_t t = 0; t < n; ++t) {
                 for (const std::int32_t qp : positions[static_cast<std::size_t>(r)]) {
-                  if (band.sees(qp, src[static_cast<std::size_t>(part * n + t)])) {
+                  if (band.sees(qp, src[static_cast<std::size_t>(first + t)])) {
                     lo = std::min(lo, t);
                     hi = std::max(hi, t + 1);
                   }
@@ -215,6 +221,7 @@ TEST(RingReach, SpansAreTheHullOfWhatSomeQuerySees) {
               }
               want.back().push_back(lo < hi ? RowSpan{lo, hi} : RowSpan{});
               any = any || lo < hi;
+              first += n;
             }
           }
           if (!any) continue;
@@ -236,12 +243,13 @@ TEST(RingReach, SpansAreTheHullOfWhatSomeQuerySees) {
 // (its first chunk's predecessor on rank r - 1, its second's on rank r + 1).
 TEST(RingReach, AShortWindowReachesTheNeighboursTails) {
   const PositionBand w{15, 0};
-  const auto contiguous = ring_reach(rank_positions(ShardLayout::contiguous, 256, 4), 1, w);
+  const RankRuns one(4, V{64}), two(4, V{32, 32});
+  const auto contiguous = ring_reach(rank_positions(ShardLayout::contiguous, 256, 4), one, w);
   ASSERT_EQ(contiguous.size(), 1u);
   EXPECT_EQ(contiguous[0].distance, 1);
   EXPECT_EQ(contiguous[0].seen,
             (std::vector<std::vector<RowSpan>>{{{}}, {{49, 64}}, {{49, 64}}, {{49, 64}}}));
-  const auto zigzag = ring_reach(rank_positions(ShardLayout::dual_chunk_swap, 256, 4), 2, w);
+  const auto zigzag = ring_reach(rank_positions(ShardLayout::dual_chunk_swap, 256, 4), two, w);
   ASSERT_EQ(zigzag.size(), 2u);
   EXPECT_EQ(zigzag[0].distance, 1);
   EXPECT_EQ(zigzag[1].distance, 3);

@@ -15,14 +15,23 @@
 
 namespace cpattn {
 
-// How the caller's sequence shards are laid out: contiguous (rank r holds [r*S/cp, (r+1)*S/cp)) or
-// dual_chunk_swap (2*cp chunks; rank r holds chunks r and 2*cp-1-r).
-enum class ShardLayout { contiguous, dual_chunk_swap };
+// How the caller's sequence shards are laid out (sequence_layout.hpp, SequenceLayout, has each as data):
+// contiguous (rank r holds [r*S/cp, (r+1)*S/cp)), dual_chunk_swap (2*cp chunks; rank r holds chunks r and
+// 2*cp-1-r), per_document (the dual chunk swap of every document of the packed row) or solver (chunks dealt
+// to ranks by their cost under the mask). Each rank holds S/cp tokens in every layout.
+enum class ShardLayout { contiguous, dual_chunk_swap, per_document, solver };
 
-// The chunks a layout cuts a row of tokens into at cp ranks: cp (contiguous) or 2*cp (dual chunk swap); a
-// row's length must be a multiple of them.
+inline constexpr ShardLayout kShardLayouts[] = {ShardLayout::contiguous, ShardLayout::dual_chunk_swap,
+                                                ShardLayout::per_document, ShardLayout::solver};
+
+// The chunks of equal length a layout needs a row's length to be a multiple of at cp ranks: 2*cp (dual
+// chunk swap), else cp (every rank holds S/cp tokens).
 constexpr std::int64_t layout_chunks(ShardLayout layout, std::int64_t cp) {
   return layout == ShardLayout::dual_chunk_swap ? 2 * cp : cp;
+}
+// Whether the layout depends on the row's documents and mask (per_document, solver).
+constexpr bool layout_reads_documents(ShardLayout layout) {
+  return layout == ShardLayout::per_document || layout == ShardLayout::solver;
 }
 
 const char* to_string(Strategy strategy);
@@ -89,7 +98,11 @@ struct ParallelSpec {
   Strategy strategy = Strategy::all_gather;
   bool load_balance = false;
   std::optional<ShardLayout> layout;  // default: dual_chunk_swap with load balance, else contiguous
-  std::int64_t tp = 1;                // tensor parallel degree over heads
+  // The packed row's document lengths (summing to seq_len; empty: one document) that the per_document and
+  // solver layouts cut the row by. The same on every rank; the other layouts do not read them. The segment
+  // ids each forward takes are the masks'; documents only decide who holds which tokens.
+  std::vector<std::int64_t> documents;
+  std::int64_t tp = 1;  // tensor parallel degree over heads
   // hybrid: U, the size of each ulysses group (rank c = ring_rank * U + ulysses_rank); the ring has
   // R = cp / U ranks. 0 (unset) for the other strategies.
   std::int64_t ulysses_degree = 0;
@@ -103,11 +116,6 @@ struct ParallelSpec {
   std::int64_t ring_degree() const;
   std::int64_t ulysses_rank(std::int64_t rank) const { return rank % head_group_size(); }
   std::int64_t ring_rank(std::int64_t rank) const { return rank / head_group_size(); }
-  // The layout of the ring's rows (ring, hybrid): the caller's layout, but one ring rank holds the whole row
-  // in natural order; ring_parts: the contiguous runs of a ring rank's rows (2: the zigzag's chunks).
-  ShardLayout ring_layout() const { return ring_degree() > 1 ? effective_layout() : ShardLayout::contiguous; }
-  std::int64_t ring_parts() const { return ring_layout() == ShardLayout::dual_chunk_swap ? 2 : 1; }
-
   ShardLayout effective_layout() const {
     return layout.value_or(load_balance ? ShardLayout::dual_chunk_swap : ShardLayout::contiguous);
   }

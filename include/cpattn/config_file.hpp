@@ -24,6 +24,7 @@ struct ConfigValues {
   std::optional<std::int64_t> ulysses_degree;  // context_parallel_ulysses_degree (hybrid)
   std::optional<bool> load_balance;            // context_parallel_load_balance
   std::optional<bool> attention_load_balance;  // context_parallel_attention_load_balance
+  std::optional<std::string> layout;           // context_parallel_layout (--layout): a ShardLayout's name
   std::optional<bool> causal;
   std::optional<std::string> dtype;  // dtype
   // Sliding window: --window LEFT[,RIGHT] sets the sides; sliding_window_size W (W keys back, the query's

@@ -121,6 +121,11 @@ std::string flash_vector_target();
 // valid targets for any other name.
 void flash_force_vector_target(const std::string& name);
 
+// The CPU time the calling thread's flash_forward and flash_backward calls have taken since it began, their
+// worker threads' included (seconds): what a rank's kernels cost where ranks share cores and wall time counts
+// the others' turns.
+double flash_cpu_seconds();
+
 // The kernels pack their operands and keep their accumulators in scratch blocks; a freed block of 2 MiB or
 // more is kept (up to 1 GiB in all, or an eighth of the machine's memory where that is less) for the next
 // call that needs one of its size, so that calls of one shape do not take fresh pages each time.

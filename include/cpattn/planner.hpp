@@ -134,6 +134,9 @@ struct StrategyPlan {
   std::string name;
   Strategy strategy = Strategy::all_gather;
   bool load_balance = false;
+  // The shards' layout: contiguous, dual_chunk_swap (load_balance), or on packed rows per_document and solver
+  // (cut by the request's segments) for the strategies that shard the sequence.
+  ShardLayout layout = ShardLayout::contiguous;
   // U and R: hybrid's; ulysses U = cp, R = 1; ring U = 1, R = cp; all_gather 0 and 0 (neither).
   std::int64_t ulysses_degree = 0, ring_degree = 0;
   bool possible = true;
@@ -170,6 +173,10 @@ struct StrategyPlan {
 
 // The name of hybrid's plan at U x R: hybrid_u<U>_r<R>, with _load_balanced.
 std::string hybrid_name(std::int64_t ulysses_degree, std::int64_t ring_degree, bool load_balance);
+// A plan's name for a strategy (hybrid: at U x R) in a layout: <strategy> for contiguous, with
+// _load_balanced for dual_chunk_swap, _per_document or _solver for the layouts cut by documents.
+std::string plan_name(Strategy strategy, std::int64_t ulysses_degree, std::int64_t ring_degree,
+                      ShardLayout layout);
 
 struct Plan {
   std::vector<StrategyPlan> strategies;

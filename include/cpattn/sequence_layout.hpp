@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "cpattn/config.hpp"
@@ -16,6 +17,79 @@ namespace cpattn {
 std::vector<std::int64_t> dual_chunk_swap_order(std::int64_t seq_len, std::int64_t cp);
 std::vector<std::int64_t> layout_order(ShardLayout layout, std::int64_t seq_len, std::int64_t cp);
 
+// A contiguous run of global positions held by one rank.
+struct PositionRange {
+  std::int64_t begin = 0, end = 0;
+  std::int64_t size() const { return end - begin; }
+  bool operator==(const PositionRange&) const = default;
+};
+
+// A layout as data: the runs of consecutive global positions each rank holds, in its local order. Every
+// rank holds seq_len / cp tokens and every position is held once (layout_errors says where not). The named
+// layouts (config.hpp, ShardLayout):
+//   contiguous       rank r holds [r S/cp, (r+1) S/cp): one run.
+//   dual_chunk_swap  2 cp chunks of S/(2cp); rank r holds chunks r and 2cp-1-r, two runs (kept apart where
+//   they
+//                    touch, so that each is a kernel grid of its own as it always was).
+//   per_document     each document cut into 2 cp pieces, rank r taking pieces r and 2cp-1-r of every one: the
+//                    dual chunk swap of each document. A document's 2cp pieces differ by a token or two and
+//                    rank r's share of document d is floor((F_{d+1} + r)/cp) - floor((F_d + r)/cp) tokens
+//                    (F_d: the tokens before d), which gives every rank S/cp tokens in all with no padding,
+//                    whatever the lengths (documents shorter than 2cp tokens leave some pieces empty).
+//   solver           the row cut into chunks of solver_chunk(S, cp) tokens, each costed by the tiles its
+//                    queries compute under the mask (solver_chunk_costs), dealt greedily: the costliest chunk
+//                    first, to the least-loaded rank that still has room (S/cp tokens each); among ranks
+//                    equally loaded, one that holds a neighbouring chunk (so a document's chunks stay
+//                    together where that costs nothing).
+// Adjacent runs are merged (but dual_chunk_swap's two), runs are in increasing position within a rank for
+// per_document and solver.
+struct SequenceLayout {
+  ShardLayout kind = ShardLayout::contiguous;
+  std::int64_t seq_len = 0;
+  std::vector<std::vector<PositionRange>> runs;  // [rank][run]
+
+  std::int64_t ranks() const { return static_cast<std::int64_t>(runs.size()); }
+  // Rank r's positions in local order, and every rank's (int32, as the masks take them).
+  std::vector<std::int64_t> positions(std::int64_t rank) const;
+  std::vector<std::vector<std::int32_t>> rank_positions() const;
+  // The lengths of rank r's runs, in local order; every rank's.
+  std::vector<std::int64_t> run_lengths(std::int64_t rank) const;
+  std::vector<std::vector<std::int64_t>> rank_run_lengths() const;
+  // Every rank's positions, rank 0's first.
+  std::vector<std::int64_t> order() const;
+  bool operator==(const SequenceLayout&) const = default;
+};
+
+// The layout `kind` of a row of seq_len tokens over cp ranks; documents: the row's document lengths (sum
+// seq_len; empty: one document), which per_document cuts and solver costs; band: the positions a query sees
+// (solver's costs). The same arguments give the same layout on every rank.
+SequenceLayout make_layout(ShardLayout kind, std::int64_t seq_len, std::int64_t cp,
+                           const std::vector<std::int64_t>& documents = {}, const PositionBand& band = {});
+// The caller's layout (ParallelSpec::effective_layout over cp ranks, with ParallelSpec::documents and the
+// attention's band).
+SequenceLayout layout_of(const AttentionSpec& attention, const ParallelSpec& parallel);
+// The ring's rows (ring, hybrid) over the ring's R ranks: the caller's layout for the ring; for the hybrid,
+// ring rank rr holds its ulysses group's tokens: the ring-level zigzag with dual_chunk_swap (the hybrid
+// places them so), else the group's members' runs one after another. A ring of one rank holds the whole row
+// in natural order.
+SequenceLayout ring_layout_of(const AttentionSpec& attention, const ParallelSpec& parallel);
+
+// What is wrong with a layout (empty: nothing): a position held twice or by no rank, a run outside the row
+// or empty, ranks holding different numbers of tokens.
+std::vector<std::string> layout_errors(const SequenceLayout& layout);
+
+// The solver's chunk: the largest divisor of S/cp that is at most 512 and leaves each rank at least 16
+// chunks (1 where S/cp < 16).
+std::int64_t solver_chunk(std::int64_t seq_len, std::int64_t cp);
+// The tiles each chunk of `chunk` positions (in natural order) computes against the whole row, counted on a
+// grid of g = gcd(chunk, 64) positions (the kernel's default block where the chunk is a multiple of it): for
+// each of the chunk's query blocks, the key blocks whose document and position ranges some query of it
+// sees (the kernel's tile classification over the natural row). The backward computes the same tiles, so
+// one cost serves forward and backward.
+std::vector<std::int64_t> solver_chunk_costs(std::int64_t seq_len, std::int64_t chunk,
+                                             const std::vector<std::int64_t>& documents,
+                                             const PositionBand& band);
+
 // inverse[perm[i]] = i.
 std::vector<std::int64_t> inverse_permutation(const std::vector<std::int64_t>& perm);
 
@@ -23,12 +97,8 @@ std::vector<std::int64_t> inverse_permutation(const std::vector<std::int64_t>& p
 std::vector<std::int64_t> local_positions(ShardLayout layout, std::int64_t seq_len, std::int64_t cp,
                                           std::int64_t rank);
 
-// A contiguous run of global positions held by one rank.
-struct PositionRange {
-  std::int64_t begin = 0, end = 0;
-  std::int64_t size() const { return end - begin; }
-};
-// The runs rank `rank` holds, in local order: one for contiguous, two for dual chunk swap.
+// The runs rank `rank` holds, in local order: one for contiguous, two for dual chunk swap (make_layout's
+// runs, the row one document).
 std::vector<PositionRange> local_ranges(ShardLayout layout, std::int64_t seq_len, std::int64_t cp,
                                         std::int64_t rank);
 
@@ -61,18 +131,22 @@ std::vector<std::int32_t> natural_positions(std::int64_t batch, std::int64_t seq
 // Segment ids of documents with these lengths (summing to S): document d's tokens get id d.
 std::vector<std::int32_t> segment_ids_from_lengths(std::int64_t batch,
                                                    const std::vector<std::int64_t>& lengths);
+// The document lengths of one row's segment ids: the runs of equal consecutive ids (empty for no ids).
+std::vector<std::int64_t> document_lengths(const std::vector<std::int32_t>& row_segment_ids);
 // positions (one row) -> int32, repeated for each of B rows: [B, n].
 std::vector<std::int32_t> positions_as_int32(const std::vector<std::int64_t>& positions,
                                              std::int64_t batch = 1);
 
 // positions[p][t]: the global position of rank p's local token t (the same for every batch row).
 using RankPositions = std::vector<std::vector<std::int32_t>>;
+// runs[p]: the lengths of rank p's runs of consecutive positions, in local order (SequenceLayout's).
+using RankRuns = std::vector<std::vector<std::int64_t>>;
 RankPositions rank_positions(ShardLayout layout, std::int64_t seq_len, std::int64_t cp);
 
 // The windowed ring's transfers (docs/design.md, "Ring"). With a sliding window a ring rank's queries see
 // only the rows near the ends of a few other ranks' runs, so instead of sending every shard round the ring,
 // each rank sends each other rank the rows it sees, straight there. Rows are local to one run of a ring
-// rank's rows (its `parts` runs of equal length: the whole shard, or the zigzag's two chunks).
+// rank's rows (its layout's runs: the whole shard, the zigzag's two chunks, a document's pieces).
 struct RowSpan {
   std::int64_t begin = 0, end = 0;
   std::int64_t size() const { return end - begin; }
@@ -91,16 +165,18 @@ struct ReachStep {
 // The steps 1..R-1 (R = positions.size()) at which some rank sees some row of the rank `distance` places
 // before it, in order; a step at which no rank sees anything is left out (nothing moves, nothing computes).
 // The band alone decides (packed documents do not: the segment ids are data).
-std::vector<ReachStep> ring_reach(const RankPositions& positions, std::int64_t parts,
+std::vector<ReachStep> ring_reach(const RankPositions& positions, const RankRuns& runs,
                                   const PositionBand& band);
 
-// The windowed all_gather's keys: the positions some query of a rank (its positions, in `parts` runs) sees
+// The windowed all_gather's keys: the positions some query of a rank (its positions, in runs of these
+// lengths) sees
 // under the band, widened to whole blocks of `block` positions from 0 (the kernel's kv grid over the natural
 // order, so that its tiles over them are the single device's), merged, in order, within [0, seq_len).
-std::vector<PositionRange> seen_positions(const std::vector<std::int32_t>& positions, std::int64_t parts,
-                                          const PositionBand& band, std::int64_t seq_len, std::int64_t block);
+std::vector<PositionRange> seen_positions(const std::vector<std::int32_t>& positions,
+                                          const std::vector<std::int64_t>& runs, const PositionBand& band,
+                                          std::int64_t seq_len, std::int64_t block);
 // Every rank's (positions: rank_positions of the layout).
-std::vector<std::vector<PositionRange>> seen_positions(const RankPositions& positions, std::int64_t parts,
+std::vector<std::vector<PositionRange>> seen_positions(const RankPositions& positions, const RankRuns& runs,
                                                        const PositionBand& band, std::int64_t seq_len,
                                                        std::int64_t block);
 // Whether position x is in sorted, disjoint ranges; how many positions two lists of disjoint ranges share

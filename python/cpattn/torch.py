@@ -261,7 +261,9 @@ class ContextParallelAttention(_torch.nn.Module):
     "ring" or "hybrid" (ulysses inside groups of ulysses_degree ranks, a ring across them). window: a sliding
     window as attention()'s (LEFT, or (LEFT, RIGHT) without the causal mask); softcap: attention()'s. load_balance:
     the dual-chunk-swap layout (local_positions says which tokens a rank holds). Other options: layout
-    ("contiguous" or "dual_chunk_swap"), scale (default 1/sqrt(D)), threads (kernel threads per process;
+    ("contiguous", "dual_chunk_swap", or for all_gather, ring and hybrid "per_document" (each document's dual
+    chunk swap) or "solver" (chunks dealt by their cost under the mask), both cut by `documents`, the packed
+    row's document lengths, the same on every rank), scale (default 1/sqrt(D)), threads (kernel threads per process;
     default the machine's hardware threads over the communicator's size), remat, timeout (seconds any wait
     for another rank may take; default 600: past it MPI ends the job, a process group's ranks raise
     CommunicationError).
@@ -273,10 +275,10 @@ class ContextParallelAttention(_torch.nn.Module):
 
     def __init__(self, comm=None, strategy="ulysses", causal=True, load_balance=False, layout=None,
                  ulysses_degree=None, scale=None, threads=None, remat=False, timeout=None, group=None, window=None,
-                 softcap=None):
+                 softcap=None, documents=None):
         super().__init__()
         options = dict(strategy=strategy, causal=causal, window=window, softcap=softcap, load_balance=load_balance,
-                       layout=layout,
+                       layout=layout, documents=documents,
                        ulysses_degree=ulysses_degree, scale=scale, threads=threads, remat=remat, timeout=timeout)
         self.strategy = strategy
         if comm is None:
@@ -331,11 +333,13 @@ _SDPA_KEPT = 16
 
 def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *,
                           segment_ids=None, group=None, strategy="ulysses", load_balance=False, layout=None,
-                          ulysses_degree=None, threads=None, timeout=None, window=None, softcap=None, sinks=None):
+                          ulysses_degree=None, threads=None, timeout=None, window=None, softcap=None, sinks=None,
+                          documents=None):
     """torch.nn.functional.scaled_dot_product_attention's arguments and layout, context-parallel over a
     torch.distributed process group (None: the default group): query [B, Hq, S/cp, D], key and value
     [B, Hkv, S/cp, D] (GQA: Hq a multiple of Hkv), each process its shard of the sequence in the layout of
-    `load_balance`/`layout` (ContextParallelAttention.local_positions says which tokens); returns this shard
+    `load_balance`/`layout` (with `documents` for per_document and solver; ContextParallelAttention.local_positions
+    says which tokens); returns this shard
     of the output, [B, Hq, S/cp, D], with autograd. A model's attention call changes in one line:
 
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -358,7 +362,7 @@ def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_c
     if reasons:
         raise _config_error(reasons)
     options = dict(strategy=strategy, causal=is_causal, window=window, softcap=softcap, load_balance=load_balance,
-                   layout=layout,
+                   layout=layout, documents=documents,
                    ulysses_degree=ulysses_degree, scale=scale,
                    threads=threads, timeout=timeout)
     dist = _torch.distributed

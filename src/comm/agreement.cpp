@@ -180,6 +180,18 @@ void add_specs(Agreement& agreement, const AttentionSpec& a, const ParallelSpec&
   named("strategy", p.strategy, known ? to_string(p.strategy) : "unknown");
   agreement.add("load_balance", p.load_balance);
   named("layout", p.effective_layout(), to_string(p.effective_layout()));
+  // The documents the data layouts cut the row by: their count, and a hash of the lengths shown with the
+  // first few.
+  agreement.add("documents", static_cast<std::int64_t>(p.documents.size()));
+  std::uint64_t hash = 1469598103934665603ull;
+  std::string shown;
+  for (std::size_t d = 0; d < p.documents.size(); ++d) {
+    hash = (hash ^ static_cast<std::uint64_t>(p.documents[d])) * 1099511628211ull;
+    if (d < 4) shown += (d > 0 ? "," : "") + std::to_string(p.documents[d]);
+  }
+  if (p.documents.size() > 4) shown += ",...";
+  agreement.add_named("documents.lengths", static_cast<std::int64_t>(hash >> 1),
+                      shown.empty() ? "none" : shown);
   agreement.add("ulysses_degree", p.ulysses_degree);
 }
 

@@ -50,7 +50,17 @@ std::int64_t ParallelSpec::ring_degree() const {
 }
 
 const char* to_string(ShardLayout layout) {
-  return layout == ShardLayout::dual_chunk_swap ? "dual_chunk_swap" : "contiguous";
+  switch (layout) {
+    case ShardLayout::contiguous:
+      return "contiguous";
+    case ShardLayout::dual_chunk_swap:
+      return "dual_chunk_swap";
+    case ShardLayout::per_document:
+      return "per_document";
+    case ShardLayout::solver:
+      return "solver";
+  }
+  return "?";
 }
 
 Strategy parse_strategy(const std::string& text, const std::string& field) {
@@ -64,8 +74,11 @@ Strategy parse_strategy(const std::string& text, const std::string& field) {
 ShardLayout parse_layout(const std::string& text, const std::string& field) {
   if (text == "contiguous") return ShardLayout::contiguous;
   if (text == "dual_chunk_swap") return ShardLayout::dual_chunk_swap;
+  if (text == "per_document") return ShardLayout::per_document;
+  if (text == "solver") return ShardLayout::solver;
   throw Error(ErrorKind::invalid_config, field, text,
-              field + " '" + quoted(text) + "' is not a layout; valid: contiguous or dual_chunk_swap");
+              field + " '" + quoted(text) +
+                  "' is not a layout; valid: contiguous, dual_chunk_swap, per_document or solver");
 }
 
 double AttentionSpec::scale() const {
@@ -123,9 +136,40 @@ void layout_rules(Rules& rules, const ParallelSpec& p) {
     rules.add({"layout", "load_balance"}, "dual_chunk_swap",
               "layout dual_chunk_swap needs " + strategy_names(&StrategyTraits::load_balance) +
                   " with load_balance true; valid layout here: contiguous");
-  } else if (layout == ShardLayout::contiguous && p.load_balance) {
-    rules.add({"layout", "load_balance"}, "contiguous",
-              "load_balance (true) needs layout dual_chunk_swap (chunks r and 2*cp-1-r on rank r)");
+  } else if (layout != ShardLayout::dual_chunk_swap && p.load_balance) {
+    rules.add({"layout", "load_balance"}, to_string(layout),
+              "load_balance (true) is the layout dual_chunk_swap (chunks r and 2*cp-1-r on rank r), not " +
+                  std::string(to_string(layout)) + "; set one of them");
+  } else if (layout_reads_documents(layout) && !p.traits().load_balance) {
+    rules.add({"layout", "strategy"}, to_string(layout),
+              "layout " + std::string(to_string(layout)) + " is for " +
+                  strategy_names(&StrategyTraits::load_balance) + "; " + to_string(p.strategy) +
+                  " gives every rank the same work per head: valid layout here: contiguous");
+  }
+}
+
+// The documents the per_document and solver layouts cut the row by: lengths of at least 1 summing to
+// seq_len.
+void document_rules(Rules& rules, const AttentionSpec& a, const ParallelSpec& p) {
+  if (p.documents.empty()) return;
+  std::int64_t sum = 0;
+  for (std::size_t d = 0; d < p.documents.size(); ++d) {
+    const std::int64_t n = p.documents[d];
+    if (n < 1) {
+      rules.add({"documents"}, str(n),
+                "documents[" + str(static_cast<std::int64_t>(d)) + "] (" + str(n) +
+                    ") must be at least 1: a document's length in tokens");
+      return;
+    }
+    if (n > a.seq_len - sum) {
+      sum = a.seq_len + 1;
+      break;
+    }
+    sum += n;
+  }
+  if (sum != a.seq_len) {
+    rules.add({"documents", "seq_len"}, sum > a.seq_len ? "more than " + str(a.seq_len) : str(sum),
+              "documents must sum to seq_len (" + str(a.seq_len) + "): the lengths of the row's documents");
   }
 }
 
@@ -265,6 +309,7 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
   }
 
   layout_rules(rules, p);
+  if (seq_ok) document_rules(rules, a, p);
   if (!seq_ok || !cp_ok) {
     // seq_len against cp: judged once both are valid
   } else if (p.load_balance && p.traits().load_balance) {

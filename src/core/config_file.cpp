@@ -96,6 +96,8 @@ constexpr KeyReader kKeys[] = {
      [](ConfigValues& v, const std::string& n, const std::string& k, const YAML::Node& x) {
        v.attention_load_balance = as_bool(n, k, x);
      }},
+    {"context_parallel_layout", [](ConfigValues& v, const std::string& n, const std::string& k,
+                                   const YAML::Node& x) { v.layout = as_string(n, k, x); }},
     {"dtype", [](ConfigValues& v, const std::string& n, const std::string& k,
                  const YAML::Node& x) { v.dtype = as_string(n, k, x); }},
     {"sliding_window_size",
@@ -145,6 +147,7 @@ void ConfigValues::merge_from(const ConfigValues& o) {
   take(batch, o.batch);
   take(load_balance, o.load_balance);
   take(attention_load_balance, o.attention_load_balance);
+  take(layout, o.layout);
   take(causal, o.causal);
   take(dtype, o.dtype);
   take(window_left, o.window_left);
@@ -299,6 +302,13 @@ Specs to_specs(const ConfigValues& v, std::vector<ErrorItem>& errors) {
   }
   try {
     if (v.strategy) s.parallel.strategy = parse_strategy(*v.strategy);
+  } catch (const Error& e) {
+    errors.insert(errors.end(), e.items().begin(), e.items().end());
+  }
+  try {
+    if (v.layout) s.parallel.layout = parse_layout(*v.layout, "layout");
+    // --load-balance is the dual chunk swap's other name: the layout given by its name is load balance.
+    if (s.parallel.layout == ShardLayout::dual_chunk_swap) s.parallel.load_balance = true;
   } catch (const Error& e) {
     errors.insert(errors.end(), e.items().begin(), e.items().end());
   }

@@ -1,7 +1,7 @@
 // Runs fn(task, worker) for task in [0, n) on `threads` workers (the calling thread is worker 0). Tasks are
 // taken in order from a shared counter; results must not depend on which worker ran a task (nor on how many
 // workers there are). An interrupt requested meanwhile (cpattn/interrupt.hpp) stops it before the next task
-// with Error(interrupted).
+// with Error(interrupted). The workers' CPU time is added to the caller's helper_cpu_ns (cpu_time.hpp).
 #pragma once
 
 #include <algorithm>
@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/cpu_time.hpp"
 #include "cpattn/interrupt.hpp"
 
 namespace cpattn {
@@ -26,10 +27,17 @@ void parallel_for(std::int64_t n, int threads, Fn&& fn) {
     }
     return;
   }
-  std::atomic<std::int64_t> next{0};
+  std::atomic<std::int64_t> next{0}, helpers_ns{0};
   std::exception_ptr error;
   std::mutex error_mutex;
   auto work = [&](int worker) {
+    struct Clock {  // a helper's CPU time, on every way out
+      std::atomic<std::int64_t>* sum;
+      std::int64_t t0 = thread_cpu_ns();
+      ~Clock() {
+        if (sum != nullptr) *sum += thread_cpu_ns() - t0;
+      }
+    } clock{worker > 0 ? &helpers_ns : nullptr};
     try {
       for (std::int64_t t = next++; t < n; t = next++) {
         if (interrupt_requested()) throw_if_interrupted();  // the first worker to see it throws
@@ -51,6 +59,7 @@ void parallel_for(std::int64_t n, int threads, Fn&& fn) {
   }
   work(0);
   for (auto& t : pool) t.join();
+  helper_cpu_ns() += helpers_ns;
   if (error) std::rethrow_exception(error);
 }
 

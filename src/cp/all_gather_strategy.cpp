@@ -35,21 +35,28 @@ struct SeenKeys {
   std::vector<std::int32_t> positions;           // [B, V]: this rank's seen rows (natural: all S)
 };
 
-SeenKeys seen_keys(const AttentionSpec& a, const ParallelSpec& p, const RankPositions& positions,
+SeenKeys seen_keys(const AttentionSpec& a, const RankPositions& positions, const RankRuns& runs,
                    std::int64_t rank, std::int64_t block) {
   SeenKeys k;
   if (!a.windowed()) {
     k.positions = natural_positions(a.batch, a.seq_len);
     return k;
   }
-  const std::int64_t parts = p.effective_layout() == ShardLayout::dual_chunk_swap ? 2 : 1;
-  k.seen = seen_positions(positions, parts, a.band(), a.seq_len, block);
+  k.seen = seen_positions(positions, runs, a.band(), a.seq_len, block);
   std::vector<std::int64_t> mine;
   for (const PositionRange& r : k.seen[static_cast<std::size_t>(rank)]) {
     for (std::int64_t x = r.begin; x < r.end; ++x) mine.push_back(x);
   }
   k.positions = positions_as_int32(mine, a.batch);
   return k;
+}
+
+// This rank's positions, repeated for each of B rows: [B, S/cp].
+std::vector<std::int32_t> rank_rows(const RankPositions& positions, std::int64_t rank, std::int64_t batch) {
+  const std::vector<std::int32_t>& mine = positions[static_cast<std::size_t>(rank)];
+  std::vector<std::int32_t> out;
+  for (std::int64_t b = 0; b < batch; ++b) out.insert(out.end(), mine.begin(), mine.end());
+  return out;
 }
 
 std::vector<std::int32_t> segments_at(const std::vector<std::int32_t>& seg_full, std::int64_t batch,
@@ -68,7 +75,7 @@ std::vector<std::int32_t> segments_at(const std::vector<std::int32_t>& seg_full,
 AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor& q, const Tensor& k,
                                                                    const Tensor& v, bool forward_only) {
   const std::int64_t B = attention.batch;
-  const SeenKeys keys = seen_keys(attention, parallel, positions, rank, kernel_config().block_kv);
+  const SeenKeys keys = seen_keys(attention, positions, runs, rank, kernel_config().block_kv);
   // k, v: [B, S/cp, Hkv, D] -> [B, S, Hkv, D] natural order, or with a window the rows this rank sees
   auto gather = [&](const Tensor& x) {
     return keys.seen.empty() ? cp::all_gather_sequence(comm, x, positions)
@@ -81,8 +88,7 @@ AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor&
   const std::vector<std::int32_t> kv_seg =
       keys.seen.empty() ? seg_full : segments_at(seg_full, B, attention.seq_len, keys.positions);
 
-  const auto q_pos = positions_as_int32(
-      cpattn::local_positions(parallel.effective_layout(), attention.seq_len, cp, rank), B);
+  const auto q_pos = rank_rows(positions, rank, B);
   AttentionOutput out;
   out.o = Tensor(attention.dtype, q.shape());
   out.lse.assign(static_cast<std::size_t>(B * hq * local_seq), 0.0f);
@@ -112,7 +118,7 @@ AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor&
 AttentionGradients ContextParallelAttention::Impl::all_gather_backward(const Tensor& d_out) {
   AllGatherSaved& s = saved_as<AllGatherSaved>();
   const std::int64_t B = attention.batch;
-  const SeenKeys keys = seen_keys(attention, parallel, positions, rank, kernel_config().block_kv);
+  const SeenKeys keys = seen_keys(attention, positions, runs, rank, kernel_config().block_kv);
   if (options.remat) {
     CollectiveCounters::PhaseScope phase(group.counters(), "remat");
     s.k_full = keys.seen.empty() ? cp::all_gather_sequence(comm, s.k, positions)
@@ -120,8 +126,7 @@ AttentionGradients ContextParallelAttention::Impl::all_gather_backward(const Ten
     s.v_full = keys.seen.empty() ? cp::all_gather_sequence(comm, s.v, positions)
                                  : cp::gather_seen(comm, s.v, positions, keys.seen);
   }
-  const auto q_pos = positions_as_int32(
-      cpattn::local_positions(parallel.effective_layout(), attention.seq_len, cp, rank), B);
+  const auto q_pos = rank_rows(positions, rank, B);
   AttentionGradients g;
   g.dq = Tensor(attention.dtype, s.q.shape());
   Tensor dk_partial(DType::f32, s.k_full.shape()), dv_partial(DType::f32, s.v_full.shape());

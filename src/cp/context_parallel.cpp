@@ -40,7 +40,16 @@ ContextParallelAttention::Impl::Impl(const AttentionSpec& a, const ParallelSpec&
   local_seq = attention.seq_len / cp;
   hq = attention.num_q_heads / parallel.tp;
   hkv = attention.num_kv_heads / parallel.tp;
-  positions = rank_positions(parallel.effective_layout(), attention.seq_len, cp);
+  const SequenceLayout layout = layout_of(attention, parallel);
+  positions = layout.rank_positions();
+  runs = layout.rank_run_lengths();
+  if (parallel.traits().ring) {
+    // The ring's rows: the caller's shards for the ring (a ring of one rank: the whole row, one run), the
+    // ulysses group's tokens for the hybrid.
+    const SequenceLayout ring = ring_layout_of(attention, parallel);
+    ring_positions = ring.rank_positions();
+    ring_runs = ring.rank_run_lengths();
+  }
   if (parallel.traits().sub_groups) {
     const auto u_rank = static_cast<int>(parallel.ulysses_rank(rank));
     const auto r_rank = static_cast<int>(parallel.ring_rank(rank));
@@ -50,8 +59,6 @@ ContextParallelAttention::Impl::Impl(const AttentionSpec& a, const ParallelSpec&
     ring_group->report_to(group.counters(), kRingGroup);
     ulysses_comm = std::make_unique<cp::ScheduledCommunicator>(*ulysses_group, kUlyssesGroup);
     ring_comm = std::make_unique<cp::ScheduledCommunicator>(*ring_group, kRingGroup);
-    // A ring of one rank holds the whole row in natural order (one kernel call per head run, as ulysses).
-    ring_positions = rank_positions(parallel.ring_layout(), attention.seq_len, parallel.ring_degree());
   }
 }
 

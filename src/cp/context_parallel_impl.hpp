@@ -41,9 +41,9 @@ class ContextParallelAttention::Impl {
   AttentionGradients ring_backward(const Tensor& d_out);
   AttentionOutput hybrid_forward(const Tensor& q, const Tensor& k, const Tensor& v, bool forward_only);
   AttentionGradients hybrid_backward(const Tensor& d_out);
-  // The ring's passes over `ring` (its ranks' rows at `at`, each cut in `parts` runs) with these kernel
+  // The ring's passes over `ring` (its ranks' rows at `at`, in runs of these lengths) with these kernel
   // calls.
-  cp::RingPass ring_pass(Communicator& ring, const RankPositions& at, std::int64_t parts,
+  cp::RingPass ring_pass(Communicator& ring, const RankPositions& at, const RankRuns& at_runs,
                          std::vector<cp::KernelCall> calls);
 
   // The calls to expect from now on on each communicator (`unchecked`: any), and the check that all were
@@ -65,6 +65,7 @@ class ContextParallelAttention::Impl {
   NegativeControl negative_control = NegativeControl::none;
   std::int64_t cp = 1, rank = 0, local_seq = 0, hq = 0, hkv = 0;  // local heads (per tp rank)
   RankPositions positions;                                        // every rank's local positions
+  RankRuns runs;                                                  // and the lengths of its runs
   TileCounts tiles;
   double comm_wait_seconds = 0;  // ring: time spent in shifts' wait() since the last forward began
 
@@ -74,7 +75,8 @@ class ContextParallelAttention::Impl {
   // counters under its group's name.
   std::unique_ptr<Communicator> ulysses_group, ring_group;
   std::unique_ptr<cp::ScheduledCommunicator> ulysses_comm, ring_comm;
-  RankPositions ring_positions;  // each ring rank's rows (its ulysses group's tokens, in the zigzag's order)
+  RankPositions ring_positions;  // each ring rank's rows (its ulysses group's tokens: ring_layout_of)
+  RankRuns ring_runs;            // and their runs
 
   // What a forward keeps for its backward: each strategy derives its own (AllGatherSaved, UlyssesSaved,
   // RingSaved for ring and hybrid); saved_as checks the kind before handing it out.

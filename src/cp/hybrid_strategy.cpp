@@ -4,8 +4,9 @@
 // ulysses rank, with those heads, and the reverse swap brings O and LSE back. With load balance the inputs
 // are in the dual_chunk_swap layout over all cp ranks and the receiver places member u's two chunks at slots
 // u and 2U-1-u, so that each ring rank holds the ring-level zigzag (its group's chunks r and 2R-1-r) with no
-// extra communication. Backward mirrors it: the ring's dK/dV accumulators come home, and each kv head's fp32
-// contributions from the group's ranks are summed in rank order after the reverse swap.
+// extra communication; in the per_document and solver layouts a ring rank holds its members' runs one after
+// another (ring_layout_of), as they arrive. Backward mirrors it: the ring's dK/dV accumulators come home, and
+// each kv head's fp32 contributions from the group's ranks are summed in rank order after the reverse swap.
 #include <algorithm>
 #include <cstring>
 
@@ -126,8 +127,8 @@ AttentionOutput ContextParallelAttention::Impl::hybrid_forward(const Tensor& q, 
                                           : seg_rows;
   }
 
-  cp::RingPass pass = ring_pass(*ring_comm, ring_positions, parallel.ring_parts(),
-                                cp::kernel_calls(u.q[u_rank], u.kv[u_rank], hq / hkv));
+  cp::RingPass pass =
+      ring_pass(*ring_comm, ring_positions, ring_runs, cp::kernel_calls(u.q[u_rank], u.kv[u_rank], hq / hkv));
   pass.sinks = cp::head_sinks(sinks_local, u.q[u_rank].begin, 0, u.q[u_rank].size());
   AttentionOutput heads = cp::ring_pass_forward(pass, qr, kr, vr, seg_rows, seg_full);
 
@@ -171,7 +172,7 @@ AttentionGradients ContextParallelAttention::Impl::hybrid_backward(const Tensor&
   const UlyssesHeads& u = h.heads;
   Tensor do_heads;
   if (U > 1) do_heads = h.in_slots(cp::all_to_all_sequence_to_heads(*ulysses_comm, d_out, u.q));
-  const cp::RingPass pass = ring_pass(*ring_comm, ring_positions, parallel.ring_parts(),
+  const cp::RingPass pass = ring_pass(*ring_comm, ring_positions, ring_runs,
                                       cp::kernel_calls(u.q[h.u_rank], u.kv[h.u_rank], hq / hkv));
   cp::RingGradients g = cp::ring_pass_backward(pass, s.q, s.k, s.v, s.o, s.lse, U > 1 ? do_heads : d_out,
                                                s.seg_local, s.seg_full);

@@ -13,6 +13,14 @@ Tensor reorder_sequence(Communicator& comm, const Tensor& x, std::int64_t seq_le
                         ShardLayout to) {
   const std::int64_t cp = comm.size(), rank = comm.rank();
   const Shape4 s = x.shape();
+  for (const ShardLayout l : {from, to}) {
+    if (layout_reads_documents(l)) {
+      throw Error(ErrorKind::invalid_input, "layout", to_string(l),
+                  std::string("reorder_sequence converts between contiguous and dual_chunk_swap; layout ") +
+                      to_string(l) +
+                      " is cut by the row's documents (put_tokens/take_tokens with its positions)");
+    }
+  }
   if (seq_len % layout_chunks(ShardLayout::dual_chunk_swap, cp) != 0 || s.s * cp != seq_len) {
     throw Error(ErrorKind::invalid_input, "seq_len", std::to_string(seq_len),
                 "reorder_sequence needs seq_len (" + std::to_string(seq_len) + ") divisible by 2*cp (" +

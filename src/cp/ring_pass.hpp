@@ -18,7 +18,7 @@ namespace cpattn::cp {
 struct RingPass {
   Communicator& comm;              // the ring; rank() is this rank's place in it
   const RankPositions& positions;  // each ring rank's local rows' global positions
-  std::int64_t parts = 1;  // contiguous runs in a rank's rows (2: the zigzag's chunks), each on its own grid
+  const RankRuns& runs;            // each ring rank's runs of consecutive positions, each on its own grid
   std::vector<KernelCall> calls;   // the local q heads onto the local kv heads
   const AttentionSpec& attention;  // batch, seq_len, causal, scale, dtype
   FlashConfig kernel;

@@ -126,25 +126,42 @@ struct Running {
   }
 };
 
-// The kernel calls of a step: the rank's shard against the visiting one, whole (contiguous layout), or chunk
-// by chunk (dual_chunk_swap: the zigzag's chunk products, each on a grid of its own, so that a chunk that is
-// not a multiple of the block shares no tile with the other). Calls the causal mask hides whole are skipped.
+// The kernel calls of a step: the rank's shard against the visiting one run by run (contiguous: the whole
+// shard; dual_chunk_swap: the zigzag's chunk products; per_document and solver: their pieces), each on a grid
+// of its own, so that a run that is not a multiple of the block shares no tile with another. Calls the band
+// hides whole are skipped.
 struct Piece {
-  std::int64_t first = 0, count = 0;   // local rows
-  std::vector<std::int32_t> pos, seg;  // [B, count]; seg empty when not packed
-  std::int32_t lo = 0, hi = 0;         // the smallest and largest position
+  std::int64_t first = 0, count = 0;    // local rows
+  std::vector<std::int32_t> pos, seg;   // [B, count]; seg empty when not packed
+  std::int32_t lo = 0, hi = 0;          // the smallest and largest position
+  std::int32_t seg_lo = 0, seg_hi = 0;  // the smallest and largest segment id (packed), over the batch rows
+
+  // Whether some query of this piece may see some key of `kv`: the band reaches it and (packed) their
+  // documents meet.
+  bool may_see(const Piece& kv, const PositionBand& band) const {
+    if (!band.sees_any(lo, hi, kv.lo, kv.hi)) return false;
+    return seg.empty() || kv.seg.empty() || (seg_lo <= kv.seg_hi && kv.seg_lo <= seg_hi);
+  }
+  void find_segment_range() {
+    if (seg.empty()) return;
+    const auto [a, b] = std::minmax_element(seg.begin(), seg.end());
+    seg_lo = *a;
+    seg_hi = *b;
+  }
 };
 
 // `positions`: the shard's positions (one row); seg_of(b, t): the segment id of local token t in row b.
 template <class SegOf>
-std::vector<Piece> pieces(const std::vector<std::int32_t>& positions, std::int64_t parts, std::int64_t batch,
-                          bool packed, SegOf seg_of) {
+std::vector<Piece> pieces(const std::vector<std::int32_t>& positions, const std::vector<std::int64_t>& runs,
+                          std::int64_t batch, bool packed, SegOf seg_of) {
   std::vector<Piece> out;
-  const std::int64_t n = static_cast<std::int64_t>(positions.size()) / parts;
-  for (std::int64_t part = 0; part < parts; ++part) {
+  std::int64_t first = 0;
+  for (const std::int64_t n : runs) {
     Piece p;
-    p.first = part * n;
+    p.first = first;
     p.count = n;
+    first += n;
+    if (n == 0) continue;
     p.lo = positions[p.first];
     p.hi = positions[p.first];
     for (std::int64_t b = 0; b < batch; ++b) {
@@ -155,6 +172,7 @@ std::vector<Piece> pieces(const std::vector<std::int32_t>& positions, std::int64
         if (packed) p.seg.push_back(seg_of(b, t));
       }
     }
+    p.find_segment_range();
     out.push_back(std::move(p));
   }
   return out;
@@ -228,6 +246,17 @@ void accumulate(Pair& acc, const Tensor& dk, const Tensor& dv) {
 
 namespace {
 
+// The first local row of each run of these lengths.
+std::vector<std::int64_t> run_starts(const std::vector<std::int64_t>& lengths) {
+  std::vector<std::int64_t> starts;
+  std::int64_t first = 0;
+  for (const std::int64_t n : lengths) {
+    starts.push_back(first);
+    first += n;
+  }
+  return starts;
+}
+
 // The visiting shard's pieces (src's positions; its segment ids from the gathered row), with the negative
 // control that puts its two chunks at each other's positions.
 std::vector<std::int32_t> visiting_positions(const RankPositions& positions, std::int64_t src, bool swapped) {
@@ -239,21 +268,21 @@ std::vector<std::int32_t> visiting_positions(const RankPositions& positions, std
   return theirs;
 }
 
-std::vector<Piece> visiting(const RankPositions& positions, std::int64_t src, std::int64_t parts,
+std::vector<Piece> visiting(const RankPositions& positions, std::int64_t src, const RankRuns& runs,
                             std::int64_t batch, std::int64_t seq, const std::vector<std::int32_t>& seg_full,
                             bool swapped) {
   const std::vector<std::int32_t> theirs = visiting_positions(positions, src, swapped);
-  return pieces(theirs, parts, batch, !seg_full.empty(),
+  return pieces(theirs, runs[static_cast<std::size_t>(src)], batch, !seg_full.empty(),
                 [&](std::int64_t b, std::int64_t t) { return seg_full[b * seq + theirs[t]]; });
 }
 
 // The windowed ring's pieces of src's rows that arrived: the seen span of each run, one after another in the
 // message (first: the span's first row there).
-std::vector<Piece> arrived(const RankPositions& positions, std::int64_t src,
+std::vector<Piece> arrived(const RankPositions& positions, const RankRuns& runs, std::int64_t src,
                            const std::vector<RowSpan>& spans, std::int64_t batch, std::int64_t seq,
                            const std::vector<std::int32_t>& seg_full, bool swapped) {
   const std::vector<std::int32_t> theirs = visiting_positions(positions, src, swapped);
-  const std::int64_t n = static_cast<std::int64_t>(theirs.size()) / static_cast<std::int64_t>(spans.size());
+  const std::vector<std::int64_t> starts = run_starts(runs[static_cast<std::size_t>(src)]);
   std::vector<Piece> out;
   std::int64_t offset = 0;
   for (std::size_t part = 0; part < spans.size(); ++part) {
@@ -262,7 +291,7 @@ std::vector<Piece> arrived(const RankPositions& positions, std::int64_t src,
     Piece p;
     p.first = offset;
     p.count = span.size();
-    const std::int64_t t0 = static_cast<std::int64_t>(part) * n + span.begin;
+    const std::int64_t t0 = starts[part] + span.begin;
     p.lo = p.hi = theirs[t0];
     for (std::int64_t b = 0; b < batch; ++b) {
       for (std::int64_t t = t0; t < t0 + span.size(); ++t) {
@@ -272,6 +301,7 @@ std::vector<Piece> arrived(const RankPositions& positions, std::int64_t src,
         if (!seg_full.empty()) p.seg.push_back(seg_full[b * seq + theirs[t]]);
       }
     }
+    p.find_segment_range();
     offset += span.size();
     out.push_back(std::move(p));
   }
@@ -313,10 +343,10 @@ class Rows {
   std::int64_t batch_, capacity_, heads_, dim_, rows_ = 0;
 };
 
-// Copies the spans of this rank's rows (K [B, L, H, D] and V, runs of n rows) into a message, or adds a
-// message's fp32 dK/dV rows into the accumulator's.
-void pack_rows(const Tensor& k, const Tensor& v, const std::vector<RowSpan>& spans, std::int64_t n,
-               Rows& out) {
+// Copies the spans of this rank's rows (K [B, L, H, D] and V, runs starting at local rows `starts`) into a
+// message, or adds a message's fp32 dK/dV rows into the accumulator's.
+void pack_rows(const Tensor& k, const Tensor& v, const std::vector<RowSpan>& spans,
+               const std::vector<std::int64_t>& starts, Rows& out) {
   std::int64_t rows = 0;
   for (const RowSpan& span : spans) rows += span.size();
   out.set_rows(rows);
@@ -330,17 +360,17 @@ void pack_rows(const Tensor& k, const Tensor& v, const std::vector<RowSpan>& spa
       for (std::size_t part = 0; part < spans.size(); ++part) {
         const RowSpan& span = spans[part];
         if (span.size() == 0) continue;
-        std::memcpy(
-            dst + static_cast<std::size_t>(b * rows + offset) * row,
-            src + static_cast<std::size_t>(b * s.s + static_cast<std::int64_t>(part) * n + span.begin) * row,
-            static_cast<std::size_t>(span.size()) * row);
+        std::memcpy(dst + static_cast<std::size_t>(b * rows + offset) * row,
+                    src + static_cast<std::size_t>(b * s.s + starts[part] + span.begin) * row,
+                    static_cast<std::size_t>(span.size()) * row);
         offset += span.size();
       }
     }
   }
 }
 
-void add_spans(Pair& acc, const std::vector<RowSpan>& spans, std::int64_t n, Rows& in) {
+void add_spans(Pair& acc, const std::vector<RowSpan>& spans, const std::vector<std::int64_t>& starts,
+               Rows& in) {
   for (int i = 0; i < 2; ++i) {
     TensorRef into = i == 0 ? acc.first_mut() : acc.second_mut();
     const TensorRef from = in.half(i);
@@ -348,7 +378,7 @@ void add_spans(Pair& acc, const std::vector<RowSpan>& spans, std::int64_t n, Row
     for (std::size_t part = 0; part < spans.size(); ++part) {
       const RowSpan& span = spans[part];
       if (span.size() == 0) continue;
-      const std::int64_t first = static_cast<std::int64_t>(part) * n + span.begin;
+      const std::int64_t first = starts[part] + span.begin;
       const Shape4 s = into.shape;
       float* dst = static_cast<float*>(into.ptr);
       const float* src = static_cast<const float*>(from.ptr);
@@ -375,8 +405,9 @@ std::int64_t most_rows(const std::vector<ReachStep>& steps, std::int64_t rank, b
 // `out`; what it sees of rank - distance's rows arrives in `in`.
 std::unique_ptr<PendingShift> start_rows(const cp::RingPass& ring, const Tensor& k, const Tensor& v,
                                          const ReachStep& step, Rows& out, Rows& in) {
-  const std::int64_t R = ring.comm.size(), rank = ring.comm.rank(), n = k.shape().s / ring.parts;
-  pack_rows(k, v, step.seen[static_cast<std::size_t>((rank + step.distance) % R)], n, out);
+  const std::int64_t R = ring.comm.size(), rank = ring.comm.rank();
+  pack_rows(k, v, step.seen[static_cast<std::size_t>((rank + step.distance) % R)],
+            run_starts(ring.runs[static_cast<std::size_t>(rank)]), out);
   in.set_rows(step.rows_received(rank));
   return ring.comm.start_shift_v(out.data(), out.count(), in.data(), in.count(),
                                  comm_dtype(ring.attention.dtype), static_cast<int>(step.distance));
@@ -403,7 +434,7 @@ void relay_backward(const cp::RingPass& ring, const Tensor& k, const Tensor& v,
     std::fill_n(dk_step.data<float>(), dk_step.numel(), 0.0f);
     std::fill_n(dv_step.data<float>(), dv_step.numel(), 0.0f);
     step(s, current.first(), current.second(),
-         visiting(ring.positions, src, ring.parts, B, S, seg_full, swapped), ref(dk_step), ref(dv_step));
+         visiting(ring.positions, src, ring.runs, B, S, seg_full, swapped), ref(dk_step), ref(dv_step));
     if (acc_hop) {
       wait_for(*acc_hop, *ring.waited);  // src's accumulator, from the ranks before this one
       acc_hop.reset();
@@ -435,10 +466,11 @@ void reach_backward(const cp::RingPass& ring, const Tensor& k, const Tensor& v,
   const AttentionSpec& a = ring.attention;
   const std::int64_t B = a.batch, S = a.seq_len, D = a.head_dim, R = ring.comm.size(),
                      rank = ring.comm.rank();
-  const std::int64_t n = k.shape().s / ring.parts, hkv = k.shape().h;
+  const std::vector<std::int64_t> starts = run_starts(ring.runs[static_cast<std::size_t>(rank)]);
+  const std::int64_t hkv = k.shape().h;
   const bool swapped = ring.control == NegativeControl::ring_zigzag_swapped;
   Tensor dk_step(DType::f32, k.shape()), dv_step(DType::f32, k.shape());
-  const std::vector<ReachStep> steps = ring_reach(ring.positions, ring.parts, a.band());
+  const std::vector<ReachStep> steps = ring_reach(ring.positions, ring.runs, a.band());
   const std::int64_t most_in = most_rows(steps, rank, false), most_out = most_rows(steps, rank, true);
   Rows kv_send[2] = {{a.dtype, B, most_out, hkv, D}, {a.dtype, B, most_out, hkv, D}};
   Rows kv_recv[2] = {{a.dtype, B, most_in, hkv, D}, {a.dtype, B, most_in, hkv, D}};
@@ -450,11 +482,11 @@ void reach_backward(const cp::RingPass& ring, const Tensor& k, const Tensor& v,
   // The dK/dV that came back for step j: what rank r + distance saw of this rank's rows.
   auto take_back = [&](std::size_t j) {
     const ReachStep& st = steps[j];
-    add_spans(acc, st.seen[static_cast<std::size_t>((rank + st.distance) % R)], n, part_recv[j % 2]);
+    add_spans(acc, st.seen[static_cast<std::size_t>((rank + st.distance) % R)], starts, part_recv[j % 2]);
   };
   std::unique_ptr<PendingShift> kv_hop, back;
   if (!steps.empty()) kv_hop = start(0);
-  step(0, cref(k), cref(v), visiting(ring.positions, rank, ring.parts, B, S, seg_full, swapped), ref(dk_step),
+  step(0, cref(k), cref(v), visiting(ring.positions, rank, ring.runs, B, S, seg_full, swapped), ref(dk_step),
        ref(dv_step));
   accumulate(acc, dk_step, dv_step);
   for (std::size_t j = 0; j < steps.size(); ++j) {
@@ -467,7 +499,8 @@ void reach_backward(const cp::RingPass& ring, const Tensor& k, const Tensor& v,
     partial.set_rows(st.rows_received(rank));
     partial.zero();
     step(st.distance, kv_recv[j % 2].chalf(0), kv_recv[j % 2].chalf(1),
-         arrived(ring.positions, src, st.seen[static_cast<std::size_t>(rank)], B, S, seg_full, swapped),
+         arrived(ring.positions, ring.runs, src, st.seen[static_cast<std::size_t>(rank)], B, S, seg_full,
+                 swapped),
          partial.half(0), partial.half(1));
     if (back) {
       wait_for(*back, *ring.waited);
@@ -496,18 +529,21 @@ AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const T
   const PositionBand band = a.band();
   const std::int64_t B = a.batch, S = a.seq_len, D = a.head_dim;
   const std::int64_t R = ring.comm.size(), rank = ring.comm.rank();
-  const std::int64_t L = q.shape().s, heads = q.shape().h, n = L / ring.parts;
+  const std::int64_t L = q.shape().s, heads = q.shape().h;
   const bool swapped = ring.control == NegativeControl::ring_zigzag_swapped;
   Running run(q.shape());
-  std::vector<Tensor> o_call;
-  std::vector<std::vector<float>> lse_call;
-  for (const KernelCall& c : ring.calls) {
-    o_call.emplace_back(DType::f32, Shape4{B, n, c.nq, D});
-    lse_call.emplace_back(static_cast<std::size_t>(B * c.nq * n));
-  }
   const bool packed = !seg_local.empty();
-  const auto mine = pieces(ring.positions[rank], ring.parts, B, packed,
+  const auto mine = pieces(ring.positions[rank], ring.runs[static_cast<std::size_t>(rank)], B, packed,
                            [&](std::int64_t b, std::int64_t t) { return seg_local[b * L + t]; });
+  // Each call's O and LSE of each of this rank's pieces: [piece][call].
+  std::vector<std::vector<Tensor>> o_call(mine.size());
+  std::vector<std::vector<std::vector<float>>> lse_call(mine.size());
+  for (std::size_t pi = 0; pi < mine.size(); ++pi) {
+    for (const KernelCall& c : ring.calls) {
+      o_call[pi].emplace_back(DType::f32, Shape4{B, mine[pi].count, c.nq, D});
+      lse_call[pi].emplace_back(static_cast<std::size_t>(B * c.nq * mine[pi].count));
+    }
+  }
   *ring.tiles = TileCounts{};
   const bool keep_steps = ring.control == NegativeControl::ring_step_lse;
   if (ring.step_lses != nullptr) ring.step_lses->clear();
@@ -516,23 +552,27 @@ AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const T
                            std::vector<float>(static_cast<std::size_t>(B * heads * L)));
   // Step s: this rank's queries against the pieces of src's K/V in (K, V), folded in.
   auto step = [&](std::int64_t s, ConstTensorRef K, ConstTensorRef V, const std::vector<Piece>& theirs) {
-    for (const Piece& qp : mine) {
+    for (std::size_t pi = 0; pi < mine.size(); ++pi) {
+      const Piece& qp = mine[pi];
+      const std::int64_t n = qp.count;
       for (const Piece& kp : theirs) {
-        if (!band.sees_any(qp.lo, qp.hi, kp.lo, kp.hi)) continue;  // every key out of every query's band
+        if (!qp.may_see(kp, band)) continue;  // every key out of every query's band or document
         const AttentionMask m = a.mask(qp.pos, kp.pos, qp.seg, kp.seg);
         for (std::size_t i = 0; i < ring.calls.size(); ++i) {
           const KernelCall& c = ring.calls[i];
+          Tensor& o_i = o_call[pi][i];
+          std::vector<float>& lse_i = lse_call[pi][i];
           TileCounts t;
           flash_forward(rows(cref(q), qp.first, n).heads(c.q0, c.nq),
                         rows(K, kp.first, kp.count).heads(c.kv0, c.nkv),
-                        rows(V, kp.first, kp.count).heads(c.kv0, c.nkv), m, a.scale(), ring.kernel,
-                        ref(o_call[i]), lse_call[i].data(), &t);
+                        rows(V, kp.first, kp.count).heads(c.kv0, c.nkv), m, a.scale(), ring.kernel, ref(o_i),
+                        lse_i.data(), &t);
           add_call_tiles(*ring.tiles, t, B, heads, c);
-          run.fold(o_call[i], lse_call[i], qp.first, c.q0);
+          run.fold(o_i, lse_i, qp.first, c.q0);
           if (keep_steps) {
             for (std::int64_t b = 0; b < B; ++b) {
               for (std::int64_t h = 0; h < c.nq; ++h) {
-                std::copy_n(lse_call[i].begin() + (b * c.nq + h) * n, n,
+                std::copy_n(lse_i.begin() + (b * c.nq + h) * n, n,
                             (*ring.step_lses)[s].begin() + ((b * heads + c.q0 + h) * L + qp.first));
               }
             }
@@ -550,7 +590,7 @@ AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const T
       std::unique_ptr<PendingShift> hop;
       if (s + 1 < R) hop = ring.comm.start_shift(current.both.raw(), next.both.raw(), current.count(), wire);
       step(s, current.first(), current.second(),
-           visiting(ring.positions, src, ring.parts, B, S, seg_full, swapped));
+           visiting(ring.positions, src, ring.runs, B, S, seg_full, swapped));
       if (hop) {
         wait_for(*hop, *ring.waited);
         std::swap(current, next);
@@ -559,7 +599,7 @@ AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const T
     return std::move(run).finish(a.dtype, ring.sinks);
   }
   // Windowed: only the steps some rank's band reaches, each rank's rows straight to the ranks that see them.
-  const std::vector<ReachStep> steps = ring_reach(ring.positions, ring.parts, band);
+  const std::vector<ReachStep> steps = ring_reach(ring.positions, ring.runs, band);
   const std::int64_t hkv = k.shape().h, most_in = most_rows(steps, rank, false),
                      most_out = most_rows(steps, rank, true);
   Rows send[2] = {{a.dtype, B, most_out, hkv, D}, {a.dtype, B, most_out, hkv, D}};
@@ -567,15 +607,15 @@ AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const T
   auto start = [&](std::size_t j) { return start_rows(ring, k, v, steps[j], send[j % 2], recv[j % 2]); };
   std::unique_ptr<PendingShift> hop;
   if (!steps.empty()) hop = start(0);
-  step(0, cref(k), cref(v), visiting(ring.positions, rank, ring.parts, B, S, seg_full, swapped));
+  step(0, cref(k), cref(v), visiting(ring.positions, rank, ring.runs, B, S, seg_full, swapped));
   for (std::size_t j = 0; j < steps.size(); ++j) {
     wait_for(*hop, *ring.waited);
     hop.reset();
     if (j + 1 < steps.size()) hop = start(j + 1);
     const std::int64_t src = (rank - steps[j].distance + R) % R;
-    step(
-        steps[j].distance, recv[j % 2].chalf(0), recv[j % 2].chalf(1),
-        arrived(ring.positions, src, steps[j].seen[static_cast<std::size_t>(rank)], B, S, seg_full, swapped));
+    step(steps[j].distance, recv[j % 2].chalf(0), recv[j % 2].chalf(1),
+         arrived(ring.positions, ring.runs, src, steps[j].seen[static_cast<std::size_t>(rank)], B, S,
+                 seg_full, swapped));
   }
   return std::move(run).finish(a.dtype, ring.sinks);
 }
@@ -587,19 +627,25 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
   const AttentionSpec& a = ring.attention;
   const PositionBand band = a.band();
   const std::int64_t B = a.batch, D = a.head_dim, rank = ring.comm.rank();
-  const std::int64_t L = q.shape().s, heads = q.shape().h, n = L / ring.parts;
+  const std::int64_t L = q.shape().s, heads = q.shape().h;
   const Shape4 kv_shape = k.shape();
   // The dK/dV accumulator of the shard this rank holds.
   Pair acc(DType::f32, kv_shape);
   Tensor dq(DType::f32, q.shape());
+  // Each call's gradients of one kernel call, sized for the longest run of any ring rank.
+  std::int64_t longest = 0;
+  for (const auto& lengths : ring.runs) {
+    for (const std::int64_t n : lengths) longest = std::max(longest, n);
+  }
   std::vector<Tensor> dq_call, dk_call, dv_call;
   for (const KernelCall& c : ring.calls) {
-    dq_call.emplace_back(DType::f32, Shape4{B, n, c.nq, D});
-    dk_call.emplace_back(DType::f32, Shape4{B, n, c.nkv, D});
-    dv_call.emplace_back(DType::f32, Shape4{B, n, c.nkv, D});
+    dq_call.emplace_back(DType::f32, Shape4{B, longest, c.nq, D});
+    dk_call.emplace_back(DType::f32, Shape4{B, longest, c.nkv, D});
+    dv_call.emplace_back(DType::f32, Shape4{B, longest, c.nkv, D});
   }
-  const auto mine = pieces(ring.positions[rank], ring.parts, B, !seg_local.empty(),
-                           [&](std::int64_t b, std::int64_t t) { return seg_local[b * L + t]; });
+  const auto mine =
+      pieces(ring.positions[rank], ring.runs[static_cast<std::size_t>(rank)], B, !seg_local.empty(),
+             [&](std::int64_t b, std::int64_t t) { return seg_local[b * L + t]; });
   // Step s: dQ of this rank's rows, and the step's dK/dV of src's pieces in (K, V) added into (dk, dv) at
   // the pieces' rows.
   auto step = [&](std::int64_t s, ConstTensorRef K, ConstTensorRef V, const std::vector<Piece>& theirs,
@@ -608,21 +654,23 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
     const std::vector<float>& lse =
         ring.control == NegativeControl::ring_step_lse ? (*ring.step_lses)[s] : lse_in;
     for (const Piece& qp : mine) {
+      const std::int64_t n = qp.count;
       std::vector<std::vector<float>> lse_piece;
       for (const KernelCall& c : ring.calls)
         lse_piece.push_back(lse_rows(lse, B, heads, L, qp.first, n, c.q0, c.nq));
       for (const Piece& kp : theirs) {
-        if (!band.sees_any(qp.lo, qp.hi, kp.lo, kp.hi)) continue;
+        if (!qp.may_see(kp, band)) continue;
         const AttentionMask m = a.mask(qp.pos, kp.pos, qp.seg, kp.seg);
         for (std::size_t i = 0; i < ring.calls.size(); ++i) {
           const KernelCall& c = ring.calls[i];
+          const TensorRef dq_i = compact(dq_call[i], n);
           const TensorRef dk_i = compact(dk_call[i], kp.count), dv_i = compact(dv_call[i], kp.count);
           flash_backward(
               rows(cref(q), qp.first, n).heads(c.q0, c.nq), rows(K, kp.first, kp.count).heads(c.kv0, c.nkv),
               rows(V, kp.first, kp.count).heads(c.kv0, c.nkv), rows(cref(o), qp.first, n).heads(c.q0, c.nq),
               lse_piece[i].data(), rows(cref(d_out), qp.first, n).heads(c.q0, c.nq), m, a.scale(),
-              ring.kernel, ref(dq_call[i]), dk_i, dv_i);
-          add_rows(ref(dq), qp.first, c.q0, cref(dq_call[i]));
+              ring.kernel, dq_i, dk_i, dv_i);
+          add_rows(ref(dq), qp.first, c.q0, {dq_i.ptr, dq_i.dtype, dq_i.shape, dq_i.stride});
           add_rows(dk, kp.first, c.kv0, {dk_i.ptr, dk_i.dtype, dk_i.shape, dk_i.stride});
           add_rows(dv, kp.first, c.kv0, {dv_i.ptr, dv_i.dtype, dv_i.shape, dv_i.stride});
         }
@@ -647,11 +695,11 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
 }  // namespace cp
 
 cp::RingPass ContextParallelAttention::Impl::ring_pass(Communicator& ring, const RankPositions& at,
-                                                       std::int64_t parts,
+                                                       const RankRuns& at_runs,
                                                        std::vector<cp::KernelCall> calls) {
   return {ring,
           at,
-          parts,
+          at_runs,
           std::move(calls),
           attention,
           kernel_config(),
@@ -665,7 +713,7 @@ AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, co
                                                              const Tensor& v, bool forward_only) {
   std::vector<std::int32_t> seg_full;
   if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, attention.batch, positions);
-  cp::RingPass pass = ring_pass(comm, positions, parallel.ring_parts(), {{0, hq, 0, hkv}});
+  cp::RingPass pass = ring_pass(comm, ring_positions, ring_runs, {{0, hq, 0, hkv}});
   pass.sinks = sinks_local;
   AttentionOutput out = cp::ring_pass_forward(pass, q, k, v, seg_local, seg_full);
   if (!forward_only) {
@@ -684,7 +732,7 @@ AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, co
 
 AttentionGradients ContextParallelAttention::Impl::ring_backward(const Tensor& d_out) {
   const cp::RingSaved& s = saved_as<cp::RingSaved>();
-  const cp::RingPass pass = ring_pass(comm, positions, parallel.ring_parts(), {{0, hq, 0, hkv}});
+  const cp::RingPass pass = ring_pass(comm, ring_positions, ring_runs, {{0, hq, 0, hkv}});
   cp::RingGradients g =
       cp::ring_pass_backward(pass, s.q, s.k, s.v, s.o, s.lse, d_out, s.seg_local, s.seg_full);
   AttentionGradients out{g.dq.to(attention.dtype), g.dk.to(attention.dtype), g.dv.to(attention.dtype), {}};

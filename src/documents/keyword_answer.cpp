@@ -86,6 +86,7 @@ std::vector<Keyword> problem_keywords() {
            [](Request& r, bool v) {
              if (v) r.values.load_balance = r.values.attention_load_balance = true;
            }),
+      text("layout", [](Request& r, const std::string& v) { r.values.layout = v; }),
       flag("causal", [](Request& r, bool v) { r.values.causal = v; }),  // false: --no-causal
       real("softcap", -std::numeric_limits<double>::max(), std::numeric_limits<double>::max(),
            [](Request& r, double v) { r.values.softcap = v; }),

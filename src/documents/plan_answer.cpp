@@ -213,6 +213,7 @@ nlohmann::ordered_json plan_document(const PlanRequest& req, const Plan& plan) {
     j["name"] = s.name;
     j["strategy"] = to_string(s.strategy);
     j["load_balance"] = s.load_balance;
+    j["layout"] = to_string(s.layout);
     if (strategy_traits(s.strategy).sub_groups) {
       j["ulysses_degree"] = s.ulysses_degree;
       j["ring_degree"] = s.ring_degree;
@@ -262,6 +263,7 @@ nlohmann::ordered_json plan_document(const PlanRequest& req, const Plan& plan) {
         {"name", best.name},
         {"strategy", to_string(best.strategy)},
         {"load_balance", best.load_balance},
+        {"layout", to_string(best.layout)},
         {"ulysses_degree", degrees ? nlohmann::ordered_json(best.ulysses_degree) : nlohmann::ordered_json()},
         {"ring_degree", degrees ? nlohmann::ordered_json(best.ring_degree) : nlohmann::ordered_json()}};
   };

@@ -57,7 +57,7 @@ void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p,
   const int rank = comm.rank();
   trace::set_thread_rank(rank);
   const std::int64_t sl = a.seq_len / p.cp;
-  const auto pos = local_positions(p.effective_layout(), a.seq_len, p.cp, rank);
+  const auto pos = layout_of(a, p).positions(rank);
   ContextParallelAttention attn(a, p, comm, settings.options);
   ContextParallelInternals::set_negative_control(attn, settings.negative_control);
   const Tensor q = take_tokens(problem.q, pos), k = take_tokens(problem.k, pos),
@@ -69,10 +69,14 @@ void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p,
   for (int iteration = 0; iteration < std::max(1, settings.repeat); ++iteration) {
     comm.barrier();
     auto t0 = clock::now();
+    double k0 = flash_cpu_seconds();
     const AttentionOutput out = attn.forward(q, k, v, seg, forward_only, problem.sinks);
+    const double forward_k = flash_cpu_seconds() - k0;
     comm.barrier();
     const double forward_s = std::chrono::duration<double>(clock::now() - t0).count();
     report.forward_seconds = iteration == 0 ? forward_s : std::min(report.forward_seconds, forward_s);
+    report.forward_kernel_cpu_seconds =
+        iteration == 0 ? forward_k : std::min(report.forward_kernel_cpu_seconds, forward_k);
     if (iteration == 0) {
       put_tokens(result.o, out.o, pos);
       const std::int64_t hq = out.o.shape().h;
@@ -91,10 +95,14 @@ void run_rank(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p,
       const Tensor d_out = take_tokens(problem.d_out, pos);
       comm.barrier();
       t0 = clock::now();
+      k0 = flash_cpu_seconds();
       const AttentionGradients g = attn.backward(d_out);
+      const double backward_k = flash_cpu_seconds() - k0;
       comm.barrier();
       const double backward_s = std::chrono::duration<double>(clock::now() - t0).count();
       report.backward_seconds = iteration == 0 ? backward_s : std::min(report.backward_seconds, backward_s);
+      report.backward_kernel_cpu_seconds =
+          iteration == 0 ? backward_k : std::min(report.backward_kernel_cpu_seconds, backward_k);
       if (iteration == 0) {
         put_tokens(result.dq, g.dq, pos);
         put_tokens(result.dk, g.dk, pos);
@@ -131,8 +139,9 @@ std::vector<trace::Event> gather_trace(Communicator& comm, const std::vector<tra
 void share_whole_result(Communicator& comm, const AttentionSpec& a, const ParallelSpec& p, bool forward_only,
                         WholeResult& result) {
   const int rank = comm.rank();
-  const RankPositions positions = rank_positions(p.effective_layout(), a.seq_len, p.cp);
-  const auto mine = local_positions(p.effective_layout(), a.seq_len, p.cp, rank);
+  const SequenceLayout layout = layout_of(a, p);
+  const RankPositions positions = layout.rank_positions();
+  const auto mine = layout.positions(rank);
   auto share = [&](Tensor& whole) {
     whole = cp::all_gather_sequence(comm, take_tokens(whole, mine), positions);
   };
@@ -171,17 +180,21 @@ void share_whole_result(Communicator& comm, const AttentionSpec& a, const Parall
     }
   }
   // Tiles and timings: each rank fills its slot, the sum gives everyone all of them.
-  std::vector<std::int64_t> values(static_cast<std::size_t>(4 * p.cp), 0);
+  std::vector<std::int64_t> values(static_cast<std::size_t>(6 * p.cp), 0);
   values[rank] = result.ranks[rank].tiles;
   values[p.cp + rank] = static_cast<std::int64_t>(result.ranks[rank].forward_seconds * 1e9);
   values[2 * p.cp + rank] = static_cast<std::int64_t>(result.ranks[rank].backward_seconds * 1e9);
   values[3 * p.cp + rank] = result.ranks[rank].saved_bytes;
+  values[4 * p.cp + rank] = static_cast<std::int64_t>(result.ranks[rank].forward_kernel_cpu_seconds * 1e9);
+  values[5 * p.cp + rank] = static_cast<std::int64_t>(result.ranks[rank].backward_kernel_cpu_seconds * 1e9);
   comm.all_reduce(values.data(), static_cast<int>(values.size()), ReduceOp::sum);
   for (std::int64_t r = 0; r < p.cp; ++r) {
     result.ranks[r].tiles = values[r];
     result.ranks[r].forward_seconds = static_cast<double>(values[p.cp + r]) * 1e-9;
     result.ranks[r].backward_seconds = static_cast<double>(values[2 * p.cp + r]) * 1e-9;
     result.ranks[r].saved_bytes = values[3 * p.cp + r];
+    result.ranks[r].forward_kernel_cpu_seconds = static_cast<double>(values[4 * p.cp + r]) * 1e-9;
+    result.ranks[r].backward_kernel_cpu_seconds = static_cast<double>(values[5 * p.cp + r]) * 1e-9;
   }
 }
 

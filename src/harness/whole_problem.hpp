@@ -32,6 +32,9 @@ struct RankReport {
   std::int64_t tiles = 0;
   double forward_seconds = 0, backward_seconds = 0;
   double comm_wait_seconds = 0;  // ring: waiting on shifts (ContextParallelAttention::comm_wait_seconds)
+  // The CPU time of the rank's kernel calls (flash_cpu_seconds), forward and backward, each its best
+  // iteration's: the rank's own work where ranks share cores.
+  double forward_kernel_cpu_seconds = 0, backward_kernel_cpu_seconds = 0;
   std::int64_t saved_bytes =
       0;  // what the forward kept for the backward (ContextParallelAttention::saved_bytes)
   std::vector<float> dsinks;  // this rank's share of the sinks' gradient (AttentionGradients::dsinks)

@@ -17,6 +17,7 @@
 #include "kernels/exp2_poly.hpp"
 #include "kernels/flash_bf16.hpp"
 #include "kernels/kernel_args.hpp"
+#include "kernels/kernel_clock.hpp"
 #include "kernels/masking.hpp"
 #include "kernels/packing.hpp"
 #include "kernels/prefetch.hpp"
@@ -418,6 +419,7 @@ void flash_backward(const ConstTensorRef& q, const ConstTensorRef& k, const Cons
                     const ConstTensorRef& o, const float* lse, const ConstTensorRef& d_out,
                     const AttentionMask& mask, double scale, const FlashConfig& config, const TensorRef& dq,
                     const TensorRef& dk, const TensorRef& dv, TileCounts* tiles, float* dsinks) {
+  const KernelClock clock;
   const trace::Scope event("kernel", "flash_backward", trace::enabled() ? trace_args(q, k, mask) : "");
   check_forward_args(q, k, v, mask, config);
   check_same_shape("o", o.shape, q.shape);

@@ -16,6 +16,7 @@
 #include "kernels/exp2_poly.hpp"
 #include "kernels/flash_bf16.hpp"
 #include "kernels/kernel_args.hpp"
+#include "kernels/kernel_clock.hpp"
 #include "kernels/masking.hpp"
 #include "kernels/packing.hpp"
 #include "kernels/prefetch.hpp"
@@ -440,9 +441,14 @@ HWY_EXPORT(forward_vector);
 
 using namespace kernels;
 
+double flash_cpu_seconds() {
+  return static_cast<double>(kernels::kernel_cpu_ns()) * 1e-9;
+}
+
 void flash_forward(const ConstTensorRef& q, const ConstTensorRef& k, const ConstTensorRef& v,
                    const AttentionMask& mask, double scale, const FlashConfig& config, const TensorRef& o,
                    float* lse, TileCounts* tiles) {
+  const KernelClock clock;
   const trace::Scope event("kernel", "flash_forward", trace::enabled() ? trace_args(q, k, mask) : "");
   check_forward_args(q, k, v, mask, config);
   check_same_shape("o", o.shape, q.shape);

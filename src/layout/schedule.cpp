@@ -98,8 +98,10 @@ void ring_shifts(StrategySchedule& s, const AttentionSpec& a, const ParallelSpec
     return;
   }
   std::vector<ReachStep> found;
-  if (reach == nullptr)
-    found = ring_reach(rank_positions(p.ring_layout(), a.seq_len, R), p.ring_parts(), a.band());
+  if (reach == nullptr) {
+    const SequenceLayout ring = ring_layout_of(a, p);
+    found = ring_reach(ring.rank_positions(), ring.rank_run_lengths(), a.band());
+  }
   const std::vector<ReachStep>& steps = reach != nullptr ? *reach : found;
   auto kv = [&](const char* phase, const ReachStep& st) {
     return shift(phase, "kv", 2 * a.batch * st.rows_sent(me) * row, e, st.distance);
@@ -162,11 +164,11 @@ StrategySchedule all_gather_schedule(const AttentionSpec& a, const ParallelSpec&
   using K = CollectiveKind;
   std::vector<std::vector<std::int64_t>> seen_rows;  // [r][p]: what rank r sends rank p
   if (a.windowed()) {
-    const RankPositions positions = rank_positions(p.effective_layout(), a.seq_len, p.cp);
-    const std::int64_t parts = p.effective_layout() == ShardLayout::dual_chunk_swap ? 2 : 1;
-    const auto seen = seen_positions(positions, parts, a.band(), a.seq_len, o.block);
+    const SequenceLayout layout = layout_of(a, p);
+    const auto seen =
+        seen_positions(layout.rank_positions(), layout.rank_run_lengths(), a.band(), a.seq_len, o.block);
     for (std::int64_t r = 0; r < p.cp; ++r) {
-      const std::vector<PositionRange> mine = local_ranges(p.effective_layout(), a.seq_len, p.cp, r);
+      const std::vector<PositionRange>& mine = layout.runs[static_cast<std::size_t>(r)];
       seen_rows.emplace_back();
       for (std::int64_t q = 0; q < p.cp; ++q) seen_rows.back().push_back(B * overlap(mine, seen[q]) * row);
     }

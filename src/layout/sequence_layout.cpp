@@ -6,20 +6,15 @@ namespace cpattn {
 
 std::vector<PositionRange> local_ranges(ShardLayout layout, std::int64_t seq_len, std::int64_t cp,
                                         std::int64_t rank) {
-  CPATTN_ASSERT(cp > 0 && rank >= 0 && rank < cp);
+  CPATTN_ASSERT(cp > 0 && rank >= 0 && rank < cp && seq_len % layout_chunks(layout, cp) == 0);
+  if (layout_reads_documents(layout))
+    return make_layout(layout, seq_len, cp).runs[static_cast<std::size_t>(rank)];
   if (layout == ShardLayout::contiguous) {
-    CPATTN_ASSERT(seq_len % cp == 0);
     const std::int64_t n = seq_len / cp;
     return {{rank * n, (rank + 1) * n}};
   }
-  CPATTN_ASSERT(seq_len % layout_chunks(layout, cp) == 0);
-  const std::int64_t c = seq_len / layout_chunks(layout, cp);
-  std::vector<PositionRange> ranges;
-  for (std::int64_t slot = 0; slot < 2; ++slot) {
-    const std::int64_t chunk = chunk_at(layout, cp, rank, slot);
-    ranges.push_back({chunk * c, (chunk + 1) * c});
-  }
-  return ranges;
+  const std::int64_t c = seq_len / (2 * cp);
+  return {{rank * c, (rank + 1) * c}, {(2 * cp - 1 - rank) * c, (2 * cp - rank) * c}};
 }
 
 std::vector<std::int64_t> local_positions(ShardLayout layout, std::int64_t seq_len, std::int64_t cp,
@@ -33,13 +28,7 @@ std::vector<std::int64_t> local_positions(ShardLayout layout, std::int64_t seq_l
 }
 
 std::vector<std::int64_t> layout_order(ShardLayout layout, std::int64_t seq_len, std::int64_t cp) {
-  std::vector<std::int64_t> order;
-  order.reserve(static_cast<std::size_t>(seq_len));
-  for (std::int64_t r = 0; r < cp; ++r) {
-    const auto local = local_positions(layout, seq_len, cp, r);
-    order.insert(order.end(), local.begin(), local.end());
-  }
-  return order;
+  return make_layout(layout, seq_len, cp).order();
 }
 
 std::vector<std::int64_t> dual_chunk_swap_order(std::int64_t seq_len, std::int64_t cp) {
@@ -104,6 +93,15 @@ std::vector<std::int32_t> segment_ids_from_lengths(std::int64_t batch,
   return all;
 }
 
+std::vector<std::int64_t> document_lengths(const std::vector<std::int32_t>& row_segment_ids) {
+  std::vector<std::int64_t> lengths;
+  for (std::size_t i = 0; i < row_segment_ids.size(); ++i) {
+    if (i == 0 || row_segment_ids[i] != row_segment_ids[i - 1]) lengths.push_back(0);
+    ++lengths.back();
+  }
+  return lengths;
+}
+
 std::vector<std::int32_t> positions_as_int32(const std::vector<std::int64_t>& positions, std::int64_t batch) {
   std::vector<std::int32_t> out;
   out.reserve(positions.size() * static_cast<std::size_t>(batch));
@@ -114,10 +112,7 @@ std::vector<std::int32_t> positions_as_int32(const std::vector<std::int64_t>& po
 }
 
 RankPositions rank_positions(ShardLayout layout, std::int64_t seq_len, std::int64_t cp) {
-  RankPositions positions;
-  for (std::int64_t r = 0; r < cp; ++r)
-    positions.push_back(positions_as_int32(local_positions(layout, seq_len, cp, r)));
-  return positions;
+  return make_layout(layout, seq_len, cp).rank_positions();
 }
 
 std::int64_t ReachStep::rows_received(std::int64_t r) const {
@@ -140,20 +135,23 @@ struct Run {
   bool consecutive = true;
 };
 
-std::vector<Run> runs_of(const std::vector<std::int32_t>& positions, std::int64_t parts) {
+std::vector<Run> runs_of(const std::vector<std::int32_t>& positions,
+                         const std::vector<std::int64_t>& lengths) {
   std::vector<Run> runs;
-  const std::int64_t n = static_cast<std::int64_t>(positions.size()) / parts;
-  for (std::int64_t part = 0; part < parts; ++part) {
-    Run run{part * n, n, 0, 0, true};
+  std::int64_t first = 0;
+  for (const std::int64_t n : lengths) {
+    Run run{first, n, 0, 0, true};
     if (n > 0) {
-      const auto first = positions.begin() + part * n;
-      const auto [lo, hi] = std::minmax_element(first, first + n);
+      const auto at = positions.begin() + first;
+      const auto [lo, hi] = std::minmax_element(at, at + n);
       run.lo = *lo;
       run.hi = *hi;
-      for (std::int64_t t = 0; t < n && run.consecutive; ++t) run.consecutive = first[t] == run.lo + t;
+      for (std::int64_t t = 0; t < n && run.consecutive; ++t) run.consecutive = at[t] == run.lo + t;
     }
     runs.push_back(run);
+    first += n;
   }
+  CPATTN_ASSERT(first == static_cast<std::int64_t>(positions.size()));
   return runs;
 }
 
@@ -183,11 +181,11 @@ RowSpan seen_span(const std::vector<Run>& q, const Run& kv, const std::vector<st
 
 }  // namespace
 
-std::vector<PositionRange> seen_positions(const std::vector<std::int32_t>& positions, std::int64_t parts,
-                                          const PositionBand& band, std::int64_t seq_len,
-                                          std::int64_t block) {
+std::vector<PositionRange> seen_positions(const std::vector<std::int32_t>& positions,
+                                          const std::vector<std::int64_t>& runs, const PositionBand& band,
+                                          std::int64_t seq_len, std::int64_t block) {
   std::vector<PositionRange> out;
-  for (const Run& run : runs_of(positions, parts)) {
+  for (const Run& run : runs_of(positions, runs)) {
     if (run.n == 0) continue;
     const std::int64_t from = std::max<std::int64_t>(0, run.lo - band.left);
     const std::int64_t to = std::min<std::int64_t>(seq_len - 1, run.hi + band.right);
@@ -207,11 +205,12 @@ std::vector<PositionRange> seen_positions(const std::vector<std::int32_t>& posit
   return merged;
 }
 
-std::vector<std::vector<PositionRange>> seen_positions(const RankPositions& positions, std::int64_t parts,
+std::vector<std::vector<PositionRange>> seen_positions(const RankPositions& positions, const RankRuns& runs,
                                                        const PositionBand& band, std::int64_t seq_len,
                                                        std::int64_t block) {
   std::vector<std::vector<PositionRange>> out;
-  for (const auto& p : positions) out.push_back(seen_positions(p, parts, band, seq_len, block));
+  for (std::size_t p = 0; p < positions.size(); ++p)
+    out.push_back(seen_positions(positions[p], runs[p], band, seq_len, block));
   return out;
 }
 
@@ -230,11 +229,11 @@ std::int64_t overlap(const std::vector<PositionRange>& a, const std::vector<Posi
   return n;
 }
 
-std::vector<ReachStep> ring_reach(const RankPositions& positions, std::int64_t parts,
+std::vector<ReachStep> ring_reach(const RankPositions& positions, const RankRuns& lengths,
                                   const PositionBand& band) {
   const auto ranks = static_cast<std::int64_t>(positions.size());
   std::vector<std::vector<Run>> runs;
-  for (const auto& p : positions) runs.push_back(runs_of(p, parts));
+  for (std::size_t p = 0; p < positions.size(); ++p) runs.push_back(runs_of(positions[p], lengths[p]));
   std::vector<ReachStep> steps;
   for (std::int64_t d = 1; d < ranks; ++d) {
     ReachStep step{d, {}};

@@ -84,8 +84,10 @@ std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, cons
   const bool windowed_ring = p.traits().ring && a.windowed() && p.ring_degree() > 1;
   const std::int64_t ranks = windowed_ring ? p.cp : p.traits().sub_groups ? p.head_group_size() : 1;
   std::vector<ReachStep> reach;
-  if (windowed_ring)
-    reach = ring_reach(rank_positions(p.ring_layout(), a.seq_len, p.ring_degree()), p.ring_parts(), a.band());
+  if (windowed_ring) {
+    const SequenceLayout ring = ring_layout_of(a, p);
+    reach = ring_reach(ring.rank_positions(), ring.rank_run_lengths(), a.band());
+  }
   std::vector<CollectiveRecord> out;
   for (std::int64_t r = 0; r < ranks; ++r) {
     StrategySchedule schedule =
@@ -220,11 +222,55 @@ struct PlanContext {
   }
 };
 
+// A layout cut by documents around a layer whose neighbours need contiguous order: an all_to_all_v in
+// (rank r sends rank p the tokens of r's contiguous shard that p holds) and its transpose out, in forward,
+// both again in backward and the forward's under remat.
+double plan_document_reorder(const PlanContext& c, StrategyPlan& s, std::vector<std::int64_t>& inter_bytes) {
+  const SequenceLayout layout = layout_of(c.a, c.p);
+  const std::int64_t row = c.B * c.req.model.emb_dim;
+  std::vector<std::vector<std::int64_t>> in(static_cast<std::size_t>(c.cp),
+                                            std::vector<std::int64_t>(static_cast<std::size_t>(c.cp), 0));
+  for (std::int64_t r = 0; r < c.cp; ++r) {
+    const std::vector<PositionRange> mine{{r * c.sl, (r + 1) * c.sl}};
+    for (std::int64_t p = 0; p < c.cp; ++p)
+      in[r][p] = row * overlap(mine, layout.runs[static_cast<std::size_t>(p)]);
+  }
+  auto out = in;
+  for (std::int64_t r = 0; r < c.cp; ++r) {
+    for (std::int64_t p = 0; p < c.cp; ++p) out[r][p] = in[p][r];
+  }
+  double seconds = 0;
+  auto both = [&](const std::string& phase) {
+    for (const auto* blocks : {&in, &out}) {
+      add_to_records(s.reorder, CollectiveKind::all_to_all, phase,
+                     all_to_all_v_cost(*blocks, static_cast<std::size_t>(c.E)));
+      std::vector<Traffic> traffic(static_cast<std::size_t>(c.cp));
+      for (std::int64_t r = 0; r < c.cp; ++r) {
+        for (std::int64_t p = 0; p < c.cp; ++p) {
+          const std::int64_t bytes = (*blocks)[r][p] * c.E;
+          if (p == r || bytes == 0) continue;
+          c.links.add(traffic[r], r, p, static_cast<double>(bytes));
+          if (c.links.crosses(r, p)) inter_bytes[r] += bytes;
+        }
+      }
+      const auto t = c.links.call_seconds(traffic);
+      seconds += *std::max_element(t.begin(), t.end());
+    }
+  };
+  both("forward");
+  if (c.req.forward_only) return seconds;
+  if (c.req.remat) both("remat");
+  both("backward");
+  return seconds;
+}
+
 // Reorders around a load-balanced layer whose neighbours need contiguous order: entry (contiguous -> dual
 // chunk swap) and exit in forward, their transposes in backward, and the forward's again under remat. Adds
 // their time (each permute at the slower link any rank uses) and each rank's bytes to other hosts.
 double plan_reorder(const PlanContext& c, StrategyPlan& s, std::vector<std::int64_t>& inter_bytes) {
-  if (!(c.p.load_balance && c.req.model.other_layers_need_contiguous_order())) return 0;
+  if (!c.req.model.other_layers_need_contiguous_order()) return 0;
+  if (layout_reads_documents(c.p.effective_layout())) return plan_document_reorder(c, s, inter_bytes);
+  if (!c.p.load_balance) return 0;
   const std::int64_t chunk = c.B * (c.S / (2 * c.cp)) * c.req.model.emb_dim;
   const auto entry = reorder_destinations(c.cp, ShardLayout::contiguous, ShardLayout::dual_chunk_swap);
   const auto exit = reorder_destinations(c.cp, ShardLayout::dual_chunk_swap, ShardLayout::contiguous);
@@ -262,8 +308,8 @@ struct KernelCall {
 // Per rank, per ring step (one step for the strategies without a ring), its calls.
 using CallPlan = std::vector<std::vector<std::vector<KernelCall>>>;
 
-// The ring's kernel calls (ring_strategy.cpp): each ring rank's rows cut into the calls' pieces (the whole
-// rows, or each chunk with load balance, each on a grid of its own), made once; per step the rank's pieces
+// The ring's kernel calls (ring_strategy.cpp): each ring rank's rows cut into the calls' pieces (its
+// layout's runs, each on a grid of its own), made once; per step the rank's pieces
 // against the visiting ones (a windowed ring's: the arrived spans), the calls the band hides whole skipped.
 struct RingTiles {
   struct Piece {
@@ -273,17 +319,23 @@ struct RingTiles {
   };
   using Tokens = std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>>;  // positions, segment ids
   const PlanContext& c;
-  std::int64_t n = 0;  // rows per piece
+  SequenceLayout layout;  // the ring's rows (ring_layout_of)
   std::vector<Tokens> tokens;
   std::vector<std::vector<Piece>> pieces;
+  std::vector<std::vector<std::int64_t>> starts;  // [ring rank][run]: the run's first local row
 
   template <class TokensOf>
-  RingTiles(const PlanContext& context, TokensOf tokens_of) : c(context), n(c.S / c.R / c.p.ring_parts()) {
+  RingTiles(const PlanContext& context, TokensOf tokens_of) : c(context), layout(ring_layout_of(c.a, c.p)) {
     for (std::int64_t rr = 0; rr < c.R; ++rr) {
-      tokens.push_back(tokens_of(c.p.ring_layout(), c.R, rr));
+      tokens.push_back(tokens_of(layout, rr));
       pieces.emplace_back();
-      for (std::int64_t part = 0; part < c.p.ring_parts(); ++part)
-        pieces.back().push_back(make_piece(tokens.back(), part * n, n));
+      starts.emplace_back();
+      std::int64_t first = 0;
+      for (const std::int64_t n : layout.run_lengths(rr)) {
+        starts.back().push_back(first);
+        pieces.back().push_back(make_piece(tokens.back(), first, n));
+        first += n;
+      }
     }
   }
   // Rows [first, first + count) of a ring rank's tokens as a piece.
@@ -313,12 +365,14 @@ struct RingTiles {
     if (at < 0) return theirs;
     const auto& seen = c.reach[static_cast<std::size_t>(at)].seen[static_cast<std::size_t>(ring_rank)];
     cut.reserve(seen.size());
+    const auto& src_pieces = pieces[static_cast<std::size_t>(src)];
     for (std::size_t part = 0; part < seen.size(); ++part) {
-      if (seen[part].size() == n) {
-        theirs.push_back(&pieces[static_cast<std::size_t>(src)][part]);
+      if (seen[part].size() == src_pieces[part].rows) {
+        theirs.push_back(&src_pieces[part]);
       } else if (seen[part].size() > 0) {
         cut.push_back(make_piece(tokens[static_cast<std::size_t>(src)],
-                                 static_cast<std::int64_t>(part) * n + seen[part].begin, seen[part].size()));
+                                 starts[static_cast<std::size_t>(src)][part] + seen[part].begin,
+                                 seen[part].size()));
         theirs.push_back(&cut.back());
       }
     }
@@ -339,7 +393,7 @@ struct RingTiles {
           const std::int64_t tiles = kernels::count_nonempty_tiles(qp.blocks, kp.blocks, band, c.packed);
           if (tiles == 0) continue;
           const bool diagonal = !band.sees_all(qp.pos_min, qp.pos_max, kp.pos_min, kp.pos_max);
-          calls.push_back({tiles, n, kp.rows, diagonal});
+          calls.push_back({tiles, qp.rows, kp.rows, diagonal});
         }
       }
       steps.push_back(std::move(calls));
@@ -355,16 +409,16 @@ CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
   CallPlan calls;
   const std::vector<std::int32_t> natural = natural_positions(1, c.S);
   const std::vector<std::int32_t> segments = segment_ids_from_lengths(1, c.req.segments);
-  // The rows of rank r of `ranks` in `layout`: positions and (packed) segment ids.
-  auto tokens = [&](ShardLayout layout, std::int64_t ranks, std::int64_t r) {
-    const auto local = local_positions(layout, c.S, ranks, r);
+  // The rows of rank r in `layout`: positions and (packed) segment ids.
+  auto tokens = [&](const SequenceLayout& layout, std::int64_t r) {
+    const auto local = layout.positions(r);
     std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>> t{positions_as_int32(local), {}};
     for (auto x : local) {
       if (c.packed) t.second.push_back(segments[x]);
     }
     return t;
   };
-  const ShardLayout layout = c.p.effective_layout();
+  const SequenceLayout layout = layout_of(c.a, c.p);
   // Computed once and shared by the ranks that see the same rows: the whole sequence's kv blocks; ulysses's
   // per-head count (every rank sees the whole sequence); ring: each ring rank's rows and its steps' counts
   // (hybrid's ranks of one ulysses group share their ring rank).
@@ -398,7 +452,7 @@ CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
       s.tiles_per_rank_per_step.push_back(per_step);
       calls.push_back(*steps);
     } else {
-      const auto [q_pos, q_seg] = tokens(layout, c.cp, r);
+      const auto [q_pos, q_seg] = tokens(layout, r);
       per_head = count_tiles(q_pos, q_seg, natural_blocks, c.a.band(), c.req.block);
       calls.push_back(
           {{{per_head, c.sl, c.gathered_rows[static_cast<std::size_t>(r)], c.a.band().bounded()}}});
@@ -898,17 +952,20 @@ void plan_time(const PlanContext& c, StrategyPlan& s, const CallPlan& calls, con
 using KernelFits = std::pair<std::vector<KernelFit>, std::vector<KernelFit>>;
 
 StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const std::string& name,
-                           Strategy strategy, bool load_balance, std::int64_t ulysses_degree = 0) {
+                           Strategy strategy, ShardLayout layout, std::int64_t ulysses_degree = 0) {
+  const bool load_balance = layout == ShardLayout::dual_chunk_swap;
   PlanContext c{req, req.attention, req.parallel, 1,  1, 1,  1,  1,     1,  1,  4, 1,
                 1,   false,         {},           {}, 1, {}, {}, false, {}, {}, {}};
   c.p.strategy = strategy;
   c.p.load_balance = load_balance;
-  c.p.layout.reset();
+  c.p.layout = layout;
+  c.p.documents = req.segments;
   c.p.ulysses_degree = ulysses_degree;
   StrategyPlan s;
   s.name = name;
   s.strategy = strategy;
   s.load_balance = load_balance;
+  s.layout = layout;
   if (c.heads_split() || c.ring_like()) {
     s.ulysses_degree = c.p.head_group_size();
     s.ring_degree = c.p.ring_degree();
@@ -933,10 +990,9 @@ StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const
   c.windowed_ring = c.ring_like() && c.a.windowed() && c.R > 1;
   c.gathered_rows.assign(static_cast<std::size_t>(c.cp), c.S);
   if (c.p.strategy == Strategy::all_gather && c.a.windowed()) {
-    const ShardLayout layout = c.p.effective_layout();
+    const SequenceLayout shards = layout_of(c.a, c.p);
     const auto seen =
-        seen_positions(rank_positions(layout, c.S, c.cp), layout == ShardLayout::dual_chunk_swap ? 2 : 1,
-                       c.a.band(), c.S, req.block);
+        seen_positions(shards.rank_positions(), shards.rank_run_lengths(), c.a.band(), c.S, req.block);
     for (std::int64_t r = 0; r < c.cp; ++r) {
       std::int64_t rows = 0;
       for (const PositionRange& x : seen[static_cast<std::size_t>(r)]) rows += x.size();
@@ -944,7 +1000,8 @@ StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const
     }
   }
   if (c.windowed_ring) {
-    c.reach = ring_reach(rank_positions(c.p.ring_layout(), c.S, c.R), c.p.ring_parts(), c.a.band());
+    const SequenceLayout ring = ring_layout_of(c.a, c.p);
+    c.reach = ring_reach(ring.rank_positions(), ring.rank_run_lengths(), c.a.band());
     c.reach_at.assign(static_cast<std::size_t>(c.R), -1);
     for (std::size_t i = 0; i < c.reach.size(); ++i)
       c.reach_at[static_cast<std::size_t>(c.reach[i].distance)] = static_cast<std::int64_t>(i);
@@ -998,6 +1055,20 @@ std::string hardware_profile_names() {
   std::string names;
   for (const auto& h : hardware_profiles()) names += (names.empty() ? "" : ", ") + h.name;
   return names;
+}
+
+std::string plan_name(Strategy strategy, std::int64_t ulysses_degree, std::int64_t ring_degree,
+                      ShardLayout layout) {
+  const std::string base = strategy == Strategy::hybrid ? hybrid_name(ulysses_degree, ring_degree, false)
+                                                        : std::string(to_string(strategy));
+  switch (layout) {
+    case ShardLayout::contiguous:
+      return base;
+    case ShardLayout::dual_chunk_swap:
+      return base + "_load_balanced";
+    default:
+      return base + "_" + to_string(layout);
+  }
 }
 
 std::string hybrid_name(std::int64_t ulysses_degree, std::int64_t ring_degree, bool load_balance) {
@@ -1074,9 +1145,8 @@ void plan_local_layers(const PlanRequest& req, const KernelFits& fits, Plan& pla
   local.model.num_layers = local.model.attention_every;  // one attention layer
   const double n = static_cast<double>(req.model.local_layers());
   for (StrategyPlan& s : plan.strategies) {
-    auto l =
-        std::make_shared<StrategyPlan>(plan_strategy(local, fits, s.name, s.strategy, s.load_balance,
-                                                     s.strategy == Strategy::hybrid ? s.ulysses_degree : 0));
+    auto l = std::make_shared<StrategyPlan>(plan_strategy(
+        local, fits, s.name, s.strategy, s.layout, s.strategy == Strategy::hybrid ? s.ulysses_degree : 0));
     s.model_seconds += n * l->model_seconds;
     s.model_bytes_sent_per_rank += req.model.local_layers() * l->model_bytes_sent_per_rank;
     s.local = std::move(l);
@@ -1088,11 +1158,11 @@ void plan_local_layers(const PlanRequest& req, const KernelFits& fits, Plan& pla
 // kinds of layer, which the plan does not price.
 std::optional<std::size_t> recommended_local(const PlanRequest& req, const Plan& plan, std::size_t best) {
   if (req.model.local_layers() == 0 || best >= plan.strategies.size()) return std::nullopt;
-  const bool balanced = plan.strategies[best].load_balance;
+  const ShardLayout layout = plan.strategies[best].layout;
   std::optional<std::size_t> local;
   for (std::size_t i = 0; i < plan.strategies.size(); ++i) {
     const StrategyPlan& s = *plan.strategies[i].local;
-    if (s.possible && plan.strategies[i].load_balance == balanced &&
+    if (s.possible && plan.strategies[i].layout == layout &&
         (!local || s.layer_seconds < plan.strategies[*local].local->layer_seconds))
       local = i;
   }
@@ -1167,11 +1237,13 @@ Plan make_plan(const PlanRequest& req) {
     const std::int64_t cp = req.parallel.cp;
     for (std::int64_t u = traits.sub_groups ? 2 : 0; u < (traits.sub_groups ? cp : 1); ++u) {
       if (u > 0 && cp % u != 0) continue;
-      for (const bool load_balance : {false, true}) {
-        if (load_balance && !traits.load_balance) continue;
-        const std::string name = u > 0 ? hybrid_name(u, cp / u, load_balance)
-                                       : std::string(traits.name) + (load_balance ? "_load_balanced" : "");
-        plan.strategies.push_back(plan_strategy(req, fits, name, strategy, load_balance, u));
+      for (const ShardLayout layout : kShardLayouts) {
+        // Layouts other than contiguous are for the strategies that shard the sequence; those cut by
+        // documents are planned on packed rows (on one document they are the dual chunk swap, finer).
+        if (layout != ShardLayout::contiguous && !traits.load_balance) continue;
+        if (layout_reads_documents(layout) && req.segments.empty()) continue;
+        plan.strategies.push_back(plan_strategy(req, fits, plan_name(strategy, u, u > 0 ? cp / u : 0, layout),
+                                                strategy, layout, u));
       }
     }
   }

@@ -76,6 +76,9 @@ def case_strategies():
     check_strategy(make, "ring", 9, bitwise=False, load_balance=True, packed=True, window=40, softcap=1.5,
                    sinks=torch.tensor([0.5, 4.0, -3.0, 1.0, 0.0, 2.5, -1.0, 6.0]))
     check_strategy(make, "ulysses", 10, bitwise=True, sinks=torch.tensor([1.0, -2.0, 0.5, 3.0, 0.0, -1.0, 2.0, 5.0]))
+    # The layouts cut by the packed row's documents (problem()'s: 85, 107 and 64 tokens at S = 256).
+    check_strategy(make, "all_gather", 11, bitwise=True, packed=True, layout="solver", documents=[85, 107, 64])
+    check_strategy(make, "ring", 12, bitwise=False, packed=True, layout="per_document", documents=(85, 107, 64))
 
 
 def case_bfloat16():

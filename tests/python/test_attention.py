@@ -424,7 +424,25 @@ BAD_POSITIONS = [
     ((64, 2, 0, 5), "layout"),
     ((63, 2, 0), "seq_len"),
     ((66, 2, 0, "dual_chunk_swap"), "seq_len"),
+    ((64, 2, 0, "solver", [10, 10]), "documents"),
+    ((64, 2, 0, "per_document", "64"), "documents"),
+    ((64, 2, 0, "per_document", [64, 0]), "documents[1]"),
 ]
+
+
+@pytest.mark.parametrize("layout", ["per_document", "solver"])
+def test_local_positions_of_the_document_layouts_cover_the_row_once(layout):
+    docs = [1, 100, 3, 152]
+    ranks = [cpattn.local_positions(256, 4, r, layout, documents=docs) for r in range(4)]
+    assert all(len(x) == 64 for x in ranks)
+    assert sorted(np.concatenate(ranks).tolist()) == list(range(256))
+    # per_document: each rank holds a quarter of the last document (152 tokens)
+    if layout == "per_document":
+        for r in ranks:
+            assert sum(1 for p in r if 104 <= p) == 38
+    # a window changes the solver's costs, not its rules
+    w = [cpattn.local_positions(256, 4, r, layout, documents=docs, window=16) for r in range(4)]
+    assert sorted(np.concatenate(w).tolist()) == list(range(256))
 
 
 @pytest.mark.parametrize("args, field", BAD_POSITIONS, ids=[repr(a) for a, _ in BAD_POSITIONS])

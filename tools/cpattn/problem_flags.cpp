@@ -34,6 +34,11 @@ void ProblemFlags::add_to(CLI::App& app, bool parallel) {
   if (parallel) {
     app.add_flag("--load-balance", load_balance,
                  strategy_names(&StrategyTraits::load_balance) + " with dual-chunk-swap load balance");
+    add_text(
+        app, "--layout", values.layout,
+        "the shards' layout: contiguous, dual_chunk_swap (= --load-balance), per_document (each "
+        "document's dual chunk swap) or solver (chunks dealt by their cost); the last two cut the row by "
+        "its documents (--segments)");
   }
   // --window LEFT or LEFT,RIGHT: read as decimal int64 here, the sides' rules are validation's.
   app.add_option_function<std::string>(

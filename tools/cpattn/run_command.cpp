@@ -339,6 +339,7 @@ nlohmann::ordered_json run_report(const RunOptions& opt, const AttentionSpec& a,
   }
   out["problem"].update(attention_to_json(a));
   out["problem"].update(nlohmann::ordered_json{{"load_balance", p.load_balance},
+                                               {"layout", to_string(p.effective_layout())},
                                                {"remat", opt.remat},
                                                {"forward_only", opt.forward_only},
                                                {"backend", opt.backend},
@@ -347,11 +348,13 @@ nlohmann::ordered_json run_report(const RunOptions& opt, const AttentionSpec& a,
                                                {"segments", opt.segments}});
   double fwd_s = 0, bwd_s = 0, wait_s = 0;
   std::vector<std::int64_t> tiles;
+  std::vector<double> kernel_cpu;  // each rank's kernels' CPU seconds, forward and backward
   for (const auto& r : result.ranks) {
     fwd_s = std::max(fwd_s, r.forward_seconds);
     bwd_s = std::max(bwd_s, r.backward_seconds);
     wait_s = std::max(wait_s, r.comm_wait_seconds);
     tiles.push_back(r.tiles);
+    kernel_cpu.push_back(r.forward_kernel_cpu_seconds + r.backward_kernel_cpu_seconds);
   }
   out["seconds"] = {{"forward", fwd_s},
                     {"backward", opt.forward_only ? nlohmann::ordered_json() : nlohmann::ordered_json(bwd_s)},
@@ -363,6 +366,9 @@ nlohmann::ordered_json run_report(const RunOptions& opt, const AttentionSpec& a,
   out["collectives"] = nlohmann::ordered_json::array();
   for (const auto& c : result.ranks.front().collectives) out["collectives"].push_back(record_json(c, hosts));
   out["tiles_per_rank"] = tiles;
+  // The CPU time of each rank's kernel calls (its threads' and their workers'), forward and backward: what
+  // the layout balances, measurable where ranks share cores and wall time is not.
+  out["kernel_cpu_seconds_per_rank"] = kernel_cpu;
   std::vector<std::int64_t> saved;
   for (const auto& r : result.ranks) saved.push_back(r.saved_bytes);
   out["saved_bytes_per_rank"] = saved;  // what each rank's forward kept for its backward
@@ -445,7 +451,9 @@ void save_outputs(const std::string& dir, const AttentionSpec& a, const WholeRes
 
 void print_text(const RunOptions& opt, const AttentionSpec& a, const ParallelSpec& p,
                 const nlohmann::ordered_json& out) {
+  const bool named_layout = p.layout.has_value() && layout_reads_documents(*p.layout);
   std::cout << "cpattn run: " << to_string(p.strategy) << (p.load_balance ? " (load balance)" : "")
+            << (named_layout ? std::string(" (layout ") + to_string(*p.layout) + ")" : std::string())
             << (opt.remat ? " remat" : "") << ", cp=" << p.cp
             << (p.traits().sub_groups ? " (ulysses " + std::to_string(p.ulysses_degree) + " x ring " +
                                             std::to_string(p.ring_degree()) + ")"
@@ -532,6 +540,12 @@ int run(const CLI::App& app, RunOptions& opt) {
     problem.segment_ids = std::move(ids);
   }
   if (!opt.sinks_file.empty()) problem.sinks = read_sinks(opt.sinks_file, a.num_q_heads);
+  // The per_document and solver layouts cut the row by its documents: the first batch row's (--segments, or
+  // the loaded segment ids; none: one document).
+  if (layout_reads_documents(p.effective_layout()) && !problem.segment_ids.empty()) {
+    specs.parallel.documents = document_lengths(std::vector<std::int32_t>(
+        problem.segment_ids.begin(), problem.segment_ids.begin() + static_cast<std::ptrdiff_t>(a.seq_len)));
+  }
   harness::RunSettings settings;
   settings.options.remat = opt.remat;
   settings.options.threads = opt.threads;
