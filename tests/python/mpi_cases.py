@@ -1,4 +1,5 @@
-"""Cases run by every process under mpirun (test_mpi.py launches them): python3 mpi_cases.py CASE.
+"""Cases run by every process under mpirun (test_mpi.py launches them): python3 mpi_cases.py CASE [CASE ...],
+one after another.
 The cases of any group (cases.py) on MPI.COMM_WORLD, and MPI's own. Each process asserts on its own results and
 prints "CASE ok rank R" at the end; any failure raises (mpi4py then aborts the job, so a failed case cannot leave
 the others waiting)."""
@@ -64,6 +65,6 @@ def case_dies():
 
 
 if __name__ == "__main__":
-    name = sys.argv[1]
-    (globals().get("case_" + name) or getattr(cases, "case_" + name))()
-    print(f"{name} ok rank {WORLD.rank}", flush=True)
+    for name in sys.argv[1:]:
+        (globals().get("case_" + name) or getattr(cases, "case_" + name))()
+        print(f"{name} ok rank {WORLD.rank}", flush=True)

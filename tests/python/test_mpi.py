@@ -16,26 +16,35 @@ MPIRUN = shutil.which("mpirun")
 pytestmark = pytest.mark.skipif(MPIRUN is None, reason="mpirun not found (Debian: openmpi-bin)")
 
 
-def mpirun(np, case, timeout=240):
+def mpirun(np, *case, timeout=240):
     env = dict(os.environ)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env["OMPI_MCA_rmaps_base_oversubscribe"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))
-    cmd = [MPIRUN, "-np", str(np), sys.executable, os.path.join(HERE, "mpi_cases.py"), case]
+    cmd = [MPIRUN, "-np", str(np), sys.executable, os.path.join(HERE, "mpi_cases.py"), *case]
     start = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     return out.returncode, out.stdout + out.stderr, time.monotonic() - start
 
 
-@pytest.mark.parametrize(
-    "case", ["strategies", "bfloat16", "side_by_side", "errors", "disagree", "bad_comms", "many_shapes"]
-)
-def test_four_ranks(case):
-    code, output, _ = mpirun(4, case)
-    assert code == 0, output
+CASES = ["strategies", "bfloat16", "side_by_side", "errors", "disagree", "bad_comms", "many_shapes"]
+
+
+@pytest.fixture(scope="module")
+def all_cases():
+    """Every case in one job of 4 processes (a start costs seconds: each process imports torch); a failing case
+    aborts the job, so the cases after it report nothing."""
+    return mpirun(4, *CASES, timeout=600)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_four_ranks(all_cases, case):
+    code, output, _ = all_cases
     for rank in range(4):
         assert f"{case} ok rank {rank}" in output, output
+    if case == CASES[-1]:
+        assert code == 0, output
 
 
 def test_two_groups_of_four_on_sub_communicators():
