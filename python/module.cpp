@@ -221,8 +221,12 @@ std::vector<std::int64_t> read_documents(const py::handle& obj, Problems& proble
   }
   const auto items = py::reinterpret_borrow<py::sequence>(obj);
   for (std::size_t i = 0; i < py::len(items); ++i) {
-    const auto n = read_count(items[i], "documents[" + std::to_string(i) + "]", 1,
-                              std::numeric_limits<std::int32_t>::max(), problems);
+    const std::string field = "documents[" + std::to_string(i) + "]";
+    if (items[i].is_none()) {
+      problems.add(field, "None", field + ": None is not a document length; valid: an int >= 1");
+      return {};
+    }
+    const auto n = read_count(items[i], field, 1, std::numeric_limits<std::int32_t>::max(), problems);
     if (!n) return {};
     lengths.push_back(*n);
   }

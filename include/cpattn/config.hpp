@@ -29,6 +29,22 @@ inline constexpr ShardLayout kShardLayouts[] = {ShardLayout::contiguous, ShardLa
 constexpr std::int64_t layout_chunks(ShardLayout layout, std::int64_t cp) {
   return layout == ShardLayout::dual_chunk_swap ? 2 * cp : cp;
 }
+// The solver layout's chunk (sequence_layout.hpp): the largest divisor of n = S/cp at most
+// max(min(512, n/16), n/64), so that each rank deals 16 to 64 chunks where n allows, of 512 tokens where that
+// is within them; 1 at the least. Validation refuses a solver layout whose chunk leaves a rank more than
+// kMostSolverChunks of them (seq_len / cp without a divisor near that bound: each chunk may be a run of its
+// own, and the ring calls the kernel for each pair of runs).
+inline constexpr std::int64_t kMostSolverChunks = 128;
+constexpr std::int64_t solver_chunk(std::int64_t seq_len, std::int64_t cp) {
+  const std::int64_t n = cp > 0 ? seq_len / cp : 0;
+  const std::int64_t small = n / 16 < 512 ? n / 16 : 512;
+  const std::int64_t most = small > n / 64 ? small : n / 64;
+  for (std::int64_t c = most; c > 1; --c) {
+    if (n % c == 0) return c;
+  }
+  return 1;
+}
+
 // Whether the layout depends on the row's documents and mask (per_document, solver).
 constexpr bool layout_reads_documents(ShardLayout layout) {
   return layout == ShardLayout::per_document || layout == ShardLayout::solver;
@@ -102,6 +118,10 @@ struct ParallelSpec {
   // solver layouts cut the row by. The same on every rank; the other layouts do not read them. The segment
   // ids each forward takes are the masks'; documents only decide who holds which tokens.
   std::vector<std::int64_t> documents;
+  // The band the solver layout costs its chunks by; unset: the attention's own. Layers whose windows differ
+  // (a model's local and global layers) hold their tokens in one layout only if they cost it alike: give the
+  // local layers the global layers' band here.
+  std::optional<PositionBand> layout_band;
   std::int64_t tp = 1;  // tensor parallel degree over heads
   // hybrid: U, the size of each ulysses group (rank c = ring_rank * U + ulysses_rank); the ring has
   // R = cp / U ranks. 0 (unset) for the other strategies.

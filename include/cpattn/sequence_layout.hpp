@@ -70,17 +70,14 @@ SequenceLayout make_layout(ShardLayout kind, std::int64_t seq_len, std::int64_t 
 SequenceLayout layout_of(const AttentionSpec& attention, const ParallelSpec& parallel);
 // The ring's rows (ring, hybrid) over the ring's R ranks: the caller's layout for the ring; for the hybrid,
 // ring rank rr holds its ulysses group's tokens: the ring-level zigzag with dual_chunk_swap (the hybrid
-// places them so), else the group's members' runs one after another. A ring of one rank holds the whole row
-// in natural order.
+// places them so), else the group's members' runs one after another (a ring of one rank too: U = cp). A ring
+// of one rank in the contiguous and dual chunk swap layouts holds the whole row in natural order.
 SequenceLayout ring_layout_of(const AttentionSpec& attention, const ParallelSpec& parallel);
 
 // What is wrong with a layout (empty: nothing): a position held twice or by no rank, a run outside the row
 // or empty, ranks holding different numbers of tokens.
 std::vector<std::string> layout_errors(const SequenceLayout& layout);
 
-// The solver's chunk: the largest divisor of S/cp that is at most 512 and leaves each rank at least 16
-// chunks (1 where S/cp < 16).
-std::int64_t solver_chunk(std::int64_t seq_len, std::int64_t cp);
 // The tiles each chunk of `chunk` positions (in natural order) computes against the whole row, counted on a
 // grid of g = gcd(chunk, 64) positions (the kernel's default block where the chunk is a multiple of it): for
 // each of the chunk's query blocks, the key blocks whose document and position ranges some query of it
@@ -97,8 +94,9 @@ std::vector<std::int64_t> inverse_permutation(const std::vector<std::int64_t>& p
 std::vector<std::int64_t> local_positions(ShardLayout layout, std::int64_t seq_len, std::int64_t cp,
                                           std::int64_t rank);
 
-// The runs rank `rank` holds, in local order: one for contiguous, two for dual chunk swap (make_layout's
-// runs, the row one document).
+// The runs rank `rank` holds, in local order: one for contiguous, two for dual chunk swap. These helpers, and
+// local_positions, layout_order and rank_positions by a layout's name, take those two; the layouts cut by
+// documents (per_document, solver) are an Error(invalid_input) pointing to make_layout.
 std::vector<PositionRange> local_ranges(ShardLayout layout, std::int64_t seq_len, std::int64_t cp,
                                         std::int64_t rank);
 
@@ -180,7 +178,8 @@ std::vector<std::vector<PositionRange>> seen_positions(const RankPositions& posi
                                                        const PositionBand& band, std::int64_t seq_len,
                                                        std::int64_t block);
 // Whether position x is in sorted, disjoint ranges; how many positions two lists of disjoint ranges share
-// (a rank's runs, local_ranges, against another's seen ranges: the rows it sends that rank).
+// (a rank's runs, local_ranges, against another's seen ranges: the rows it sends that rank). Both lists in
+// increasing order (every layout's runs and seen_positions' are).
 bool in_ranges(const std::vector<PositionRange>& ranges, std::int64_t x);
 std::int64_t overlap(const std::vector<PositionRange>& a, const std::vector<PositionRange>& b);
 

@@ -16,6 +16,7 @@
 """
 
 import datetime as _datetime
+import operator as _operator
 import sys as _sys
 import time as _time
 
@@ -361,6 +362,11 @@ def context_parallel_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_c
             reasons.append(f"{name}: expected a 4-dimensional torch.Tensor [B, H, S, D]")
     if reasons:
         raise _config_error(reasons)
+    if documents is not None and not isinstance(documents, (str, bytes)):
+        try:  # a copy of the lengths (the cache below compares them; a list changed in place must not match)
+            documents = tuple(_operator.index(n) for n in documents)
+        except (TypeError, ValueError):
+            pass  # the extension names what is wrong with them
     options = dict(strategy=strategy, causal=is_causal, window=window, softcap=softcap, load_balance=load_balance,
                    layout=layout, documents=documents,
                    ulysses_degree=ulysses_degree, scale=scale,

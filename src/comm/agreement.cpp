@@ -190,6 +190,12 @@ void add_specs(Agreement& agreement, const AttentionSpec& a, const ParallelSpec&
     if (d < 4) shown += (d > 0 ? "," : "") + std::to_string(p.documents[d]);
   }
   if (p.documents.size() > 4) shown += ",...";
+  if (p.layout_band) {
+    agreement.add("layout_band.left", p.layout_band->left).add("layout_band.right", p.layout_band->right);
+  } else {
+    agreement.add_named("layout_band.left", -1, "unset (the attention's)")
+        .add_named("layout_band.right", -1, "unset (the attention's)");
+  }
   agreement.add_named("documents.lengths", static_cast<std::int64_t>(hash >> 1),
                       shown.empty() ? "none" : shown);
   agreement.add("ulysses_degree", p.ulysses_degree);

@@ -321,6 +321,15 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
   } else if (a.seq_len % layout_chunks(ShardLayout::contiguous, p.cp) != 0) {
     rules.add({"seq_len", "cp"}, str(a.seq_len),
               "seq_len (" + str(a.seq_len) + ") must be divisible by cp (" + str(p.cp) + ")");
+  } else if (p.effective_layout() == ShardLayout::solver &&
+             a.seq_len / p.cp / solver_chunk(a.seq_len, p.cp) > kMostSolverChunks) {
+    const std::int64_t n = a.seq_len / p.cp, c = solver_chunk(a.seq_len, p.cp);
+    rules.add({"seq_len", "cp", "layout"}, str(a.seq_len),
+              "layout solver cuts seq_len / cp (" + str(n) + ") tokens into chunks of " + str(c) +
+                  " (its largest divisor up to " +
+                  str(std::max(std::min<std::int64_t>(512, n / 16), n / 64)) + "): " + str(n / c) +
+                  " a rank, more than " + str(kMostSolverChunks) +
+                  "; valid: seq_len a multiple of 64 * cp, or per_document");
   }
 
   // The head rules below read Hq / tp: judged once the heads and tp are valid.

@@ -307,8 +307,9 @@ Specs to_specs(const ConfigValues& v, std::vector<ErrorItem>& errors) {
   }
   try {
     if (v.layout) s.parallel.layout = parse_layout(*v.layout, "layout");
-    // --load-balance is the dual chunk swap's other name: the layout given by its name is load balance.
-    if (s.parallel.layout == ShardLayout::dual_chunk_swap) s.parallel.load_balance = true;
+    // A layout given by its name decides (--load-balance, or a config's load_balance, is the dual chunk
+    // swap's other name): its load balance is whether it is that one.
+    if (s.parallel.layout) s.parallel.load_balance = *s.parallel.layout == ShardLayout::dual_chunk_swap;
   } catch (const Error& e) {
     errors.insert(errors.end(), e.items().begin(), e.items().end());
   }

@@ -384,7 +384,21 @@ double ContextParallelAttention::comm_wait_seconds() const {
 
 void ContextParallelInternals::set_negative_control(ContextParallelAttention& attention,
                                                     NegativeControl control) {
-  attention.impl_->negative_control = control;
+  ContextParallelAttention::Impl& impl = *attention.impl_;
+  impl.negative_control = control;
+  if (control != NegativeControl::layout_runs_swapped) return;
+  // Rank 0's first two runs trade places in what every rank reads of the layout (the ring's rows too, where
+  // the ring holds the caller's shards).
+  auto swap_runs = [](RankPositions& positions, RankRuns& runs) {
+    if (positions.empty() || runs[0].size() < 2) return;
+    std::vector<std::int32_t>& p = positions[0];
+    const auto a = static_cast<std::ptrdiff_t>(runs[0][0]), b = static_cast<std::ptrdiff_t>(runs[0][1]);
+    std::rotate(p.begin(), p.begin() + a, p.begin() + a + b);
+    std::swap(runs[0][0], runs[0][1]);
+  };
+  const bool ring_is_shards = impl.ring_positions == impl.positions;
+  swap_runs(impl.positions, impl.runs);
+  if (ring_is_shards) swap_runs(impl.ring_positions, impl.ring_runs);
 }
 
 const std::vector<std::int32_t>& ContextParallelAttention::local_positions() const {

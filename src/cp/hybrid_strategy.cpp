@@ -122,9 +122,17 @@ AttentionOutput ContextParallelAttention::Impl::hybrid_forward(const Tensor& q, 
                   to_slots(U));
     }
   }
-  if (!seg_local.empty()) {
-    seg_full = parallel.ring_degree() > 1 ? cp::all_gather_segments(*ring_comm, seg_rows, B, ring_positions)
-                                          : seg_rows;
+  if (!seg_local.empty() && parallel.ring_degree() > 1) {
+    seg_full = cp::all_gather_segments(*ring_comm, seg_rows, B, ring_positions);
+  } else if (!seg_local.empty()) {
+    // A ring of one rank holds the whole row: its rows in natural order (the members' runs one after another
+    // in the layouts cut by documents).
+    const std::vector<std::int32_t>& at = ring_positions[0];
+    const auto S = static_cast<std::int64_t>(at.size());
+    seg_full.resize(seg_rows.size());
+    for (std::int64_t b = 0; b < B; ++b) {
+      for (std::int64_t t = 0; t < S; ++t) seg_full[b * S + at[t]] = seg_rows[b * S + t];
+    }
   }
 
   cp::RingPass pass =

@@ -19,6 +19,9 @@ enum class NegativeControl {
   ring_accumulator_one_hop_short,  // ring: the dK/dV accumulators never make their last hop home
   ring_zigzag_swapped,             // ring with load balance: a visiting shard's two chunks at each other's
                                    // positions (the step rule's cases swapped)
+  layout_runs_swapped,             // any layout of two runs or more on rank 0: the strategies read its first
+                                   // two runs in the other order (a document's pieces swapped), the data hold
+                                   // them as the layout says
 };
 
 class ContextParallelInternals {

@@ -113,6 +113,14 @@ void plan_bounds(const ConfigValues& values, const PlanInputs& opt, const Hardwa
                       "plan plans every strategy (its recommendation says which to run); drop --strategy '" +
                           quoted(*opt.strategy) + "'"});
   }
+  if (values.layout) {
+    errors.push_back(
+        {{"layout"},
+         *values.layout,
+         "plan plans every layout (contiguous, dual_chunk_swap, and on a packed row per_document and "
+         "solver: --segments); drop --layout '" +
+             quoted(*values.layout) + "'"});
+  }
   if (opt.ulysses_degree) {
     errors.push_back({{"ulysses_degree"},
                       std::to_string(*opt.ulysses_degree),

@@ -68,28 +68,33 @@ std::vector<std::int64_t> or_one_document(const std::vector<std::int64_t>& docum
 SequenceLayout per_document(std::int64_t seq_len, std::int64_t cp,
                             const std::vector<std::int64_t>& documents) {
   SequenceLayout l{ShardLayout::per_document, seq_len, std::vector<std::vector<PositionRange>>(cp)};
-  std::int64_t start = 0;  // F_d
+  std::int64_t start = 0;                                     // F_d
+  std::vector<std::pair<std::int64_t, std::int64_t>> pieces;  // (piece 0..2cp-1, tokens)
   for (const std::int64_t length : or_one_document(documents, seq_len)) {
     // Rank r's share of the document (Hermite's identity makes the shares sum to the length, and each
-    // rank's shares over the row to S/cp), split floor / ceil between its two pieces.
-    std::vector<std::int64_t> piece(static_cast<std::size_t>(2 * cp));
-    for (std::int64_t r = 0; r < cp; ++r) {
-      const std::int64_t share = (start + length + r) / cp - (start + r) / cp;
-      piece[static_cast<std::size_t>(r)] = share / 2;
-      piece[static_cast<std::size_t>(2 * cp - 1 - r)] = share - share / 2;
+    // rank's shares over the row to S/cp), split floor / ceil between its pieces r and 2cp-1-r. A document
+    // shorter than cp gives one token to each of `length` ranks (those with (F_d + r) mod cp >= cp - length),
+    // in their second piece: O(length) work, not O(cp).
+    pieces.clear();
+    if (length >= cp) {
+      for (std::int64_t r = 0; r < cp; ++r) {
+        const std::int64_t share = (start + length + r) / cp - (start + r) / cp;
+        pieces.emplace_back(r, share / 2);
+        pieces.emplace_back(2 * cp - 1 - r, share - share / 2);
+      }
+    } else {
+      for (std::int64_t t = cp - length; t < cp; ++t)
+        pieces.emplace_back(2 * cp - 1 - (t - start % cp + cp) % cp, 1);
     }
+    std::sort(pieces.begin(), pieces.end());
     std::int64_t at = start;
-    std::vector<PositionRange> span(static_cast<std::size_t>(2 * cp));
-    for (std::size_t i = 0; i < span.size(); ++i) {
-      span[i] = {at, at + piece[i]};
-      at += piece[i];
+    for (const auto& [piece, tokens] : pieces) {
+      if (tokens == 0) continue;
+      const std::int64_t r = piece < cp ? piece : 2 * cp - 1 - piece;
+      l.runs[static_cast<std::size_t>(r)].push_back({at, at + tokens});
+      at += tokens;
     }
     CPATTN_ASSERT(at == start + length);
-    for (std::int64_t r = 0; r < cp; ++r) {
-      auto& mine = l.runs[static_cast<std::size_t>(r)];
-      mine.push_back(span[static_cast<std::size_t>(r)]);
-      mine.push_back(span[static_cast<std::size_t>(2 * cp - 1 - r)]);
-    }
     start += length;
   }
   for (auto& mine : l.runs) mine = merged(mine);
@@ -157,16 +162,6 @@ SequenceLayout solver(std::int64_t seq_len, std::int64_t cp, const std::vector<s
 
 }  // namespace
 
-std::int64_t solver_chunk(std::int64_t seq_len, std::int64_t cp) {
-  CPATTN_ASSERT(cp > 0 && seq_len % cp == 0);
-  const std::int64_t n = seq_len / cp;
-  const std::int64_t most = std::max<std::int64_t>(1, std::min<std::int64_t>(512, n / 16));
-  for (std::int64_t c = most; c > 1; --c) {
-    if (n % c == 0) return c;
-  }
-  return 1;
-}
-
 std::vector<std::int64_t> solver_chunk_costs(std::int64_t seq_len, std::int64_t chunk,
                                              const std::vector<std::int64_t>& documents,
                                              const PositionBand& band) {
@@ -225,16 +220,15 @@ SequenceLayout make_layout(ShardLayout kind, std::int64_t seq_len, std::int64_t 
 
 SequenceLayout layout_of(const AttentionSpec& attention, const ParallelSpec& parallel) {
   return make_layout(parallel.effective_layout(), attention.seq_len, parallel.cp, parallel.documents,
-                     attention.band());
+                     parallel.layout_band.value_or(attention.band()));
 }
 
 SequenceLayout ring_layout_of(const AttentionSpec& attention, const ParallelSpec& parallel) {
   const std::int64_t R = parallel.ring_degree(), U = parallel.head_group_size(), S = attention.seq_len;
   const ShardLayout kind = parallel.effective_layout();
-  if (R <= 1) return make_layout(ShardLayout::contiguous, S, 1);
-  if (!layout_reads_documents(kind)) return make_layout(kind, S, R);
+  if (!layout_reads_documents(kind)) return make_layout(R <= 1 ? ShardLayout::contiguous : kind, S, R);
   const SequenceLayout caller = layout_of(attention, parallel);
-  if (U == 1) return caller;
+  if (U == 1) return caller;  // the ring (a ring of one rank: one run, the whole row)
   SequenceLayout l{kind, S, {}};
   for (std::int64_t rr = 0; rr < R; ++rr) {
     std::vector<PositionRange> rows;

@@ -4,11 +4,24 @@
 
 namespace cpattn {
 
+namespace {
+
+// The helpers that take a layout's name alone know contiguous and dual_chunk_swap; the layouts cut by
+// documents need the documents and the band.
+void refuse_document_layout(ShardLayout layout) {
+  if (!layout_reads_documents(layout)) return;
+  throw Error(ErrorKind::invalid_input, "layout", to_string(layout),
+              std::string("layout ") + to_string(layout) +
+                  " is cut by the row's documents and the mask: take its positions from make_layout or "
+                  "layout_of (sequence_layout.hpp), or ContextParallelAttention::local_positions()");
+}
+
+}  // namespace
+
 std::vector<PositionRange> local_ranges(ShardLayout layout, std::int64_t seq_len, std::int64_t cp,
                                         std::int64_t rank) {
+  refuse_document_layout(layout);
   CPATTN_ASSERT(cp > 0 && rank >= 0 && rank < cp && seq_len % layout_chunks(layout, cp) == 0);
-  if (layout_reads_documents(layout))
-    return make_layout(layout, seq_len, cp).runs[static_cast<std::size_t>(rank)];
   if (layout == ShardLayout::contiguous) {
     const std::int64_t n = seq_len / cp;
     return {{rank * n, (rank + 1) * n}};
@@ -28,6 +41,7 @@ std::vector<std::int64_t> local_positions(ShardLayout layout, std::int64_t seq_l
 }
 
 std::vector<std::int64_t> layout_order(ShardLayout layout, std::int64_t seq_len, std::int64_t cp) {
+  refuse_document_layout(layout);
   return make_layout(layout, seq_len, cp).order();
 }
 
@@ -112,6 +126,7 @@ std::vector<std::int32_t> positions_as_int32(const std::vector<std::int64_t>& po
 }
 
 RankPositions rank_positions(ShardLayout layout, std::int64_t seq_len, std::int64_t cp) {
+  refuse_document_layout(layout);
   return make_layout(layout, seq_len, cp).rank_positions();
 }
 
@@ -221,10 +236,16 @@ bool in_ranges(const std::vector<PositionRange>& ranges, std::int64_t x) {
 }
 
 std::int64_t overlap(const std::vector<PositionRange>& a, const std::vector<PositionRange>& b) {
+  // Both in increasing order: one merge.
   std::int64_t n = 0;
-  for (const PositionRange& x : a) {
-    for (const PositionRange& y : b)
-      n += std::max<std::int64_t>(0, std::min(x.end, y.end) - std::max(x.begin, y.begin));
+  std::size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    n += std::max<std::int64_t>(0, std::min(a[i].end, b[j].end) - std::max(a[i].begin, b[j].begin));
+    if (a[i].end < b[j].end) {
+      ++i;
+    } else {
+      ++j;
+    }
   }
   return n;
 }

@@ -230,10 +230,12 @@ double plan_document_reorder(const PlanContext& c, StrategyPlan& s, std::vector<
   const std::int64_t row = c.B * c.req.model.emb_dim;
   std::vector<std::vector<std::int64_t>> in(static_cast<std::size_t>(c.cp),
                                             std::vector<std::int64_t>(static_cast<std::size_t>(c.cp), 0));
-  for (std::int64_t r = 0; r < c.cp; ++r) {
-    const std::vector<PositionRange> mine{{r * c.sl, (r + 1) * c.sl}};
-    for (std::int64_t p = 0; p < c.cp; ++p)
-      in[r][p] = row * overlap(mine, layout.runs[static_cast<std::size_t>(p)]);
+  // Each run of rank p, over the contiguous shards r it meets.
+  for (std::int64_t p = 0; p < c.cp; ++p) {
+    for (const PositionRange& run : layout.runs[static_cast<std::size_t>(p)]) {
+      for (std::int64_t r = run.begin / c.sl; r * c.sl < run.end; ++r)
+        in[r][p] += row * (std::min(run.end, (r + 1) * c.sl) - std::max(run.begin, r * c.sl));
+    }
   }
   auto out = in;
   for (std::int64_t r = 0; r < c.cp; ++r) {
@@ -316,6 +318,7 @@ struct RingTiles {
     std::vector<kernels::BlockMeta> blocks;
     std::int32_t pos_min = 0, pos_max = 0;
     std::int64_t rows = 0;
+    std::int32_t seg_min = 0, seg_max = 0;  // its documents (packed)
   };
   using Tokens = std::pair<std::vector<std::int32_t>, std::vector<std::int32_t>>;  // positions, segment ids
   const PlanContext& c;
@@ -343,11 +346,15 @@ struct RingTiles {
     auto cut = [&](const std::vector<std::int32_t>& v) {
       return v.empty() ? v : std::vector<std::int32_t>(v.begin() + first, v.begin() + first + count);
     };
-    const auto p_pos = cut(t.first);
-    Piece piece{blocks_of(p_pos, cut(t.second), c.req.block), 0, 0, count};
+    const auto p_pos = cut(t.first), p_seg = cut(t.second);
+    Piece piece{blocks_of(p_pos, p_seg, c.req.block), 0, 0, count, 0, 0};
     if (!p_pos.empty()) {
       piece.pos_min = *std::min_element(p_pos.begin(), p_pos.end());
       piece.pos_max = *std::max_element(p_pos.begin(), p_pos.end());
+    }
+    if (!p_seg.empty()) {
+      piece.seg_min = *std::min_element(p_seg.begin(), p_seg.end());
+      piece.seg_max = *std::max_element(p_seg.begin(), p_seg.end());
     }
     return piece;
   }
@@ -390,6 +397,7 @@ struct RingTiles {
         for (const Piece* k : theirs) {
           const Piece& kp = *k;
           if (!band.sees_any(qp.pos_min, qp.pos_max, kp.pos_min, kp.pos_max)) continue;
+          if (c.packed && (qp.seg_max < kp.seg_min || kp.seg_max < qp.seg_min)) continue;  // other documents
           const std::int64_t tiles = kernels::count_nonempty_tiles(qp.blocks, kp.blocks, band, c.packed);
           if (tiles == 0) continue;
           const bool diagonal = !band.sees_all(qp.pos_min, qp.pos_max, kp.pos_min, kp.pos_max);
@@ -947,6 +955,9 @@ void plan_time(const PlanContext& c, StrategyPlan& s, const CallPlan& calls, con
   s.model_bytes_sent_per_rank = sent * c.req.model.global_layers();
 }
 
+// The most pairs of runs a ring's plan on a layout cut by documents counts (its runs squared): a few seconds.
+constexpr std::int64_t kMostPlannedRunPairs = std::int64_t{1} << 24;
+
 // The profile's kernel entries fitted once per plan (forward, backward): every strategy prices its calls
 // alike.
 using KernelFits = std::pair<std::vector<KernelFit>, std::vector<KernelFit>>;
@@ -972,6 +983,19 @@ StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const
   }
   s.why_not = validation_errors(c.a, c.p);
   if (auto refusal = remat_refusal(strategy, req.remat)) s.why_not.push_back(std::move(*refusal));
+  if (s.why_not.empty() && c.p.traits().ring && layout_reads_documents(layout)) {
+    // The ring's kernel calls are counted pair by pair of runs, over every step: the square of its runs.
+    std::int64_t runs = 0;
+    for (const auto& mine : ring_layout_of(c.a, c.p).runs) runs += static_cast<std::int64_t>(mine.size());
+    if (runs * runs > kMostPlannedRunPairs) {
+      s.why_not.push_back({{"layout", "segments"},
+                           to_string(layout),
+                           std::string(to_string(strategy)) + " on layout " + to_string(layout) + " holds " +
+                               std::to_string(runs) + " runs of tokens round its ring: its kernel calls (" +
+                               std::to_string(runs) + "^2 pairs) are more than plan counts (" +
+                               std::to_string(kMostPlannedRunPairs) + "); fewer documents or ranks plan it"});
+    }
+  }
   if (!s.why_not.empty()) {
     s.possible = false;
     return s;
@@ -1143,6 +1167,7 @@ void plan_local_layers(const PlanRequest& req, const KernelFits& fits, Plan& pla
   if (!req.attention.causal) local.attention.window_right = *req.model.local_window;
   local.model.local_window.reset();
   local.model.num_layers = local.model.attention_every;  // one attention layer
+  local.parallel.layout_band = req.attention.band();     // the global layers' layout (the solver's deal)
   const double n = static_cast<double>(req.model.local_layers());
   for (StrategyPlan& s : plan.strategies) {
     auto l = std::make_shared<StrategyPlan>(plan_strategy(

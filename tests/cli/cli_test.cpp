@@ -872,6 +872,7 @@ TEST(CliPlan, BadInputExits2) {
       {"plan --preset llama3-70b --seq 1001 --cp 4", "seq_len (1001) must be divisible by cp (4)"},
       {"plan --preset llama3-70b --seq 1024 --hardware tpu-v1", "--hardware 'tpu-v1'"},
       {"plan --preset llama3-70b --seq 1024 --segments 1000,20", "segments"},
+      {"plan --preset llama3-70b --seq 1024 --segments 1000,24 --layout solver", "plan plans every layout"},
   };
   expect_bad_input(cases);
 }

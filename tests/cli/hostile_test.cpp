@@ -346,6 +346,7 @@ const std::vector<Case>& hardening_cases() {
       t.push_back({"bench strategy --cp " + std::string(cp) + small, 2, {"--cp", cp}});
     }
     t.push_back({"bench strategy --cp 2 --cps 2,4" + small, 2, {"--cp and --cps"}});
+    t.push_back({"bench strategy --layout solver" + small, 2, {"--layout", "cpattn run --layout"}});
     t.push_back({"bench strategy --strategy ulysses --load-balance" + small, 2, {"load_balance (true)"}});
     t.push_back({"bench strategy --strategy hybrid --cp 2" + small, 2, {"nothing to run"}});
     t.push_back(
@@ -474,9 +475,9 @@ const std::vector<Case>& cases() {
       {"run --cp 2 --strategy ulysses --layout solver" + kSizes,
        2,
        {"layout solver is for all_gather, ring or hybrid"}},
-      {"run --cp 2 --strategy ring --layout per_document --load-balance" + kSizes,
+      {"run --cp 4 --strategy ring --layout solver --q-heads 4 --kv-heads 2 --head-dim 8 --seq 4036",
        2,
-       {"load_balance (true) is the layout dual_chunk_swap", "not per_document"}},
+       {"layout solver cuts seq_len / cp (1009)", "a multiple of 64 * cp"}},
       {"run --cp 2 --strategy ulysses --load-balance" + kSizes, 2, {"load_balance"}},
       {"run --cp 4 --strategy hybrid --ulysses-degree 3" + kSizes, 2, {"ulysses_degree (3)", "cp (4)"}},
       {"run --cp 4 --strategy hybrid" + kSizes, 2, {"ulysses_degree"}},

@@ -74,6 +74,7 @@ case_of() {
 case_of causal "true on rank 0; false on rank 1" "" "--no-causal"
 case_of strategy "ring on rank 0; all_gather on rank 1" "" "--strategy all_gather"
 case_of load_balance "false on rank 0; true on rank 1" "" "--load-balance"
+case_of layout "contiguous on rank 0; per_document on rank 1" "" "--layout per_document"
 case_of dtype "fp32 on rank 0; bf16 on rank 1" "" "--dtype bf16"
 case_of seq_len "64 on rank 0; 128 on rank 1" "" "--seq 128"
 case_of num_q_heads "4 on rank 0; 8 on rank 1" "" "--q-heads 8"

@@ -427,6 +427,7 @@ BAD_POSITIONS = [
     ((64, 2, 0, "solver", [10, 10]), "documents"),
     ((64, 2, 0, "per_document", "64"), "documents"),
     ((64, 2, 0, "per_document", [64, 0]), "documents[1]"),
+    ((64, 2, 0, "per_document", [32, None]), "documents[1]"),
 ]
 
 

@@ -304,6 +304,13 @@ std::vector<StrategyConfig> strategy_configs(const CLI::App& app, const Strategy
     throw Error(ErrorKind::invalid_input, "--tp", std::to_string(*asked.tp),
                 "bench strategy runs one tensor-parallel group; use --tp 1");
   }
+  if (asked.layout) {
+    throw Error(
+        ErrorKind::invalid_input, "--layout", *asked.layout,
+        "bench strategy measures the contiguous and dual_chunk_swap layouts (--load-balance); the layouts "
+        "cut by documents run with cpattn run --layout NAME --segments ... (bench/layouts.py compares "
+        "them); drop --layout");
+  }
   // Plain values and flags, not std::optional (GCC 12 warns of them as maybe uninitialised here).
   const bool only = asked.strategy.has_value();
   const Strategy only_strategy = only ? parse_strategy(*asked.strategy, "--strategy") : Strategy::all_gather;
