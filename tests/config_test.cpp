@@ -443,6 +443,31 @@ TEST(ConfigFile, TheAttentionLoadBalanceKeyDecidesWhereGiven) {
   EXPECT_FALSE(v.attention_balanced());
 }
 
+// context_parallel_layout names the layout, and a named layout decides load balance (the dual chunk swap is
+// its other name); a name that is no layout is an error naming the field and the valid ones.
+TEST(ConfigFile, TheLayoutKeyNamesTheLayoutAndDecidesLoadBalance) {
+  const std::string sizes =
+      "context_parallel_strategy: ring\nici_context_parallelism: 4\nnum_query_heads: 8\nnum_kv_heads: 2\n"
+      "head_dim: 16\nmax_target_length: 256\n";
+  std::vector<ErrorItem> errors;
+  Specs s = to_specs(
+      parse_config_yaml(sizes + "context_parallel_layout: solver\ncontext_parallel_attention_load_balance: true\n",
+                        "a.yml"),
+      errors);
+  EXPECT_TRUE(errors.empty());
+  EXPECT_EQ(s.parallel.layout, ShardLayout::solver);
+  EXPECT_FALSE(s.parallel.load_balance);
+  EXPECT_TRUE(validation_errors(s.attention, s.parallel).empty());
+  s = to_specs(parse_config_yaml(sizes + "context_parallel_layout: dual_chunk_swap\n", "a.yml"), errors);
+  EXPECT_TRUE(s.parallel.load_balance);
+  EXPECT_EQ(s.parallel.effective_layout(), ShardLayout::dual_chunk_swap);
+  errors.clear();
+  to_specs(parse_config_yaml(sizes + "context_parallel_layout: zigzag\n", "a.yml"), errors);
+  ASSERT_EQ(errors.size(), 1u);
+  EXPECT_EQ(errors[0].fields.front(), "layout");
+  EXPECT_NE(errors[0].message.find("per_document or solver"), std::string::npos) << errors[0].message;
+}
+
 TEST(ConfigFile, ASecondYamlDocumentIsRefused) {
   try {
     parse_config_yaml("num_query_heads: 32\n---\nnum_qery_heads: 8\n", "two.yml");

@@ -173,6 +173,30 @@ void document_rules(Rules& rules, const AttentionSpec& a, const ParallelSpec& p)
   }
 }
 
+// seq_len against cp and the layout: S cut into cp shares (2*cp chunks with load balance), and the solver's
+// chunks few enough a rank.
+void sequence_rules(Rules& rules, const AttentionSpec& a, const ParallelSpec& p) {
+  if (p.load_balance && p.traits().load_balance) {
+    if (a.seq_len % layout_chunks(ShardLayout::dual_chunk_swap, p.cp) != 0) {
+      rules.add({"seq_len", "cp"}, str(a.seq_len),
+                "seq_len (" + str(a.seq_len) + ") must be divisible by 2*cp (" + str(2 * p.cp) + ") for " +
+                    to_string(p.strategy) + " with load balance (dual chunk swap cuts it into 2*cp chunks)");
+    }
+  } else if (a.seq_len % layout_chunks(ShardLayout::contiguous, p.cp) != 0) {
+    rules.add({"seq_len", "cp"}, str(a.seq_len),
+              "seq_len (" + str(a.seq_len) + ") must be divisible by cp (" + str(p.cp) + ")");
+  } else if (p.effective_layout() == ShardLayout::solver &&
+             a.seq_len / p.cp / solver_chunk(a.seq_len, p.cp) > kMostSolverChunks) {
+    const std::int64_t n = a.seq_len / p.cp, c = solver_chunk(a.seq_len, p.cp);
+    rules.add({"seq_len", "cp", "layout"}, str(a.seq_len),
+              "layout solver cuts seq_len / cp (" + str(n) + ") tokens into chunks of " + str(c) +
+                  " (its largest divisor up to " +
+                  str(std::max(std::min<std::int64_t>(512, n / 16), n / 64)) + "): " + str(n / c) +
+                  " a rank, more than " + str(kMostSolverChunks) +
+                  "; valid: seq_len a multiple of 64 * cp, or per_document");
+  }
+}
+
 // hybrid: U = ulysses_degree ranks per ulysses group, a divisor of cp, each holding at least one q head;
 // ulysses_degree means nothing to the other strategies.
 void hybrid_rules(Rules& rules, const AttentionSpec& a, const ParallelSpec& p, bool tp_divides, bool cp_ok) {
@@ -310,27 +334,7 @@ std::vector<ErrorItem> validation_errors(const AttentionSpec& a, const ParallelS
 
   layout_rules(rules, p);
   if (seq_ok) document_rules(rules, a, p);
-  if (!seq_ok || !cp_ok) {
-    // seq_len against cp: judged once both are valid
-  } else if (p.load_balance && p.traits().load_balance) {
-    if (a.seq_len % layout_chunks(ShardLayout::dual_chunk_swap, p.cp) != 0) {
-      rules.add({"seq_len", "cp"}, str(a.seq_len),
-                "seq_len (" + str(a.seq_len) + ") must be divisible by 2*cp (" + str(2 * p.cp) + ") for " +
-                    to_string(p.strategy) + " with load balance (dual chunk swap cuts it into 2*cp chunks)");
-    }
-  } else if (a.seq_len % layout_chunks(ShardLayout::contiguous, p.cp) != 0) {
-    rules.add({"seq_len", "cp"}, str(a.seq_len),
-              "seq_len (" + str(a.seq_len) + ") must be divisible by cp (" + str(p.cp) + ")");
-  } else if (p.effective_layout() == ShardLayout::solver &&
-             a.seq_len / p.cp / solver_chunk(a.seq_len, p.cp) > kMostSolverChunks) {
-    const std::int64_t n = a.seq_len / p.cp, c = solver_chunk(a.seq_len, p.cp);
-    rules.add({"seq_len", "cp", "layout"}, str(a.seq_len),
-              "layout solver cuts seq_len / cp (" + str(n) + ") tokens into chunks of " + str(c) +
-                  " (its largest divisor up to " +
-                  str(std::max(std::min<std::int64_t>(512, n / 16), n / 64)) + "): " + str(n / c) +
-                  " a rank, more than " + str(kMostSolverChunks) +
-                  "; valid: seq_len a multiple of 64 * cp, or per_document");
-  }
+  if (seq_ok && cp_ok) sequence_rules(rules, a, p);  // seq_len against cp: judged once both are valid
 
   // The head rules below read Hq / tp: judged once the heads and tp are valid.
   bool tp_divides = hq_ok && hkv_ok && tp_ok;
