@@ -450,10 +450,11 @@ TEST(ConfigFile, TheLayoutKeyNamesTheLayoutAndDecidesLoadBalance) {
       "context_parallel_strategy: ring\nici_context_parallelism: 4\nnum_query_heads: 8\nnum_kv_heads: 2\n"
       "head_dim: 16\nmax_target_length: 256\n";
   std::vector<ErrorItem> errors;
-  Specs s = to_specs(
-      parse_config_yaml(sizes + "context_parallel_layout: solver\ncontext_parallel_attention_load_balance: true\n",
-                        "a.yml"),
-      errors);
+  Specs s =
+      to_specs(parse_config_yaml(
+                   sizes + "context_parallel_layout: solver\ncontext_parallel_attention_load_balance: true\n",
+                   "a.yml"),
+               errors);
   EXPECT_TRUE(errors.empty());
   EXPECT_EQ(s.parallel.layout, ShardLayout::solver);
   EXPECT_FALSE(s.parallel.load_balance);

@@ -780,8 +780,8 @@ TEST(CliPlan, SeedPresetJsonHasEveryStrategy) {
   EXPECT_EQ(j["strategies"][9]["ring_degree"], 2);
   EXPECT_EQ(j["strategies"][12]["name"], "hybrid_u2_r2_solver");
   EXPECT_EQ(j["strategies"][12]["layout"], "solver");
-  // The seed's packed rows: the ring on the per-document layout (56.8 ms a layer against ulysses' 57.6 on
-  // h200: both balanced, the ring's hops hidden behind its steps), as the recommendation says.
+  // The seed's packed rows: the ring on the per-document layout, balanced with its hops hidden behind its
+  // steps, just ahead of ulysses (docs/planner.md, "Layouts on packed rows"), as the recommendation says.
   EXPECT_EQ(j["recommended"], (nlohmann::json{{"name", "ring_per_document"},
                                               {"strategy", "ring"},
                                               {"load_balance", false},
