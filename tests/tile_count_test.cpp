@@ -1,6 +1,6 @@
-// The planner's tile count without visiting every pair (count_nonempty_tiles) against classify_tile pair by
-// pair, over random blocks: contiguous, scattered (a block that straddles two chunks), packed or not; causal,
-// non-causal and sliding-window bands.
+// The planner's tile counts without visiting every pair (count_nonempty_tiles, count_full_tiles) against
+// classify_tile pair by pair, over random blocks: contiguous, scattered (a block that straddles two chunks),
+// packed or not; causal, non-causal and sliding-window bands.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -11,10 +11,13 @@ namespace cpattn::kernels {
 namespace {
 
 std::int64_t count_by_pairs(const std::vector<BlockMeta>& q, const std::vector<BlockMeta>& kv,
-                            const PositionBand& band, bool segments) {
+                            const PositionBand& band, bool segments, TileKind kind = TileKind::empty) {
   std::int64_t n = 0;
   for (const auto& a : q) {
-    for (const auto& b : kv) n += classify_tile(a, b, band, segments, 64) != TileKind::empty;
+    for (const auto& b : kv) {
+      const TileKind k = classify_tile(a, b, band, segments, 64);
+      n += kind == TileKind::empty ? k != TileKind::empty : k == kind;
+    }
   }
   return n;
 }
@@ -24,7 +27,7 @@ std::vector<BlockMeta> random_blocks(std::mt19937& rng, int count, bool segments
   std::vector<BlockMeta> out;
   for (int i = 0; i < count; ++i) {
     BlockMeta m;
-    m.length = 64;
+    m.length = i % 7 == 3 ? 40 : 64;  // now and then a sequence's tail: never full
     m.pos_min = pos(rng);
     m.pos_max = m.pos_min + width(rng);
     if (segments) {
@@ -53,6 +56,9 @@ TEST(TileCount, AgreesWithClassifyingEveryPair) {
     const auto kv = random_blocks(rng, 1 + trial % 53, segments);
     ASSERT_EQ(count_nonempty_tiles(q, kv, band, segments), count_by_pairs(q, kv, band, segments))
         << "trial " << trial << " band " << band.left << "," << band.right << " segments " << segments;
+    ASSERT_EQ(count_full_tiles(q, kv, band, segments, 64),
+              count_by_pairs(q, kv, band, segments, TileKind::full))
+        << "trial " << trial << " band " << band.left << "," << band.right << " segments " << segments;
   }
   // Real layouts: a packed causal sequence, blocks from the natural order.
   std::vector<std::int32_t> positions(1000), seg(1000);
@@ -64,6 +70,11 @@ TEST(TileCount, AgreesWithClassifyingEveryPair) {
   const PositionBand causal = causal_band(true);
   EXPECT_EQ(count_nonempty_tiles(blocks, blocks, causal, true), count_by_pairs(blocks, blocks, causal, true));
   EXPECT_EQ(count_nonempty_tiles(blocks, blocks, causal, false), 16 * 17 / 2);
+  EXPECT_EQ(count_full_tiles(blocks, blocks, causal, true, 64),
+            count_by_pairs(blocks, blocks, causal, true, TileKind::full));
+  // Causal, one document: q block i sees the i kv blocks before it whole, all 64 rows (the last kv block, 40
+  // rows, is never full, and q block 15 is the only one past it): 0 + 1 + ... + 15.
+  EXPECT_EQ(count_full_tiles(blocks, blocks, causal, false, 64), 16 * 15 / 2);
   // A causal window of 100 keys (left 99) on 64-token blocks: each q block sees itself and 2 before it at
   // most (block i's first query reaches back to 64 i - 99, inside block i - 2 for i >= 2).
   EXPECT_EQ(count_nonempty_tiles(blocks, blocks, PositionBand{99, 0}, false), 1 + 2 + 14 * 3);

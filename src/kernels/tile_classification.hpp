@@ -143,4 +143,73 @@ inline std::int64_t count_nonempty_tiles(const std::vector<BlockMeta>& q, const 
                          [&](const BlockMeta& b) { return b.pos_min - left - 1; });
 }
 
+// How many (q block, kv block) pairs classify_tile calls full (the rest of the non-empty ones are partial:
+// the mask applied by selection, the planner's dearer tiles), without visiting the pairs: a full pair's
+// blocks are one document each, the same one (or no segments), the kv block is whole (`kv_block` rows) and
+// the band sees all of it: kv.pos_max <= q.pos_min + right and kv.pos_min >= q.pos_max - left. Per document,
+// the kv blocks admitted in order of pos_max as the q blocks are taken in order of pos_min + right, each
+// counting those with pos_min >= its pos_max - left (a Fenwick tree over the admitted blocks' pos_min). O((nq
+// + nk) log nk).
+inline std::int64_t count_full_tiles(const std::vector<BlockMeta>& q, const std::vector<BlockMeta>& kv,
+                                     const PositionBand& band, bool segments, std::int64_t kv_block) {
+  struct Entry {
+    std::int32_t segment;
+    std::int64_t key, bound;  // kv: pos_max, pos_min; q: pos_min + right, pos_max - left
+  };
+  constexpr std::int64_t kNone = std::numeric_limits<std::int64_t>::min();
+  std::vector<Entry> ks, qs;
+  for (const BlockMeta& k : kv) {
+    if (k.length != kv_block || (segments && k.seg_min != k.seg_max)) continue;
+    ks.push_back({segments ? k.seg_min : 0, k.pos_max, k.pos_min});
+  }
+  for (const BlockMeta& b : q) {
+    if (segments && b.seg_min != b.seg_max) continue;
+    qs.push_back(
+        {segments ? b.seg_min : 0,
+         band.right < kUnboundedWindow ? b.pos_min + band.right : std::numeric_limits<std::int64_t>::max(),
+         band.windowed() ? b.pos_max - band.left : kNone});
+  }
+  const auto order = [](const Entry& x, const Entry& y) {
+    return x.segment != y.segment ? x.segment < y.segment : x.key < y.key;
+  };
+  std::sort(ks.begin(), ks.end(), order);
+  std::sort(qs.begin(), qs.end(), order);
+  std::int64_t total = 0;
+  std::size_t kg = 0;
+  for (std::size_t qg = 0; qg < qs.size();) {
+    const std::int32_t segment = qs[qg].segment;
+    std::size_t q_end = qg;
+    while (q_end < qs.size() && qs[q_end].segment == segment) ++q_end;
+    while (kg < ks.size() && ks[kg].segment < segment) ++kg;
+    std::size_t k_end = kg;
+    while (k_end < ks.size() && ks[k_end].segment == segment) ++k_end;
+    // The document's kv blocks' pos_min values, ranked, for the Fenwick tree.
+    std::vector<std::int64_t> mins;
+    for (std::size_t i = kg; i < k_end; ++i) mins.push_back(ks[i].bound);
+    std::sort(mins.begin(), mins.end());
+    std::vector<std::int64_t> tree(mins.size() + 1, 0);
+    std::int64_t admitted = 0;
+    std::size_t next = kg;
+    for (std::size_t i = qg; i < q_end; ++i) {
+      while (next < k_end && ks[next].key <= qs[i].key) {
+        auto at = static_cast<std::int64_t>(std::lower_bound(mins.begin(), mins.end(), ks[next].bound) -
+                                            mins.begin()) +
+                  1;
+        for (; at < static_cast<std::int64_t>(tree.size()); at += at & -at)
+          ++tree[static_cast<std::size_t>(at)];
+        ++admitted, ++next;
+      }
+      // Those with pos_min < the q block's bound are not seen whole: admitted less their prefix count.
+      auto below =
+          static_cast<std::int64_t>(std::lower_bound(mins.begin(), mins.end(), qs[i].bound) - mins.begin());
+      std::int64_t hidden = 0;
+      for (; below > 0; below -= below & -below) hidden += tree[static_cast<std::size_t>(below)];
+      total += admitted - hidden;
+    }
+    qg = q_end;
+    kg = k_end;
+  }
+  return total;
+}
+
 }  // namespace cpattn::kernels

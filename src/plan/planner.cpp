@@ -67,12 +67,15 @@ std::vector<kernels::BlockMeta> blocks_of(const std::vector<std::int32_t>& posit
 
 // Tiles of one q head for the query tokens `q_positions` (local order) against kv blocks `kb`, counted
 // without visiting every pair (kernels::count_nonempty_tiles), so any accepted grid plans in little time.
-std::int64_t count_tiles(const std::vector<std::int32_t>& q_positions,
-                         const std::vector<std::int32_t>& q_segments,
-                         const std::vector<kernels::BlockMeta>& kb, const PositionBand& band,
-                         std::int64_t block) {
-  return kernels::count_nonempty_tiles(blocks_of(q_positions, q_segments, block), kb, band,
-                                       !q_segments.empty());
+// With the full ones among them (count_full_tiles): the rest are partial, the mask applied tile by tile.
+std::pair<std::int64_t, std::int64_t> count_tiles(const std::vector<std::int32_t>& q_positions,
+                                                  const std::vector<std::int32_t>& q_segments,
+                                                  const std::vector<kernels::BlockMeta>& kb,
+                                                  const PositionBand& band, std::int64_t block) {
+  const auto qb = blocks_of(q_positions, q_segments, block);
+  const bool segments = !q_segments.empty();
+  return {kernels::count_nonempty_tiles(qb, kb, band, segments),
+          kernels::count_full_tiles(qb, kb, band, segments, block)};
 }
 
 }  // namespace
@@ -110,9 +113,9 @@ namespace {
 
 struct KernelFit {
   std::int64_t head_dim = 0;
-  double tile = 0, diagonal = 0, q_row = 0, kv_row = 0;  // seconds, per head
-  double seconds(double tiles, double diagonal_tiles, double q, double kv) const {
-    return tile * tiles + diagonal * diagonal_tiles + q_row * q + kv_row * kv;
+  double tile = 0, partial = 0, q_row = 0, kv_row = 0;  // seconds, per head
+  double seconds(double tiles, double partial_tiles, double q, double kv) const {
+    return tile * tiles + partial * partial_tiles + q_row * q + kv_row * kv;
   }
 };
 
@@ -301,10 +304,11 @@ double plan_reorder(const PlanContext& c, StrategyPlan& s, std::vector<std::int6
   return seconds;
 }
 
-// One kernel call of a rank: its tiles per q head and its shape as the rate table reads it (query and key
-// rows; `diagonal`: the causal mask cuts some of its tiles).
+// One kernel call of a rank: its tiles per q head, the partial ones among them (the mask applied tile by
+// tile: a diagonal's, a document boundary's, a short block's), and its shape as the rate table reads it
+// (query and key rows; `diagonal`: the band cuts some of its tiles).
 struct KernelCall {
-  std::int64_t tiles = 0, q = 0, kv = 0;
+  std::int64_t tiles = 0, partial = 0, q = 0, kv = 0;
   bool diagonal = false;
 };
 // Per rank, per ring step (one step for the strategies without a ring), its calls.
@@ -400,8 +404,10 @@ struct RingTiles {
           if (c.packed && (qp.seg_max < kp.seg_min || kp.seg_max < qp.seg_min)) continue;  // other documents
           const std::int64_t tiles = kernels::count_nonempty_tiles(qp.blocks, kp.blocks, band, c.packed);
           if (tiles == 0) continue;
+          const std::int64_t full =
+              kernels::count_full_tiles(qp.blocks, kp.blocks, band, c.packed, c.req.block);
           const bool diagonal = !band.sees_all(qp.pos_min, qp.pos_max, kp.pos_min, kp.pos_max);
-          calls.push_back({tiles, qp.rows, kp.rows, diagonal});
+          calls.push_back({tiles, tiles - full, qp.rows, kp.rows, diagonal});
         }
       }
       steps.push_back(std::move(calls));
@@ -431,7 +437,7 @@ CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
   // per-head count (every rank sees the whole sequence); ring: each ring rank's rows and its steps' counts
   // (hybrid's ranks of one ulysses group share their ring rank).
   const auto natural_blocks = blocks_of(natural, segments, c.req.block);
-  std::optional<std::int64_t> ulysses_per_head;
+  std::optional<std::pair<std::int64_t, std::int64_t>> ulysses_per_head;  // tiles, full
   std::optional<RingTiles> ring;
   if (c.ring_like()) ring.emplace(c, tokens);
   std::vector<std::optional<std::vector<std::vector<KernelCall>>>> ring_steps(static_cast<std::size_t>(c.R));
@@ -439,11 +445,13 @@ CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
     std::int64_t per_head = 0;
     if (c.heads_split() && !c.ring_like()) {  // the whole row in one kernel call per head
       if (!ulysses_per_head) {
-        ulysses_per_head =
-            kernels::count_nonempty_tiles(natural_blocks, natural_blocks, c.a.band(), !segments.empty());
+        const bool packed = !segments.empty();
+        ulysses_per_head = {
+            kernels::count_nonempty_tiles(natural_blocks, natural_blocks, c.a.band(), packed),
+            kernels::count_full_tiles(natural_blocks, natural_blocks, c.a.band(), packed, c.req.block)};
       }
-      per_head = *ulysses_per_head;
-      calls.push_back({{{per_head, c.S, c.S, c.a.band().bounded()}}});
+      per_head = ulysses_per_head->first;
+      calls.push_back({{{per_head, per_head - ulysses_per_head->second, c.S, c.S, c.a.band().bounded()}}});
     } else if (c.ring_like()) {
       // The kernel's calls of a step (ring_strategy.cpp): the ring rank's rows whole, or chunk by chunk with
       // load balance, each on a grid of its own; calls the mask's band hides whole are skipped.
@@ -461,9 +469,10 @@ CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
       calls.push_back(*steps);
     } else {
       const auto [q_pos, q_seg] = tokens(layout, r);
-      per_head = count_tiles(q_pos, q_seg, natural_blocks, c.a.band(), c.req.block);
-      calls.push_back(
-          {{{per_head, c.sl, c.gathered_rows[static_cast<std::size_t>(r)], c.a.band().bounded()}}});
+      const auto [tiles, full] = count_tiles(q_pos, q_seg, natural_blocks, c.a.band(), c.req.block);
+      per_head = tiles;
+      calls.push_back({{{tiles, tiles - full, c.sl, c.gathered_rows[static_cast<std::size_t>(r)],
+                         c.a.band().bounded()}}});
     }
     s.tiles_per_rank_per_q_head.push_back(per_head);
     s.tiles_per_rank.push_back(per_head * c.local_q_heads(r) * c.B);
@@ -624,29 +633,31 @@ CommModel plan_communication(const PlanContext& c) {
 }
 
 // The kernel's time per call from the profile's measured entries, as a sum of costs the entries separate: per
-// computed tile, per diagonal (masked) tile, per query row and per key row (each per head: the rows' loads
-// and stores, the backward's dK/dV partials zeroed and summed), fitted per (dtype, head dim, pass) by least
-// squares on the relative error (a term that would come out negative dropped). A call's cost then follows its
-// shape, which a rate alone does not: an all_gather rank's queries see half of their keys, a calibration
-// cell's all.
+// computed tile, per partial tile (the mask applied: a calibration cell's diagonal), per query row and per
+// key row (each per head: the rows' loads and stores, the backward's dK/dV partials zeroed and summed),
+// fitted per (dtype, head dim, pass) by least squares on the relative error (a term that would come out
+// negative dropped). A call's cost then follows its shape, which a rate alone does not: an all_gather rank's
+// queries see half of their keys, a calibration cell's all.
 
-// A measured cell's tiles on the grid of `block` (its queries at its keys' end, as calibration placed them).
+// A measured cell's tiles on the grid of `block` (its queries at its keys' end, as calibration placed them),
+// and the partial ones among them.
 std::pair<double, double> cell_tiles(const KernelRate& k, std::int64_t block) {
   std::vector<std::int32_t> q_pos(static_cast<std::size_t>(k.q)), kv_pos(static_cast<std::size_t>(k.kv));
   for (std::int64_t i = 0; i < k.kv; ++i) kv_pos[i] = static_cast<std::int32_t>(i);
   for (std::int64_t i = 0; i < k.q; ++i)
     q_pos[i] = static_cast<std::int32_t>(std::max<std::int64_t>(k.kv - k.q, 0) + i);
-  const auto tiles = kernels::count_nonempty_tiles(kernels::block_meta(q_pos, {}, 0, k.q, block),
-                                                   kernels::block_meta(kv_pos, {}, 0, k.kv, block),
-                                                   causal_band(k.causal), false);
-  return {static_cast<double>(tiles), k.causal ? static_cast<double>((k.q + block - 1) / block) : 0.0};
+  const auto qb = kernels::block_meta(q_pos, {}, 0, k.q, block);
+  const auto kb = kernels::block_meta(kv_pos, {}, 0, k.kv, block);
+  const auto tiles = kernels::count_nonempty_tiles(qb, kb, causal_band(k.causal), false);
+  const auto full = kernels::count_full_tiles(qb, kb, causal_band(k.causal), false, block);
+  return {static_cast<double>(tiles), static_cast<double>(tiles - full)};
 }
 
 // Solves the weighted least squares over the terms in `use` (at most 4), dropping a negative one and solving
 // again; false when too few entries.
 bool fit_terms(const std::vector<std::array<double, 5>>& rows, KernelFit& fit) {
   std::array<bool, 4> use{};
-  // A term no entry varies (no causal entry: no diagonal tiles) cannot be told apart: dropped.
+  // A term no entry varies (no causal entry: no partial tiles) cannot be told apart: dropped.
   for (std::size_t t = 0; t < 4; ++t) {
     use[t] = std::any_of(rows.begin(), rows.end(), [&](const auto& r) { return r[t] != 0; });
   }
@@ -658,7 +669,7 @@ bool fit_terms(const std::vector<std::array<double, 5>>& rows, KernelFit& fit) {
     const std::size_t n = terms.size();
     if (n == 0 || rows.size() < n + 1) return false;
     std::vector<double> m(n * n, 0.0), v(n, 0.0);
-    for (const auto& r : rows) {  // r: tiles, diagonal, q, kv, seconds; weighted by 1 / seconds
+    for (const auto& r : rows) {  // r: tiles, partial, q, kv, seconds; weighted by 1 / seconds
       const double w = 1 / r[4];
       for (std::size_t i = 0; i < n; ++i) {
         v[i] += r[terms[i]] * w;  // (x_i / t) * (t / t)
@@ -668,7 +679,7 @@ bool fit_terms(const std::vector<std::array<double, 5>>& rows, KernelFit& fit) {
     double scale = 0;
     for (std::size_t i = 0; i < n; ++i) scale = std::max(scale, std::abs(m[i * n + i]));
     // Gaussian elimination with partial pivoting; a pivot that vanishes (a term the others already carry, as
-    // the diagonal tiles where every causal entry's q is a multiple of the block) drops its term.
+    // the partial tiles where every causal entry's q is a multiple of the block) drops its term.
     std::optional<std::size_t> dependent;
     for (std::size_t c = 0; c < n; ++c) {
       std::size_t piv = c;
@@ -702,7 +713,7 @@ bool fit_terms(const std::vector<std::array<double, 5>>& rows, KernelFit& fit) {
       if (x[i] < 0 && (worst == n || x[i] < x[worst])) worst = i;
     }
     if (worst == n) {
-      double* out[4] = {&fit.tile, &fit.diagonal, &fit.q_row, &fit.kv_row};
+      double* out[4] = {&fit.tile, &fit.partial, &fit.q_row, &fit.kv_row};
       for (std::size_t t = 0; t < 4; ++t) *out[t] = 0;
       for (std::size_t i = 0; i < n; ++i) *out[terms[i]] = x[i];
       return fit.tile > 0;
@@ -729,11 +740,11 @@ std::vector<KernelFit> kernel_fits(const HardwareProfile& hw, DType dtype, bool 
     std::vector<std::array<double, 5>> rows;
     for (const KernelRate& k : hw.kernel) {
       if (k.dtype != dtype || k.head_dim != d) continue;
-      const auto [tiles, diagonal] = cell_tiles(k, block);
+      const auto [tiles, partial] = cell_tiles(k, block);
       const double rate_tiles = rate_block == block ? tiles : cell_tiles(k, rate_block).first;
       const double flops = rate_tiles * attention_forward_flops(1, rate_block, 1, d, false) *
                            (backward ? kBackwardFlopsPerForward : 1.0);
-      rows.push_back({tiles, diagonal, static_cast<double>(k.q), static_cast<double>(k.kv),
+      rows.push_back({tiles, partial, static_cast<double>(k.q), static_cast<double>(k.kv),
                       flops / (backward ? k.backward : k.forward)});
     }
     KernelFit fit;
@@ -745,12 +756,11 @@ std::vector<KernelFit> kernel_fits(const HardwareProfile& hw, DType dtype, bool 
 
 // A call's seconds per head from the fits: at a fitted head dim its own, between two the geometric
 // interpolation in log2(head dim), outside them the nearest scaled by the head dims' ratio.
-std::optional<double> fitted_seconds(const std::vector<KernelFit>& fits, std::int64_t d, const KernelCall& k,
-                                     std::int64_t block) {
+std::optional<double> fitted_seconds(const std::vector<KernelFit>& fits, std::int64_t d,
+                                     const KernelCall& k) {
   if (fits.empty()) return std::nullopt;
-  const double diagonal = k.diagonal ? static_cast<double>((k.q + block - 1) / block) : 0.0;
   auto at = [&](const KernelFit& f) {
-    return f.seconds(static_cast<double>(k.tiles), diagonal, static_cast<double>(k.q),
+    return f.seconds(static_cast<double>(k.tiles), static_cast<double>(k.partial), static_cast<double>(k.q),
                      static_cast<double>(k.kv));
   };
   const auto hi = std::find_if(fits.begin(), fits.end(), [&](const KernelFit& f) { return f.head_dim >= d; });
@@ -780,7 +790,7 @@ double kernel_seconds(const PlanContext& c, std::int64_t rank, const std::vector
   for (const KernelCall& k : calls) {
     if (k.tiles == 0) continue;
     launches += hw.call_seconds;
-    if (const auto fitted = fitted_seconds(fits, c.D, k, c.req.block)) {
+    if (const auto fitted = fitted_seconds(fits, c.D, k)) {
       t += *fitted * heads / threads;
       continue;
     }
