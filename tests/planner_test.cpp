@@ -158,6 +158,26 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
   EXPECT_EQ(cases, 40)
       << "all_gather and ulysses in 8 variants each, ring and hybrid (U = 2) 4 each (no remat), "
          "each load-balanced too but ulysses";
+  // The layouts cut by documents, on the strategies that shard the sequence (a pack whose documents are not
+  // multiples of 2cp tokens: uneven runs).
+  for (Strategy strategy : {Strategy::all_gather, Strategy::ring, Strategy::hybrid}) {
+    for (ShardLayout layout : {ShardLayout::per_document, ShardLayout::solver}) {
+      testing::CpCase c;
+      c.strategy = strategy;
+      c.layout = layout;
+      if (strategy_traits(strategy).sub_groups) c.ulysses_degree = 2;
+      c.hq = 8;
+      c.hkv = 2;
+      c.dim = 16;
+      c.seq = 128;
+      c.segments = {3, 97, 28};
+      SCOPED_TRACE(c.name());
+      ASSERT_TRUE(validation_errors(c.attention(), c.parallel()).empty());
+      const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
+      const auto predicted = attention_collectives(c.attention(), c.parallel(), false, true);
+      for (const auto& counted : run.records) EXPECT_EQ(sorted(counted), sorted(predicted));
+    }
+  }
 }
 
 // Sliding windows, soft-caps and sinks: every strategy's planned tiles per rank are the ones its run
