@@ -482,6 +482,82 @@ TEST(Planner, ReorderPredictionEqualsWhatReorderCounted) {
   for (const auto& c : counted) EXPECT_EQ(c, forward);
 }
 
+// Between any two layouts (those cut by documents too): each token lands at the slot the target layout gives
+// it, a round trip gives the shard back bit for bit, and the contiguous <-> per_document reorder's calls are
+// the ones the planner prices for the per_document all_gather.
+TEST(Planner, AnyLayoutsReorderMovesEachTokenToItsSlotAsPlanned) {
+  const std::int64_t cp = 4, S = 96, emb = 3, B = 2;
+  const std::vector<std::int64_t> docs{5, 60, 1, 30};
+  const SequenceLayout contiguous = make_layout(ShardLayout::contiguous, S, cp);
+  const SequenceLayout per_document = make_layout(ShardLayout::per_document, S, cp, docs);
+  const SequenceLayout solver = make_layout(ShardLayout::solver, S, cp, docs, causal_band(true));
+  const auto value = [&](std::int64_t b, std::int64_t pos, std::int64_t w) {
+    return static_cast<float>(b * 10000 + pos * 10 + w);
+  };
+  // Rank `rank`'s shard of the row in `layout`: [B, S/cp, 1, emb] of value().
+  const auto shard = [&](const SequenceLayout& layout, std::int64_t rank) {
+    Tensor t(DType::f32, {B, S / cp, 1, emb});
+    const auto positions = layout.positions(rank);
+    float* d = t.data<float>();
+    for (std::int64_t b = 0; b < B; ++b) {
+      for (std::int64_t i = 0; i < S / cp; ++i) {
+        for (std::int64_t w = 0; w < emb; ++w) d[(b * S / cp + i) * emb + w] = value(b, positions[i], w);
+      }
+    }
+    return t;
+  };
+  const auto same = [](const Tensor& a, const Tensor& b) {
+    return a.shape() == b.shape() &&
+           std::equal(a.data<float>(), a.data<float>() + a.numel(), b.data<float>());
+  };
+  InProcessGroup group(static_cast<int>(cp));
+  std::vector<std::vector<CollectiveRecord>> counted(cp);
+  std::vector<int> right(cp, 0);
+  group.run([&](Communicator& comm) {
+    const std::int64_t r = comm.rank();
+    const Tensor x = shard(contiguous, r);
+    {
+      CollectiveCounters::PhaseScope phase(comm.counters(), "forward");
+      const Tensor y = reorder_sequence(comm, x, contiguous, per_document);
+      right[r] += same(y, shard(per_document, r));
+      right[r] += same(reorder_sequence(comm, y, per_document, contiguous), x);
+      counted[r] = comm.counters().records();
+    }
+    const Tensor z =
+        reorder_sequence(comm, reorder_sequence(comm, x, contiguous, solver), solver, per_document);
+    right[r] += same(z, shard(per_document, r));
+  });
+  for (std::int64_t r = 0; r < cp; ++r) EXPECT_EQ(right[r], 3) << "rank " << r;
+  PlanRequest req;
+  req.attention.seq_len = S;
+  req.attention.batch = B;
+  req.attention.num_q_heads = 4;
+  req.attention.num_kv_heads = 4;
+  req.attention.head_dim = 8;
+  req.attention.dtype = DType::f32;
+  req.parallel.cp = cp;
+  req.segments = docs;
+  req.model = {"test", emb, 2, 2, {}, 1};
+  req.block = 8;
+  req.hardware = *find_hardware("h100");
+  const Plan plan = make_plan(req);
+  std::vector<CollectiveRecord> forward;
+  for (const auto& c : by_name(plan, "all_gather_per_document").reorder) {
+    if (c.phase == "forward") forward.push_back(c);
+  }
+  ASSERT_FALSE(forward.empty());
+  for (const auto& c : counted) EXPECT_EQ(c, forward);
+  // A layout over other ranks or another row is refused, naming it.
+  group.run([&](Communicator& comm) {
+    const Tensor x = shard(contiguous, comm.rank());
+    EXPECT_THROW(reorder_sequence(comm, x, contiguous, make_layout(ShardLayout::per_document, S, 2, docs)),
+                 Error);
+    SequenceLayout twice = per_document;
+    twice.runs[1] = twice.runs[0];
+    EXPECT_THROW(reorder_sequence(comm, x, twice, contiguous), Error);
+  });
+}
+
 // ---- Prefill: a forward-only plan. ----
 
 // What a forward-only run counts is what a forward-only plan predicts: the forward's calls alone, for every

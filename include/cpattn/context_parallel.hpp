@@ -25,6 +25,8 @@
 
 namespace cpattn {
 
+struct SequenceLayout;  // cpattn/sequence_layout.hpp
+
 // Kernel threads of one rank: `threads`, or where it is 0, max(1, hardware threads / cp).
 int threads_per_rank(int threads, std::int64_t cp);
 
@@ -99,5 +101,11 @@ class ContextParallelAttention {
 // of an activation [B, S/cp, H, W] between layouts with collective permutes (one per local chunk slot).
 Tensor reorder_sequence(Communicator& comm, const Tensor& x, std::int64_t seq_len, ShardLayout from,
                         ShardLayout to);
+// The same between any two layouts of the row (make_layout, layout_of; the layouts cut by documents too):
+// one all_to_all_v, in which rank r sends rank p the tokens r holds in `from` and p holds in `to`, each
+// placed at its slot in `to`. Both layouts over comm.size() ranks and one row, each position held once and
+// every rank holding seq_len / cp (layout_errors); x: [B, seq_len / cp, H, W].
+Tensor reorder_sequence(Communicator& comm, const Tensor& x, const SequenceLayout& from,
+                        const SequenceLayout& to);
 
 }  // namespace cpattn
