@@ -55,7 +55,11 @@ def main():
     profile = a.profile
     if profile is None:
         profile = os.path.join(tempfile.mkdtemp(prefix="cpattn-layouts-"), "this-machine.yaml")
-        subprocess.run([a.cpattn, "bench", "calibrate", "--output", profile], check=True, capture_output=True)
+        calibrated = subprocess.run([a.cpattn, "bench", "calibrate", "--output", profile], capture_output=True,
+                                    text=True)
+        if calibrated.returncode != 0:
+            sys.exit(f"cpattn bench calibrate failed:\n{calibrated.stderr}")
+        print(f"calibrated this machine: {profile} (--profile {profile} to plan on it again)")
     forward_only = ["--forward-only"] if a.forward_only else []
     plan = run_json([a.cpattn, "plan", *shape, "--block", "64", "--profile", profile, *forward_only, "--json"])
     entries = {s["name"]: s for s in plan["strategies"]}

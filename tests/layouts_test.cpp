@@ -253,5 +253,99 @@ TEST(Layouts, TheSolverBalancesPackedRowsWithinFivePercent) {
   }
 }
 
+// The all_gather's keys on packed rows: each rank gets the kv blocks (in aligned pairs) of its documents that
+// its queries reach, within the band's; the whole row to every rank is no list.
+TEST(Layouts, AllGatherKeysAreTheBlocksOfEachRanksDocuments) {
+  using R = std::vector<PositionRange>;
+  const SequenceLayout l = make_layout(ShardLayout::contiguous, 256, 4);
+  const auto keys = [&](const PositionBand& band, bool windowed, const std::vector<std::int32_t>& seg) {
+    return all_gather_keys(l.rank_positions(), l.rank_run_lengths(), 256, band, windowed, 64, seg);
+  };
+  // Causal, documents 200 and 56: rank 0's queries reach block 0 (its pair: blocks 0 and 1), rank 1's blocks
+  // 0 and 1, rank 2's 0 to 2 (the pairs: all), rank 3's document 0 to 199 and document 1 whole.
+  const auto pack = segment_ids_from_lengths(1, {200, 56});
+  EXPECT_EQ(keys(causal_band(true), false, pack),
+            (std::vector<R>{{{0, 128}}, {{0, 128}}, {{0, 256}}, {{0, 256}}}));
+  // No segment ids, no window: the whole row to every rank (the band alone does not decide). One document's
+  // ids: the causal reach alone; in the dual chunk swap every rank reaches the row's end: the whole row.
+  EXPECT_TRUE(keys(causal_band(true), false, {}).empty());
+  const auto one = segment_ids_from_lengths(1, {256});
+  EXPECT_EQ(keys(causal_band(true), false, one),
+            (std::vector<R>{{{0, 128}}, {{0, 128}}, {{0, 256}}, {{0, 256}}}));
+  const SequenceLayout dcs = make_layout(ShardLayout::dual_chunk_swap, 256, 4);
+  EXPECT_TRUE(
+      all_gather_keys(dcs.rank_positions(), dcs.rank_run_lengths(), 256, causal_band(true), false, 64, one)
+          .empty());
+  // Non-causal, documents 64 and 192: rank 0 holds document 0 alone (blocks 0 and its pair's 1); the others
+  // reach document 1 whole and block 0 only as its pair's.
+  EXPECT_EQ(keys(causal_band(false), false, segment_ids_from_lengths(1, {64, 192})),
+            (std::vector<R>{{{0, 128}}, {{0, 256}}, {{0, 256}}, {{0, 256}}}));
+  // A causal window of 10 keys on 200 + 56: the band's blocks (rank 3: 182..255, blocks 2 and 3) that the
+  // documents keep; rank 0 sees block 0 alone (the band's whole blocks, not widened to pairs).
+  const auto windowed = keys(PositionBand{10, 0}, true, pack);
+  EXPECT_EQ(windowed[0], (R{{0, 64}}));
+  EXPECT_EQ(windowed[3], (R{{128, 256}}));
+  // Two batch rows: the union of what each row's documents reach (row 1 one document: rank 0 still block 0).
+  auto two = pack;
+  for (int i = 0; i < 256; ++i) two.push_back(0);
+  EXPECT_EQ(keys(causal_band(true), false, two),
+            (std::vector<R>{{{0, 128}}, {{0, 128}}, {{0, 256}}, {{0, 256}}}));
+  // A row whose rank-0 document is short: documents 10, 246, non-causal: rank 0 (0..63) holds both, reaching
+  // all; a pack where rank 0's document ends inside block 0 and rank 1 starts a new one there.
+  EXPECT_TRUE(keys(causal_band(false), false, segment_ids_from_lengths(1, {10, 246})).empty());
+}
+
+// The all_gather's keys on the balance proof's packs (S = 131072, cp 8, causal, blocks of 64): every rank
+// receives each block holding a key of its documents at or before its last query there (checked document by
+// document), and the K/V rows the ranks receive from others are printed against the whole all_gather's
+// (docs/performance.md, "Layouts on packed rows").
+TEST(Layouts, AllGatherKeysOnPackedRowsCoverWhatTheQueriesSee) {
+  const std::int64_t seq = 131072, cp = 8, block = 64;
+  std::mt19937 rng(108);
+  double received[4] = {0, 0, 0, 0};
+  const PositionBand causal{kUnboundedWindow, 0};
+  for (int trial = 0; trial < 20; ++trial) {
+    const V docs = pack(rng, seq, 8192, 1);
+    const auto seg = segment_ids_from_lengths(1, docs);
+    std::vector<std::int64_t> first(docs.size(), 0);  // each document's first position
+    for (std::size_t d = 1; d < docs.size(); ++d) first[d] = first[d - 1] + docs[d - 1];
+    for (std::size_t k = 0; k < 4; ++k) {
+      const SequenceLayout l = make_layout(kLayouts[k], seq, cp, docs, causal);
+      const auto keys =
+          all_gather_keys(l.rank_positions(), l.rank_run_lengths(), seq, causal, false, block, seg);
+      for (std::int64_t r = 0; r < cp; ++r) {
+        const auto mine = l.positions(r);
+        std::vector<std::int64_t> last(docs.size(), -1);  // the rank's last query in each document
+        for (const std::int64_t x : mine) {
+          const auto d = static_cast<std::size_t>(seg[static_cast<std::size_t>(x)]);
+          last[d] = std::max(last[d], x);
+        }
+        std::int64_t rows = seq, own = seq / cp;
+        if (!keys.empty()) {
+          const auto& ranges = keys[static_cast<std::size_t>(r)];
+          for (std::size_t d = 0; d < docs.size(); ++d) {
+            for (std::int64_t x = first[d]; x <= last[d]; x += block) {
+              ASSERT_TRUE(in_ranges(ranges, x))
+                  << to_string(kLayouts[k]) << " rank " << r << " position " << x;
+            }
+            if (last[d] >= 0) {
+              ASSERT_TRUE(in_ranges(ranges, last[d]));
+            }
+          }
+          rows = 0;
+          for (const PositionRange& x : ranges) rows += x.size();
+          own = overlap(l.runs[static_cast<std::size_t>(r)], ranges);
+        }
+        received[k] += static_cast<double>(rows - own) / static_cast<double>((cp - 1) * seq) / 20;
+      }
+    }
+  }
+  std::printf(
+      "cp 8, 20 packs, K/V rows the ranks receive against the whole all_gather's: contiguous %.3f, "
+      "dual_chunk_swap %.3f, per_document %.3f, solver %.3f\n",
+      received[0], received[1], received[2], received[3]);
+  for (const double x : received) EXPECT_LE(x, 1.0);
+}
+
 }  // namespace
 }  // namespace cpattn

@@ -148,7 +148,7 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
             if (cases % 3 != 0) continue;
 #endif
             const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
-            const auto predicted = attention_collectives(c.attention(), c.parallel(), remat, packed);
+            const auto predicted = attention_collectives(c.attention(), c.parallel(), remat, c.segments);
             for (const auto& counted : run.records) EXPECT_EQ(sorted(counted), sorted(predicted));
           }
         }
@@ -174,7 +174,7 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
       SCOPED_TRACE(c.name());
       ASSERT_TRUE(validation_errors(c.attention(), c.parallel()).empty());
       const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
-      const auto predicted = attention_collectives(c.attention(), c.parallel(), false, true);
+      const auto predicted = attention_collectives(c.attention(), c.parallel(), false, c.segments);
       for (const auto& counted : run.records) EXPECT_EQ(sorted(counted), sorted(predicted));
     }
   }
@@ -342,7 +342,7 @@ TEST(Planner, PredictionsEqualWhatRunCountedAtAnyHeadCounts) {
     if (packed) c.segments = {c.seq - 5, 5};
     SCOPED_TRACE(c.name());
     const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
-    const auto predicted = attention_collectives(c.attention(), c.parallel(), c.remat, packed);
+    const auto predicted = attention_collectives(c.attention(), c.parallel(), c.remat, c.segments);
     for (const auto& counted : run.records) EXPECT_EQ(sorted(counted), sorted(predicted));
 
     PlanRequest r;
@@ -380,7 +380,7 @@ TEST(Planner, HybridPredictionsEqualWhatRunCounted) {
       if (packed) c.segments = {200, 56};
       SCOPED_TRACE(c.name());
       const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
-      const auto predicted = attention_collectives(c.attention(), c.parallel(), false, packed);
+      const auto predicted = attention_collectives(c.attention(), c.parallel(), false, c.segments);
       std::vector<CollectiveRecord> largest = run.records[0];
       for (const auto& counted : run.records) {
         ASSERT_EQ(counted.size(), largest.size());
@@ -547,7 +547,7 @@ TEST(Planner, AnyLayoutsReorderMovesEachTokenToItsSlotAsPlanned) {
   }
   ASSERT_FALSE(forward.empty());
   for (const auto& c : counted) EXPECT_EQ(c, forward);
-  // A layout over other ranks or another row is refused, naming it.
+  // A layout over other ranks, or one that holds a position twice, is refused.
   group.run([&](Communicator& comm) {
     const Tensor x = shard(contiguous, comm.rank());
     EXPECT_THROW(reorder_sequence(comm, x, contiguous, make_layout(ShardLayout::per_document, S, 2, docs)),
@@ -588,10 +588,10 @@ TEST(Planner, ForwardOnlyPredictionsEqualWhatAForwardOnlyRunCounted) {
         settings.forward_only = true;
         const auto run = harness::run_in_process(c.attention(), c.parallel(), settings,
                                                  harness::random_problem(c.attention(), 5, c.segments));
-        const auto predicted = attention_collectives(c.attention(), c.parallel(), false, packed, true);
+        const auto predicted = attention_collectives(c.attention(), c.parallel(), false, c.segments, true);
         for (const auto& p : predicted) EXPECT_EQ(p.phase, "forward");
         for (const auto& rank : run.ranks) EXPECT_EQ(sorted(rank.collectives), sorted(predicted));
-        const auto full = attention_collectives(c.attention(), c.parallel(), false, packed);
+        const auto full = attention_collectives(c.attention(), c.parallel(), false, c.segments);
         EXPECT_LT(predicted.size(), full.size());  // the backward's calls are gone, and only they
         ++cases;
       }

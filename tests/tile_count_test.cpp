@@ -72,9 +72,11 @@ TEST(TileCount, AgreesWithClassifyingEveryPair) {
   EXPECT_EQ(count_nonempty_tiles(blocks, blocks, causal, false), 16 * 17 / 2);
   EXPECT_EQ(count_full_tiles(blocks, blocks, causal, true, 64),
             count_by_pairs(blocks, blocks, causal, true, TileKind::full));
-  // Causal, one document: q block i sees the i kv blocks before it whole, all 64 rows (the last kv block, 40
-  // rows, is never full, and q block 15 is the only one past it): 0 + 1 + ... + 15.
+  // Causal, one document: q block i sees the i kv blocks before it whole (all 64 rows; its own diagonal
+  // block is partial): 0 + 1 + ... + 15. Non-causal: every q block sees the 15 whole kv blocks whole, and
+  // the short last one (40 rows) is never full.
   EXPECT_EQ(count_full_tiles(blocks, blocks, causal, false, 64), 16 * 15 / 2);
+  EXPECT_EQ(count_full_tiles(blocks, blocks, causal_band(false), false, 64), 16 * 15);
   // A causal window of 100 keys (left 99) on 64-token blocks: each q block sees itself and 2 before it at
   // most (block i's first query reaches back to 64 i - 99, inside block i - 2 for i >= 2).
   EXPECT_EQ(count_nonempty_tiles(blocks, blocks, PositionBand{99, 0}, false), 1 + 2 + 14 * 3);

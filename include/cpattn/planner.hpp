@@ -188,10 +188,13 @@ struct Plan {
 };
 
 // The collectives one attention layer issues (forward, remat, backward; `forward_only`: the forward's alone),
-// aggregated by (kind, phase, group) in issue order, each field the largest over ranks; `packed`: segment ids
-// are exchanged too; `block`: the kernel's kv block (a windowed all_gather moves whole blocks of it).
+// aggregated by (kind, phase, group) in issue order, each field the largest over ranks; `documents`: the
+// row's document lengths on a packed row (every batch row's; empty: one document, no segment ids): segment
+// ids are exchanged too, and the all_gather moves each rank the key blocks of its documents; `block`: the
+// kernel's kv block (a windowed or packed all_gather moves whole blocks of it).
 std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& attention,
-                                                    const ParallelSpec& parallel, bool remat, bool packed,
+                                                    const ParallelSpec& parallel, bool remat,
+                                                    const std::vector<std::int64_t>& documents,
                                                     bool forward_only = false, std::int64_t block = 64);
 
 // Validates the request's general rules first (Error(invalid_config), as validate does); a strategy whose own

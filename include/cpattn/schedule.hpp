@@ -46,6 +46,10 @@ struct ScheduleOptions {
   // The kernel's kv block (FlashConfig::block_kv): a windowed all_gather moves the key rows each rank sees in
   // whole blocks of it.
   std::int64_t block = 64;
+  // The row's segment ids ([B, S], natural order; the all_gather gathers them first): a packed all_gather
+  // moves each rank the key blocks of its documents its queries reach (all_gather_keys). Null: packed rows'
+  // keys are planned as the band alone decides (every block without a window).
+  const std::vector<std::int32_t>* segments = nullptr;
 };
 
 // One attention layer's calls: those of a forward, and those of the backward after it (remat calls included),

@@ -177,6 +177,15 @@ std::vector<PositionRange> seen_positions(const std::vector<std::int32_t>& posit
 std::vector<std::vector<PositionRange>> seen_positions(const RankPositions& positions, const RankRuns& runs,
                                                        const PositionBand& band, std::int64_t seq_len,
                                                        std::int64_t block);
+// The all_gather's keys: every rank's seen ranges (seen_positions under the band; on packed rows, `segments`
+// [batch, seq_len] in natural order and the same on every rank, only the blocks holding a key of a document
+// the rank has a query of, between that document's queries' reach: the lowest less the band's left side, the
+// highest plus its right, in any batch row; those in aligned pairs of blocks, as the bf16 kernels step), or
+// empty where the whole row moves to every rank: no window, and every rank sees every block.
+std::vector<std::vector<PositionRange>> all_gather_keys(const RankPositions& positions, const RankRuns& runs,
+                                                        std::int64_t seq_len, const PositionBand& band,
+                                                        bool windowed, std::int64_t block,
+                                                        const std::vector<std::int32_t>& segments);
 // Whether position x is in sorted, disjoint ranges; how many positions two lists of disjoint ranges share
 // (a rank's runs, local_ranges, against another's seen ranges: the rows it sends that rank). Both lists in
 // increasing order (every layout's runs and seen_positions' are).

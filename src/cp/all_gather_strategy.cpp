@@ -1,14 +1,23 @@
 // all_gather: K/V (and kv segment ids) all-gathered into natural order; this rank's queries, at their global
 // positions, attend the whole sequence. Backward: dQ local; dK/dV partials (fp32) for the whole sequence,
-// reduce-scattered (summed) back to the shards. With a sliding window only the key rows some local query
-// sees move (whole kernel blocks, in natural order: the kernel's tiles are the single device's), each
+// reduce-scattered (summed) back to the shards. With a sliding window, or on packed rows where a rank's
+// documents leave it key blocks none of its queries reaches, only the key rows some local query sees move
+// (all_gather_keys: whole kernel blocks, in natural order: the kernel's tiles are the single device's), each
 // rank's from its owner by an all_to_all_v, and their dK/dV partials go back the same way, summed in rank
-// order.
+// order. On packed rows the segment ids move first (Impl::forward gathers them before the schedule is made:
+// the keys each rank receives follow them).
 #include "context_parallel_impl.hpp"
 #include "cpattn/sequence_layout.hpp"
 
 namespace cpattn {
 namespace {
+
+// The key rows some query of the receiving rank sees (all_gather_keys, whole kernel blocks): each rank's seen
+// ranges, this rank's key positions.
+struct SeenKeys {
+  std::vector<std::vector<PositionRange>> seen;  // every rank's; empty: the whole row to every rank
+  std::vector<std::int32_t> positions;           // [B, V]: this rank's seen rows (natural: all S)
+};
 
 struct AllGatherSaved final : ContextParallelAttention::Impl::SavedState {
   AllGatherSaved() : SavedState(Strategy::all_gather) {}
@@ -18,6 +27,9 @@ struct AllGatherSaved final : ContextParallelAttention::Impl::SavedState {
   std::vector<float> lse;  // [B, Hq, S/cp]
   // [B, S/cp], and the keys' [B, S] natural (with a window, [B, V]: the seen rows'); empty: no segments
   std::vector<std::int32_t> seg_local, seg_full;
+  // Every rank's seen key ranges (all_gather_keys; empty: the whole row), the forward's: the backward's
+  // partials go back to the rows' owners as they came.
+  std::vector<std::vector<PositionRange>> seen;
   std::int64_t bytes() const override {
     return cp::saved_bytes({&q, &o, &k, &v, &k_full, &v_full},
                            lse.size() * 4 + (seg_local.size() + seg_full.size()) * 4);
@@ -28,27 +40,27 @@ struct AllGatherSaved final : ContextParallelAttention::Impl::SavedState {
 
 namespace {
 
-// A windowed all_gather moves only the key rows some query of the receiving rank sees (seen_positions, whole
-// kernel blocks): each rank's seen ranges, its key positions and (packed) segment ids.
-struct SeenKeys {
-  std::vector<std::vector<PositionRange>> seen;  // every rank's; empty: no window, the whole row
-  std::vector<std::int32_t> positions;           // [B, V]: this rank's seen rows (natural: all S)
-};
-
-SeenKeys seen_keys(const AttentionSpec& a, const RankPositions& positions, const RankRuns& runs,
-                   std::int64_t rank, std::int64_t block) {
+// This rank's key positions from every rank's seen ranges (the forward's, or the backward's from those it
+// kept).
+SeenKeys keys_of(const AttentionSpec& a, std::vector<std::vector<PositionRange>> seen, std::int64_t rank) {
   SeenKeys k;
-  if (!a.windowed()) {
+  k.seen = std::move(seen);
+  if (k.seen.empty()) {
     k.positions = natural_positions(a.batch, a.seq_len);
     return k;
   }
-  k.seen = seen_positions(positions, runs, a.band(), a.seq_len, block);
   std::vector<std::int64_t> mine;
   for (const PositionRange& r : k.seen[static_cast<std::size_t>(rank)]) {
     for (std::int64_t x = r.begin; x < r.end; ++x) mine.push_back(x);
   }
   k.positions = positions_as_int32(mine, a.batch);
   return k;
+}
+
+SeenKeys seen_keys(const AttentionSpec& a, const RankPositions& positions, const RankRuns& runs,
+                   std::int64_t rank, std::int64_t block, const std::vector<std::int32_t>& row_segments) {
+  return keys_of(a, all_gather_keys(positions, runs, a.seq_len, a.band(), a.windowed(), block, row_segments),
+                 rank);
 }
 
 // This rank's positions, repeated for each of B rows: [B, S/cp].
@@ -75,18 +87,17 @@ std::vector<std::int32_t> segments_at(const std::vector<std::int32_t>& seg_full,
 AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor& q, const Tensor& k,
                                                                    const Tensor& v, bool forward_only) {
   const std::int64_t B = attention.batch;
-  const SeenKeys keys = seen_keys(attention, positions, runs, rank, kernel_config().block_kv);
-  // k, v: [B, S/cp, Hkv, D] -> [B, S, Hkv, D] natural order, or with a window the rows this rank sees
+  SeenKeys keys = seen_keys(attention, positions, runs, rank, kernel_config().block_kv, row_segments);
+  // k, v: [B, S/cp, Hkv, D] -> [B, S, Hkv, D] natural order, or the rows this rank sees
   auto gather = [&](const Tensor& x) {
     return keys.seen.empty() ? cp::all_gather_sequence(comm, x, positions)
                              : cp::gather_seen(comm, x, positions, keys.seen);
   };
   Tensor k_full = gather(k);
   Tensor v_full = gather(v);
-  std::vector<std::int32_t> seg_full;
-  if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, B, positions);
+  // The row's segment ids: gathered before the schedule was made (Impl::forward).
   const std::vector<std::int32_t> kv_seg =
-      keys.seen.empty() ? seg_full : segments_at(seg_full, B, attention.seq_len, keys.positions);
+      keys.seen.empty() ? row_segments : segments_at(row_segments, B, attention.seq_len, keys.positions);
 
   const auto q_pos = rank_rows(positions, rank, B);
   AttentionOutput out;
@@ -103,6 +114,7 @@ AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor&
     s.lse = out.lse;
     s.seg_local = seg_local;
     s.seg_full = kv_seg;
+    s.seen = std::move(keys.seen);
     if (options.remat) {
       s.k = k;
       s.v = v;
@@ -118,7 +130,7 @@ AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor&
 AttentionGradients ContextParallelAttention::Impl::all_gather_backward(const Tensor& d_out) {
   AllGatherSaved& s = saved_as<AllGatherSaved>();
   const std::int64_t B = attention.batch;
-  const SeenKeys keys = seen_keys(attention, positions, runs, rank, kernel_config().block_kv);
+  const SeenKeys keys = keys_of(attention, s.seen, rank);
   if (options.remat) {
     CollectiveCounters::PhaseScope phase(group.counters(), "remat");
     s.k_full = keys.seen.empty() ? cp::all_gather_sequence(comm, s.k, positions)

@@ -293,9 +293,23 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
   comm_wait_seconds = 0;
   seg_local.assign(seg.begin(), seg.end());
   sinks_local.assign(sinks.begin(), sinks.end());
-  StrategySchedule schedule = strategy_schedule(
-      attention, parallel, {options.remat, !seg.empty(), rank, nullptr, options.kernel.block_kv});
   CollectiveCounters::PhaseScope phase(group.counters(), "forward");
+  // The all_gather on packed rows sends each rank the key blocks of its documents (all_gather_keys): the
+  // segment ids, its schedule's first call, move before the rest of the schedule is made from them.
+  row_segments.clear();
+  const bool segments_first = parallel.strategy == Strategy::all_gather && !seg.empty();
+  if (segments_first) {
+    const StrategySchedule before =
+        strategy_schedule(attention, parallel, {options.remat, true, rank, nullptr, options.kernel.block_kv});
+    expect({before.forward.front()}, unscheduled());
+    row_segments = cp::all_gather_segments(comm, seg_local, attention.batch, positions);
+    finish();
+  }
+  StrategySchedule schedule =
+      strategy_schedule(attention, parallel,
+                        {options.remat, !seg.empty(), rank, nullptr, options.kernel.block_kv,
+                         segments_first ? &row_segments : nullptr});
+  if (segments_first) schedule.forward.erase(schedule.forward.begin());
   expect(schedule.forward, unscheduled());
   AttentionOutput out = run_forward(q, k, v, forward_only);
   if (saved) {

@@ -96,6 +96,9 @@ class ContextParallelAttention::Impl {
     return static_cast<T&>(*saved);
   }
   std::vector<std::int32_t> seg_local;        // this call's segment ids
+  // The all_gather on packed rows: the row's segment ids ([B, S], natural), gathered before its schedule is
+  // made (the keys each rank receives follow them: all_gather_keys); empty otherwise.
+  std::vector<std::int32_t> row_segments;
   std::vector<float> sinks_local;             // this call's sinks ([hq]; empty: none)
   std::vector<std::vector<float>> step_lses;  // ring's negative control ring_step_lse: each step's LSE
 };

@@ -65,10 +65,11 @@ namespace {
 
 void check_reorder_layout(const SequenceLayout& l, const char* name, std::int64_t cp, std::int64_t seq_len) {
   if (l.ranks() != cp || l.seq_len != seq_len) {
-    throw Error(ErrorKind::invalid_input, name, std::to_string(l.ranks()) + " ranks",
+    throw Error(ErrorKind::invalid_input, name,
+                std::to_string(l.ranks()) + " ranks, " + std::to_string(l.seq_len) + " tokens",
                 std::string("reorder_sequence: layout `") + name + "` is over " + std::to_string(l.ranks()) +
-                    " ranks and " + std::to_string(l.seq_len) + " tokens; the group has " +
-                    std::to_string(cp) + " ranks and the row " + std::to_string(seq_len) + " tokens");
+                    " ranks and " + std::to_string(l.seq_len) + " tokens; it must be over the group's " +
+                    std::to_string(cp) + " ranks and `from`'s " + std::to_string(seq_len) + " tokens");
   }
   const auto errors = layout_errors(l);
   if (!errors.empty()) {

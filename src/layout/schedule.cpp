@@ -153,9 +153,10 @@ StrategySchedule hybrid_schedule(const AttentionSpec& a, const ParallelSpec& p, 
   return s;
 }
 
-// k, v: [B, S/cp, Hkv, D] gathered into [B, S, Hkv, D]; dK/dV fp32 partials [B, S, Hkv, D] reduce-scattered.
-// With a window, all_to_all_v's of the rows each rank sees (seen_positions in blocks of o.block): rank r
-// sends rank p its rows in p's seen ranges; the partials come back the same way.
+// The packed rows' segment ids gathered first; k, v: [B, S/cp, Hkv, D] gathered into [B, S, Hkv, D]; dK/dV
+// fp32 partials [B, S, Hkv, D] reduce-scattered. With a window, or on packed rows where some rank's documents
+// leave it blocks no query of it reaches, all_to_all_v's of the rows each rank sees (all_gather_keys, in
+// blocks of o.block): rank r sends rank p its rows in p's seen ranges; the partials come back the same way.
 StrategySchedule all_gather_schedule(const AttentionSpec& a, const ParallelSpec& p,
                                      const ScheduleOptions& o) {
   const std::int64_t B = a.batch, sl = a.seq_len / p.cp;
@@ -163,11 +164,12 @@ StrategySchedule all_gather_schedule(const AttentionSpec& a, const ParallelSpec&
   const CommDType e = comm_dtype(a.dtype);
   using K = CollectiveKind;
   std::vector<std::vector<std::int64_t>> seen_rows;  // [r][p]: what rank r sends rank p
-  if (a.windowed()) {
+  if (a.windowed() || (o.segments && !o.segments->empty())) {
     const SequenceLayout layout = layout_of(a, p);
     const auto seen =
-        seen_positions(layout.rank_positions(), layout.rank_run_lengths(), a.band(), a.seq_len, o.block);
-    for (std::int64_t r = 0; r < p.cp; ++r) {
+        all_gather_keys(layout.rank_positions(), layout.rank_run_lengths(), a.seq_len, a.band(), a.windowed(),
+                        o.block, o.segments ? *o.segments : std::vector<std::int32_t>{});
+    for (std::int64_t r = 0; r < p.cp && !seen.empty(); ++r) {
       const std::vector<PositionRange>& mine = layout.runs[static_cast<std::size_t>(r)];
       seen_rows.emplace_back();
       for (std::int64_t q = 0; q < p.cp; ++q) seen_rows.back().push_back(B * overlap(mine, seen[q]) * row);
@@ -188,9 +190,10 @@ StrategySchedule all_gather_schedule(const AttentionSpec& a, const ParallelSpec&
     return ScheduledCollective{K::all_to_all, "backward", tensor, 0, CommDType::f32, back, "", 0};
   };
   StrategySchedule s;
-  s.forward = {gather("forward", "k"), gather("forward", "v")};
   if (o.packed)
     s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "", 0});
+  s.forward.push_back(gather("forward", "k"));
+  s.forward.push_back(gather("forward", "v"));
   if (o.remat) {
     s.backward.push_back(gather("remat", "k"));
     s.backward.push_back(gather("remat", "v"));

@@ -1,6 +1,7 @@
 #include "cpattn/sequence_layout.hpp"
 
 #include <algorithm>
+#include <limits>
 
 namespace cpattn {
 
@@ -227,6 +228,97 @@ std::vector<std::vector<PositionRange>> seen_positions(const RankPositions& posi
   for (std::size_t p = 0; p < positions.size(); ++p)
     out.push_back(seen_positions(positions[p], runs[p], band, seq_len, block));
   return out;
+}
+
+namespace {
+
+// Each batch row's segment ids as dense indices (0..n-1 in order of value) and n: a document's reach kept in
+// arrays, not maps.
+struct DenseSegments {
+  std::vector<std::vector<std::int32_t>> index;  // [batch][seq_len]
+  std::vector<std::size_t> count;                // [batch]
+};
+
+DenseSegments dense_segments(const std::vector<std::int32_t>& segments, std::int64_t seq_len) {
+  DenseSegments d;
+  const auto n = static_cast<std::size_t>(seq_len);
+  for (std::size_t at = 0; at + n <= segments.size(); at += n) {
+    std::vector<std::int32_t> ids(segments.begin() + static_cast<std::ptrdiff_t>(at),
+                                  segments.begin() + static_cast<std::ptrdiff_t>(at + n));
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    std::vector<std::int32_t> index(n);
+    for (std::size_t k = 0; k < n; ++k) {
+      index[k] =
+          static_cast<std::int32_t>(std::lower_bound(ids.begin(), ids.end(), segments[at + k]) - ids.begin());
+    }
+    d.index.push_back(std::move(index));
+    d.count.push_back(ids.size());
+  }
+  return d;
+}
+
+// The kv blocks a rank's queries (`mine`) reach in their own documents, in any batch row, in aligned pairs.
+std::vector<char> document_blocks(const DenseSegments& d, const std::vector<std::int32_t>& mine,
+                                  const PositionBand& band, std::int64_t seq_len, std::int64_t block) {
+  std::vector<char> hit(static_cast<std::size_t>((seq_len + block - 1) / block), 0);
+  for (std::size_t b = 0; b < d.index.size(); ++b) {
+    const std::vector<std::int32_t>& index = d.index[b];
+    std::vector<std::int64_t> lo(d.count[b], std::numeric_limits<std::int64_t>::max()),
+        hi(d.count[b], std::numeric_limits<std::int64_t>::min());
+    for (const std::int32_t x : mine) {
+      const auto doc = static_cast<std::size_t>(index[static_cast<std::size_t>(x)]);
+      lo[doc] = std::min(lo[doc], std::int64_t{x} - band.left);
+      hi[doc] = std::max(hi[doc], std::int64_t{x} + band.right);
+    }
+    for (std::int64_t k = 0; k < seq_len; ++k) {
+      const auto doc = static_cast<std::size_t>(index[static_cast<std::size_t>(k)]);
+      if (lo[doc] <= k && k <= hi[doc]) hit[static_cast<std::size_t>(k / block)] = 1;
+    }
+  }
+  // In aligned pairs of blocks: the bf16 kernels take the kv blocks two at a time (one softmax step over
+  // both), so that a pair split apart in the gathered rows would be summed in another order than the single
+  // device's.
+  for (std::size_t i = 0; i + 1 < hit.size(); i += 2) hit[i] = hit[i + 1] = hit[i] || hit[i + 1];
+  return hit;
+}
+
+}  // namespace
+
+std::vector<std::vector<PositionRange>> all_gather_keys(const RankPositions& positions, const RankRuns& runs,
+                                                        std::int64_t seq_len, const PositionBand& band,
+                                                        bool windowed, std::int64_t block,
+                                                        const std::vector<std::int32_t>& segments) {
+  if (!windowed && segments.empty()) return {};
+  auto seen = seen_positions(positions, runs, band, seq_len, block);
+  if (!segments.empty()) {
+    const DenseSegments d = dense_segments(segments, seq_len);
+    for (std::size_t p = 0; p < seen.size(); ++p) {
+      const std::vector<char> hit = document_blocks(d, positions[p], band, seq_len, block);
+      // Without a window the documents' reach is the band's too (in pairs); with one, the band's blocks
+      // (whole blocks from 0, as seen_positions gives them) the documents keep.
+      const std::vector<PositionRange> band_seen =
+          windowed ? std::move(seen[p]) : std::vector<PositionRange>{{0, seq_len}};
+      std::vector<PositionRange> kept;
+      for (const PositionRange& r : band_seen) {
+        for (std::int64_t first = r.begin; first < r.end; first += block) {
+          if (!hit[static_cast<std::size_t>(first / block)]) continue;
+          const std::int64_t last = std::min(first + block, r.end);
+          if (!kept.empty() && kept.back().end == first) {
+            kept.back().end = last;
+          } else {
+            kept.push_back({first, last});
+          }
+        }
+      }
+      seen[p] = std::move(kept);
+    }
+  }
+  const bool whole = std::all_of(seen.begin(), seen.end(), [&](const std::vector<PositionRange>& r) {
+    return r.size() == 1 && r[0].begin == 0 && r[0].end == seq_len;
+  });
+  if (!windowed && whole) return {};
+  return seen;
 }
 
 bool in_ranges(const std::vector<PositionRange>& ranges, std::int64_t x) {

@@ -81,7 +81,13 @@ std::pair<std::int64_t, std::int64_t> count_tiles(const std::vector<std::int32_t
 }  // namespace
 
 std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, const ParallelSpec& p, bool remat,
-                                                    bool packed, bool forward_only, std::int64_t block) {
+                                                    const std::vector<std::int64_t>& documents,
+                                                    bool forward_only, std::int64_t block) {
+  const bool packed = !documents.empty();
+  // The all_gather's keys follow the row's documents (all_gather_keys; one row: every batch row alike).
+  const std::vector<std::int32_t> row_segments = packed && p.strategy == Strategy::all_gather
+                                                     ? segment_ids_from_lengths(1, documents)
+                                                     : std::vector<std::int32_t>{};
   // The calls differ between ranks in hybrid's ring (by ulysses rank) and in a windowed ring (each ring rank
   // sends the rows its receivers see); each field's largest over the ranks.
   const bool windowed_ring = p.traits().ring && a.windowed() && p.ring_degree() > 1;
@@ -94,7 +100,7 @@ std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, cons
   std::vector<CollectiveRecord> out;
   for (std::int64_t r = 0; r < ranks; ++r) {
     StrategySchedule schedule =
-        strategy_schedule(a, p, {remat, packed, r, windowed_ring ? &reach : nullptr, block});
+        strategy_schedule(a, p, {remat, packed, r, windowed_ring ? &reach : nullptr, block, &row_segments});
     if (forward_only) schedule.backward.clear();
     const auto records = scheduled_records(schedule, p.cp);
     if (out.empty()) {
@@ -208,8 +214,10 @@ struct PlanContext {
   bool windowed_ring = false;
   std::vector<ReachStep> reach;
   std::vector<std::int64_t> reach_at;  // reach_at[d]: the index in reach of distance d, or -1
-  // all_gather's key rows per rank: S, or with a window the rows it sees (seen_positions).
+  // all_gather's key rows per rank: S, or with a window or on packed rows the rows it sees (all_gather_keys).
   std::vector<std::int64_t> gathered_rows;
+  // The all_gather on packed rows: one row's segment ids ([1, S]), whose documents decide its keys.
+  std::vector<std::int32_t> row_segments;
   // Ranks sharing cores whose kernel threads occupy every one of them.
   bool cores_saturated() const { return req.hardware.cores > 0 && cp * threads >= req.hardware.cores; }
 
@@ -485,7 +493,6 @@ CallPlan plan_tiles(const PlanContext& c, StrategyPlan& s) {
 // Memory: what forward keeps for backward (nothing in a prefill), and the K/V the kernel reads.
 void plan_memory(const PlanContext& c, StrategyPlan& s) {
   const std::int64_t B = c.B, S = c.S, D = c.D, E = c.E, sl = c.sl, hq = c.hq, hkv = c.hkv;
-  const std::int64_t seg_bytes = c.packed ? B * sl * 4 + B * S * 4 : 0;
   if (c.heads_split() && !c.ring_like()) {
     // Per rank (n_q q heads, n_kv kv heads; uneven when cp does not divide Hq): the largest.
     for (std::int64_t r = 0; r < c.cp; ++r) {
@@ -523,11 +530,13 @@ void plan_memory(const PlanContext& c, StrategyPlan& s) {
           std::max(s.kv_buffer_bytes_per_rank, kv_row * in_flight + kv_row / E * 4 * partial_rows);
     }
   } else {
-    // The gathered K/V (with a window, the most rows a rank sees).
-    const std::int64_t kv_full =
-        2 * B * *std::max_element(c.gathered_rows.begin(), c.gathered_rows.end()) * hkv * D * E;
+    // The gathered K/V and their segment ids (with a window or on packed rows, of the most rows a rank
+    // sees).
+    const std::int64_t most = *std::max_element(c.gathered_rows.begin(), c.gathered_rows.end());
+    const std::int64_t kv_full = 2 * B * most * hkv * D * E;
     s.memory_bytes_per_rank = 2 * B * sl * hq * D * E /* q, O */ + B * hq * sl * 4 +
-                              (c.req.remat ? 2 * B * sl * hkv * D * E : kv_full) + seg_bytes;
+                              (c.req.remat ? 2 * B * sl * hkv * D * E : kv_full) +
+                              (c.packed ? B * sl * 4 + B * most * 4 : 0);
     s.kv_buffer_bytes_per_rank = kv_full;
   }
   if (c.req.forward_only) s.memory_bytes_per_rank = 0;  // prefill keeps nothing for a backward
@@ -552,7 +561,8 @@ CommModel plan_communication(const PlanContext& c) {
   // needed: a ring of many ranks has many).
   auto schedule_of = [&](std::int64_t r) {
     StrategySchedule s = strategy_schedule(
-        c.a, c.p, {c.req.remat, c.packed, r, c.windowed_ring ? &c.reach : nullptr, c.req.block});
+        c.a, c.p,
+        {c.req.remat, c.packed, r, c.windowed_ring ? &c.reach : nullptr, c.req.block, &c.row_segments});
     if (c.req.forward_only) s.backward.clear();
     return s;
   };
@@ -657,7 +667,8 @@ std::pair<double, double> cell_tiles(const KernelRate& k, std::int64_t block) {
 // again; false when too few entries.
 bool fit_terms(const std::vector<std::array<double, 5>>& rows, KernelFit& fit) {
   std::array<bool, 4> use{};
-  // A term no entry varies (no causal entry: no partial tiles) cannot be told apart: dropped.
+  // A term no entry varies (no causal entry and every extent a multiple of the block: no partial tiles)
+  // cannot be told apart: dropped.
   for (std::size_t t = 0; t < 4; ++t) {
     use[t] = std::any_of(rows.begin(), rows.end(), [&](const auto& r) { return r[t] != 0; });
   }
@@ -975,8 +986,8 @@ using KernelFits = std::pair<std::vector<KernelFit>, std::vector<KernelFit>>;
 StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const std::string& name,
                            Strategy strategy, ShardLayout layout, std::int64_t ulysses_degree = 0) {
   const bool load_balance = layout == ShardLayout::dual_chunk_swap;
-  PlanContext c{req, req.attention, req.parallel, 1,  1, 1,  1,  1,     1,  1,  4, 1,
-                1,   false,         {},           {}, 1, {}, {}, false, {}, {}, {}};
+  PlanContext c{req, req.attention, req.parallel, 1,  1, 1,  1,  1,     1,  1,  4,  1,
+                1,   false,         {},           {}, 1, {}, {}, false, {}, {}, {}, {}};
   c.p.strategy = strategy;
   c.p.load_balance = load_balance;
   c.p.layout = layout;
@@ -1023,11 +1034,14 @@ StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const
   c.R = c.p.ring_degree();
   c.windowed_ring = c.ring_like() && c.a.windowed() && c.R > 1;
   c.gathered_rows.assign(static_cast<std::size_t>(c.cp), c.S);
-  if (c.p.strategy == Strategy::all_gather && c.a.windowed()) {
+  // One row's ids: every batch row is packed alike, and the keys are the union over the rows.
+  if (c.p.strategy == Strategy::all_gather && c.packed)
+    c.row_segments = segment_ids_from_lengths(1, req.segments);
+  if (c.p.strategy == Strategy::all_gather && (c.a.windowed() || c.packed)) {
     const SequenceLayout shards = layout_of(c.a, c.p);
-    const auto seen =
-        seen_positions(shards.rank_positions(), shards.rank_run_lengths(), c.a.band(), c.S, req.block);
-    for (std::int64_t r = 0; r < c.cp; ++r) {
+    const auto seen = all_gather_keys(shards.rank_positions(), shards.rank_run_lengths(), c.S, c.a.band(),
+                                      c.a.windowed(), req.block, c.row_segments);
+    for (std::int64_t r = 0; r < c.cp && !seen.empty(); ++r) {
       std::int64_t rows = 0;
       for (const PositionRange& x : seen[static_cast<std::size_t>(r)]) rows += x.size();
       c.gathered_rows[static_cast<std::size_t>(r)] = rows;
@@ -1060,7 +1074,7 @@ StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const
              hw.socket_bandwidth,
              hw.socket_all_to_all_bandwidth > 0 ? hw.socket_all_to_all_bandwidth : hw.socket_bandwidth,
              hw.socket_latency > 0 ? hw.socket_latency : hw.latency};
-  s.collectives = attention_collectives(c.a, c.p, req.remat, c.packed, req.forward_only, req.block);
+  s.collectives = attention_collectives(c.a, c.p, req.remat, req.segments, req.forward_only, req.block);
   CommModel m = plan_communication(c);
   const double reorder_seconds = plan_reorder(c, s, m.inter_bytes);
   s.inter_host_bytes_sent_per_rank = *std::max_element(m.inter_bytes.begin(), m.inter_bytes.end());
