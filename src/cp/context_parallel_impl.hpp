@@ -95,7 +95,7 @@ class ContextParallelAttention::Impl {
     CPATTN_ASSERT(saved && saved->owner == this && saved->strategy == parallel.strategy);
     return static_cast<T&>(*saved);
   }
-  std::vector<std::int32_t> seg_local;        // this call's segment ids
+  std::vector<std::int32_t> seg_local;  // this call's segment ids
   // The all_gather on packed rows: the row's segment ids ([B, S], natural), gathered before its schedule is
   // made (the keys each rank receives follow them: all_gather_keys); empty otherwise.
   std::vector<std::int32_t> row_segments;
