@@ -213,7 +213,9 @@ TEST(ContextParallel, AWindowSendsOnlyTheRowsItReaches) {
       {Strategy::ring, false, 0, 1.0 / 30},
       {Strategy::ring, true, 0, 1.0 / 15},
       {Strategy::hybrid, true, 2, 1.0 / 15},
-      {Strategy::all_gather, false, 0, 1.0 / 15},
+      // the all_gather's keys in aligned pairs of 64-row blocks (all_gather_keys): contiguous, rank r - 1
+      // sends rank r one pair, 128 of the 1792 rows it sends windowless
+      {Strategy::all_gather, false, 0, 1.0 / 14},
       {Strategy::all_gather, true, 0, 1.0 / 7}};
   [[maybe_unused]] int i = 0;
   for (const auto& [strategy, lb, u, most] : setups) {
@@ -350,6 +352,26 @@ TEST(ContextParallel, TheDocumentLayoutsOnEveryShardedStrategy) {
     } else {
       testing::expect_ring_matches_single_device(c);
     }
+  }
+}
+
+// The all_gather's keys in aligned pairs of kv blocks (all_gather_keys): the bf16 kernels step over two
+// blocks at a time, so a rank given blocks 3 and 4 of a window (contiguous, cp 8, S 384, a causal window of
+// 7: rank 5) would pair them as the single device does not. bf16 forward bit for bit, windowed and on a pack.
+TEST(ContextParallel, TheAllGathersKeysInPairsKeepBf16BitForBit) {
+  for (const bool packed : {false, true}) {
+    CpCase c;
+    c.strategy = Strategy::all_gather;
+    c.cp = 8;
+    c.seq = 384;
+    c.hq = 4;
+    c.hkv = 2;
+    c.dim = 16;
+    c.dtype = DType::bf16;
+    c.window_left = 7;
+    if (packed) c.segments = {100, 1, 283};
+    SCOPED_TRACE(c.name());
+    expect_matches_single_device(c);
   }
 }
 

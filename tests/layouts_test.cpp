@@ -267,7 +267,9 @@ TEST(Layouts, AllGatherKeysAreTheBlocksOfEachRanksDocuments) {
   EXPECT_EQ(keys(causal_band(true), false, pack),
             (std::vector<R>{{{0, 128}}, {{0, 128}}, {{0, 256}}, {{0, 256}}}));
   // No segment ids, no window: the whole row to every rank (the band alone does not decide). One document's
-  // ids: the causal reach alone; in the dual chunk swap every rank reaches the row's end: the whole row.
+  // ids: the causal reach alone; in the dual chunk swap at S = 256 every rank reaches every pair of blocks
+  // (its late chunk, 2cp - 1 - r, ends in the last pair or the one before it, which with rank r's early chunk
+  // covers them all): the whole row.
   EXPECT_TRUE(keys(causal_band(true), false, {}).empty());
   const auto one = segment_ids_from_lengths(1, {256});
   EXPECT_EQ(keys(causal_band(true), false, one),
@@ -280,11 +282,23 @@ TEST(Layouts, AllGatherKeysAreTheBlocksOfEachRanksDocuments) {
   // reach document 1 whole and block 0 only as its pair's.
   EXPECT_EQ(keys(causal_band(false), false, segment_ids_from_lengths(1, {64, 192})),
             (std::vector<R>{{{0, 128}}, {{0, 256}}, {{0, 256}}, {{0, 256}}}));
-  // A causal window of 10 keys on 200 + 56: the band's blocks (rank 3: 182..255, blocks 2 and 3) that the
-  // documents keep; rank 0 sees block 0 alone (the band's whole blocks, not widened to pairs).
+  // A causal window of 10 keys on 200 + 56: the band's pairs (rank 3: 182..255, blocks 2 and 3; rank 0:
+  // block 0, its pair 0 and 1) that the documents keep.
   const auto windowed = keys(PositionBand{10, 0}, true, pack);
-  EXPECT_EQ(windowed[0], (R{{0, 64}}));
+  EXPECT_EQ(windowed[0], (R{{0, 128}}));
   EXPECT_EQ(windowed[3], (R{{128, 256}}));
+  // Without segment ids the window alone, in pairs: rank 2 (128..191) reaches 118..191, blocks 1 to 2: the
+  // pairs 0-1 and 2-3.
+  EXPECT_EQ(keys(PositionBand{10, 0}, true, {})[2], (R{{0, 256}}));
+  // Ids that come back: document 0 at 0..63 and again at 192..255, document 1 between, blocks of 32 over
+  // two ranks. Rank 1 (128..255) holds document 1's end and document 0's second run, whose queries see its
+  // first run too: blocks 0 and 1 as well; rank 0 (0..127) reaches blocks 0 to 3.
+  std::vector<std::int32_t> back(256, 0);
+  for (int i = 64; i < 192; ++i) back[static_cast<std::size_t>(i)] = 1;
+  const SequenceLayout halves = make_layout(ShardLayout::contiguous, 256, 2);
+  const auto two_ranks = all_gather_keys(halves.rank_positions(), halves.rank_run_lengths(), 256,
+                                         causal_band(true), false, 32, back);
+  EXPECT_EQ(two_ranks, (std::vector<R>{{{0, 128}}, {{0, 256}}}));
   // Two batch rows: the union of what each row's documents reach (row 1 one document: rank 0 still block 0).
   auto two = pack;
   for (int i = 0; i < 256; ++i) two.push_back(0);

@@ -177,11 +177,12 @@ std::vector<PositionRange> seen_positions(const std::vector<std::int32_t>& posit
 std::vector<std::vector<PositionRange>> seen_positions(const RankPositions& positions, const RankRuns& runs,
                                                        const PositionBand& band, std::int64_t seq_len,
                                                        std::int64_t block);
-// The all_gather's keys: every rank's seen ranges (seen_positions under the band; on packed rows, `segments`
-// [batch, seq_len] in natural order and the same on every rank, only the blocks holding a key of a document
-// the rank has a query of, between that document's queries' reach: the lowest less the band's left side, the
-// highest plus its right, in any batch row; those in aligned pairs of blocks, as the bf16 kernels step), or
-// empty where the whole row moves to every rank: no window, and every rank sees every block.
+// The all_gather's keys: every rank's seen ranges, in aligned pairs of blocks of `block` positions from 0
+// (the bf16 kernels step over the kv blocks two at a time: a pair cut apart would round otherwise): with a
+// window seen_positions' blocks; on packed rows (`segments` [batch, seq_len] in natural order, the same on
+// every rank) only the pairs holding a key of a document the rank has a query of, within that document's
+// queries' reach (the lowest less the band's left side, the highest plus its right), in any batch row. Empty
+// where the whole row moves to every rank: no window, and every rank sees every pair.
 std::vector<std::vector<PositionRange>> all_gather_keys(const RankPositions& positions, const RankRuns& runs,
                                                         std::int64_t seq_len, const PositionBand& band,
                                                         bool windowed, std::int64_t block,

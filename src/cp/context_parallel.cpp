@@ -312,6 +312,7 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
   if (segments_first) schedule.forward.erase(schedule.forward.begin());
   expect(schedule.forward, unscheduled());
   AttentionOutput out = run_forward(q, k, v, forward_only);
+  std::vector<std::int32_t>().swap(row_segments);  // what the backward needs is in `saved`
   if (saved) {
     saved->owner = this;
     saved->sinks = sinks_local;

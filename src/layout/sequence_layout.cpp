@@ -232,55 +232,86 @@ std::vector<std::vector<PositionRange>> seen_positions(const RankPositions& posi
 
 namespace {
 
-// Each batch row's segment ids as dense indices (0..n-1 in order of value) and n: a document's reach kept in
-// arrays, not maps.
-struct DenseSegments {
-  std::vector<std::vector<std::int32_t>> index;  // [batch][seq_len]
-  std::vector<std::size_t> count;                // [batch]
+// Each batch row's documents: its positions' ids made dense (0..n-1 in order of value), and each document's
+// runs of positions in natural order (an id may come back after others).
+struct RowDocuments {
+  std::vector<std::int32_t> index;               // [seq_len]
+  std::vector<std::vector<PositionRange>> runs;  // [document]
 };
 
-DenseSegments dense_segments(const std::vector<std::int32_t>& segments, std::int64_t seq_len) {
-  DenseSegments d;
+std::vector<RowDocuments> row_documents(const std::vector<std::int32_t>& segments, std::int64_t seq_len) {
+  std::vector<RowDocuments> rows;
   const auto n = static_cast<std::size_t>(seq_len);
   for (std::size_t at = 0; at + n <= segments.size(); at += n) {
     std::vector<std::int32_t> ids(segments.begin() + static_cast<std::ptrdiff_t>(at),
                                   segments.begin() + static_cast<std::ptrdiff_t>(at + n));
     std::sort(ids.begin(), ids.end());
     ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
-    std::vector<std::int32_t> index(n);
+    RowDocuments row;
+    row.index.resize(n);
+    row.runs.resize(ids.size());
     for (std::size_t k = 0; k < n; ++k) {
-      index[k] =
+      const auto doc =
           static_cast<std::int32_t>(std::lower_bound(ids.begin(), ids.end(), segments[at + k]) - ids.begin());
+      row.index[k] = doc;
+      auto& runs = row.runs[static_cast<std::size_t>(doc)];
+      const auto x = static_cast<std::int64_t>(k);
+      if (!runs.empty() && runs.back().end == x) {
+        ++runs.back().end;
+      } else {
+        runs.push_back({x, x + 1});
+      }
     }
-    d.index.push_back(std::move(index));
-    d.count.push_back(ids.size());
+    rows.push_back(std::move(row));
   }
-  return d;
+  return rows;
 }
 
-// The kv blocks a rank's queries (`mine`) reach in their own documents, in any batch row, in aligned pairs.
-std::vector<char> document_blocks(const DenseSegments& d, const std::vector<std::int32_t>& mine,
-                                  const PositionBand& band, std::int64_t seq_len, std::int64_t block) {
-  std::vector<char> hit(static_cast<std::size_t>((seq_len + block - 1) / block), 0);
-  for (std::size_t b = 0; b < d.index.size(); ++b) {
-    const std::vector<std::int32_t>& index = d.index[b];
-    std::vector<std::int64_t> lo(d.count[b], std::numeric_limits<std::int64_t>::max()),
-        hi(d.count[b], std::numeric_limits<std::int64_t>::min());
-    for (const std::int32_t x : mine) {
-      const auto doc = static_cast<std::size_t>(index[static_cast<std::size_t>(x)]);
-      lo[doc] = std::min(lo[doc], std::int64_t{x} - band.left);
-      hi[doc] = std::max(hi[doc], std::int64_t{x} + band.right);
-    }
-    for (std::int64_t k = 0; k < seq_len; ++k) {
-      const auto doc = static_cast<std::size_t>(index[static_cast<std::size_t>(k)]);
-      if (lo[doc] <= k && k <= hi[doc]) hit[static_cast<std::size_t>(k / block)] = 1;
+// The kv blocks a rank's queries (`mine`) reach in their own documents, in any batch row: per document the
+// rank has a query of, its runs within [the lowest query - left, the highest + right]. O(|mine| log |mine|
+// + the runs met + the blocks marked), so that a plan of many ranks over a long row stays quick.
+void document_blocks(const std::vector<RowDocuments>& rows, const std::vector<std::int32_t>& mine,
+                     const PositionBand& band, std::int64_t block, std::vector<char>& hit) {
+  std::fill(hit.begin(), hit.end(), 0);
+  std::vector<std::pair<std::int32_t, std::int32_t>> by_document(mine.size());  // (document, position)
+  for (const RowDocuments& row : rows) {
+    for (std::size_t i = 0; i < mine.size(); ++i)
+      by_document[i] = {row.index[static_cast<std::size_t>(mine[i])], mine[i]};
+    std::sort(by_document.begin(), by_document.end());
+    for (std::size_t i = 0; i < by_document.size();) {
+      const std::int32_t doc = by_document[i].first;
+      std::size_t j = i;
+      while (j < by_document.size() && by_document[j].first == doc) ++j;
+      const std::int64_t lo = std::int64_t{by_document[i].second} - band.left;
+      const std::int64_t hi = std::int64_t{by_document[j - 1].second} + band.right;
+      const auto& runs = row.runs[static_cast<std::size_t>(doc)];
+      auto run = std::upper_bound(runs.begin(), runs.end(), lo,
+                                  [](std::int64_t v, const PositionRange& r) { return v < r.end; });
+      for (; run != runs.end() && run->begin <= hi; ++run) {
+        const std::int64_t first = std::max(run->begin, lo), last = std::min(run->end - 1, hi);
+        for (std::int64_t b = first / block; b <= last / block; ++b) hit[static_cast<std::size_t>(b)] = 1;
+      }
+      i = j;
     }
   }
-  // In aligned pairs of blocks: the bf16 kernels take the kv blocks two at a time (one softmax step over
-  // both), so that a pair split apart in the gathered rows would be summed in another order than the single
-  // device's.
-  for (std::size_t i = 0; i + 1 < hit.size(); i += 2) hit[i] = hit[i + 1] = hit[i] || hit[i + 1];
-  return hit;
+}
+
+// Ranges widened to aligned pairs of blocks (from position 0, the last pair cut at seq_len) and merged: the
+// bf16 kernels take the kv blocks two at a time (one softmax step over both), so that a pair split apart in
+// the gathered rows would be summed in another order than the single device's.
+std::vector<PositionRange> in_pairs(const std::vector<PositionRange>& ranges, std::int64_t seq_len,
+                                    std::int64_t block) {
+  const std::int64_t pair = 2 * block;
+  std::vector<PositionRange> out;
+  for (const PositionRange& r : ranges) {
+    const PositionRange w{r.begin / pair * pair, std::min(seq_len, (r.end + pair - 1) / pair * pair)};
+    if (!out.empty() && w.begin <= out.back().end) {
+      out.back().end = std::max(out.back().end, w.end);
+    } else {
+      out.push_back(w);
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -290,20 +321,25 @@ std::vector<std::vector<PositionRange>> all_gather_keys(const RankPositions& pos
                                                         bool windowed, std::int64_t block,
                                                         const std::vector<std::int32_t>& segments) {
   if (!windowed && segments.empty()) return {};
-  auto seen = seen_positions(positions, runs, band, seq_len, block);
+  std::vector<std::vector<PositionRange>> seen;
+  if (windowed) {
+    seen = seen_positions(positions, runs, band, seq_len, block);
+    for (auto& r : seen) r = in_pairs(r, seq_len, block);
+  } else {
+    seen.assign(positions.size(), {{0, seq_len}});
+  }
   if (!segments.empty()) {
-    const DenseSegments d = dense_segments(segments, seq_len);
+    const std::vector<RowDocuments> rows = row_documents(segments, seq_len);
+    std::vector<char> hit(static_cast<std::size_t>((seq_len + block - 1) / block));
     for (std::size_t p = 0; p < seen.size(); ++p) {
-      const std::vector<char> hit = document_blocks(d, positions[p], band, seq_len, block);
-      // Without a window the documents' reach is the band's too (in pairs); with one, the band's blocks
-      // (whole blocks from 0, as seen_positions gives them) the documents keep.
-      const std::vector<PositionRange> band_seen =
-          windowed ? std::move(seen[p]) : std::vector<PositionRange>{{0, seq_len}};
+      document_blocks(rows, positions[p], band, block, hit);
+      // The band's pairs (the whole row without a window) that hold a block the documents reach.
       std::vector<PositionRange> kept;
-      for (const PositionRange& r : band_seen) {
-        for (std::int64_t first = r.begin; first < r.end; first += block) {
-          if (!hit[static_cast<std::size_t>(first / block)]) continue;
-          const std::int64_t last = std::min(first + block, r.end);
+      for (const PositionRange& r : seen[p]) {
+        for (std::int64_t first = r.begin; first < r.end; first += 2 * block) {
+          const auto b = static_cast<std::size_t>(first / block);
+          if (!hit[b] && !(b + 1 < hit.size() && hit[b + 1])) continue;
+          const std::int64_t last = std::min(first + 2 * block, r.end);
           if (!kept.empty() && kept.back().end == first) {
             kept.back().end = last;
           } else {
