@@ -11,7 +11,7 @@ cpattn="$2"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # Each refused case exits 2 on both ranks on its own; mpirun then ends the job through its kill sequence,
-# which waits a second between its signals (twice) unless told not to: 2 s of each case's 2.3 (Open MPI 4's
+# which waits a second between its signals (twice) unless told not to: most of each case's time (Open MPI 4's
 # ORTE parameter, as Debian 12 ships it).
 export OMPI_MCA_odls_base_sigkill_timeout=0
 base=(run --backend mpi --cp 2 --strategy ring --q-heads 4 --kv-heads 2 --head-dim 16 --seq 64 --threads 1
