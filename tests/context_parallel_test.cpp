@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <numeric>
+#include <random>
 #include <tuple>
 
 #include "cp_harness.hpp"
@@ -455,6 +456,55 @@ TEST(ContextParallel, RingMatchesTheSingleDeviceKernelOverACoveringSet) {
   }
 }
 
+// Segment ids that come back to an earlier document (0, 1, 0 in thirds; ids drawn per run of 1..40 tokens
+// from {0, 1, 2}) through the ring and the hybrid, contiguous and zigzag, causal, with a window and not: the
+// ring sends each rank only the rows its queries see in their own documents (a direct route wherever some
+// row goes unseen), within the strategies' bounds of the single device and the float64 reference.
+TEST(ContextParallel, RingAndHybridOnIdsThatComeBackMatchTheSingleDevice) {
+  std::mt19937 rng(7);
+  int direct = 0, cases = 0;
+  for (const Strategy strategy : {Strategy::ring, Strategy::hybrid}) {
+    for (const bool lb : {false, true}) {
+      for (const int ids : {0, 1}) {
+        for (const bool causal : {true, false}) {
+          CpCase c;
+          c.strategy = strategy;
+          c.cp = 4;
+          if (strategy == Strategy::hybrid) c.ulysses_degree = 2;
+          c.hq = 4;
+          c.hkv = 2;
+          c.dim = 32;
+          c.seq = 384;
+          c.load_balance = lb;
+          c.causal = causal;
+          if (ids == 1) c.window_left = 40;
+          c.segments = {c.seq};  // packed (the ids below replace the one document's)
+          auto in = testing::make_whole_inputs(c, 11);
+          std::vector<std::int32_t> seg(static_cast<std::size_t>(c.seq), 0);
+          if (ids == 0) {
+            std::fill(seg.begin() + c.seq / 3, seg.begin() + 2 * c.seq / 3, 1);
+          } else {
+            for (std::size_t t = 0; t < seg.size();) {
+              const auto n = std::uniform_int_distribution<std::size_t>(1, 40)(rng);
+              std::fill_n(seg.begin() + static_cast<std::ptrdiff_t>(t), std::min(n, seg.size() - t),
+                          std::uniform_int_distribution<std::int32_t>(0, 2)(rng));
+              t += n;
+            }
+          }
+          in.segment_ids = seg;
+          const SequenceLayout ring = ring_layout_of(c.attention(), c.parallel());
+          direct += ring_route(ring.rank_positions(), ring.rank_run_lengths(), c.attention().band(),
+                               c.attention().windowed(), seg)
+                        .direct;
+          ++cases;
+          testing::expect_ring_matches_single_device(c, in);
+        }
+      }
+    }
+  }
+  EXPECT_GE(direct, cases / 2) << "the direct route is what the test is for";
+}
+
 // The ring's result does not depend on the kernel's thread count or on the run: the same bits.
 TEST(ContextParallel, RingIsBitIdenticalRunToRunAndAcrossThreadCounts) {
   CpCase c;
@@ -652,7 +702,9 @@ TEST(ContextParallel, HybridAtUEqualCpIsUlyssesAndAtUOneIsRingBitForBit) {
 
 // Each rank counts its groups' calls under their names, as the schedule (the planner's source) says, rank by
 // rank: at Hq = 24, Hkv = 3, U = 4 the ulysses ranks hold 1, 2, 2, 1 kv heads (q heads 6 each, groups of 8),
-// so the ring of ulysses rank 1 moves twice what the ring of ulysses rank 0 moves.
+// so the ring of ulysses rank 1 moves twice what the ring of ulysses rank 0 moves. The packed row's segment
+// ids move first, over all ranks; its two documents leave each ring rank rows the other does not see, so the
+// ring sends each the rows it sees (ring_route), fewer than its whole shard.
 TEST(ContextParallel, HybridCountsEachGroupAsItsSchedule) {
   CpCase c;
   c.strategy = Strategy::hybrid;
@@ -665,22 +717,33 @@ TEST(ContextParallel, HybridCountsEachGroupAsItsSchedule) {
   c.load_balance = true;
   c.segments = {130, 126};
   const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 8));
+  const std::vector<std::int32_t> ids = segment_ids_from_lengths(c.batch, c.segments);
   const std::int64_t kv_heads[] = {1, 2, 2, 1};
+  std::vector<std::int64_t> ring_rows(static_cast<std::size_t>(c.cp));
   for (std::int64_t r = 0; r < c.cp; ++r) {
     const auto& recs = run.records[r];
-    EXPECT_EQ(recs, scheduled_records(strategy_schedule(c.attention(), c.parallel(), {false, true, r}), c.cp))
+    ScheduleOptions o{false, true, r};
+    o.segments = &ids;
+    EXPECT_EQ(recs, scheduled_records(strategy_schedule(c.attention(), c.parallel(), o), c.cp))
         << "rank " << r;
-    std::int64_t ring_forward = 0, ulysses_calls = 0;
+    std::int64_t ring_forward = 0, ulysses_calls = 0, everyone = 0;
     for (const CollectiveRecord& x : recs) {
-      EXPECT_TRUE(x.group == "ulysses" || x.group == "ring") << x.group;
+      EXPECT_TRUE(x.group == "ulysses" || x.group == "ring" || x.group.empty()) << x.group;
       if (x.group == "ring" && x.kind == CollectiveKind::collective_permute && x.phase == "forward") {
         ring_forward += x.bytes_sent_per_rank;
       }
       if (x.group == "ulysses") ulysses_calls += x.count;
+      if (x.group.empty()) everyone += x.count;
     }
-    // One shift of K||V [2, B, U*S/cp, nkv_u, D] fp32 per ring step but the last (R = 2).
-    EXPECT_EQ(ring_forward, 2 * 4 * (256 / 8) * kv_heads[r % 4] * 16 * 4) << "rank " << r;
-    EXPECT_EQ(ulysses_calls, 3 + 1 + 2 + 1 + 3) << "rank " << r;  // q k v, segments, o lse; d_out, dq dk dv
+    // One K||V message [2, B, rows, nkv_u, D] fp32 (R = 2): the rows the other ring rank sees, the same for
+    // the four ulysses ranks of one ring rank whatever their kv heads, and fewer than its U*S/cp.
+    ASSERT_EQ(ring_forward % (2 * kv_heads[r % 4] * 16 * 4), 0) << "rank " << r;
+    ring_rows[static_cast<std::size_t>(r)] = ring_forward / (2 * kv_heads[r % 4] * 16 * 4);
+    EXPECT_GT(ring_rows[static_cast<std::size_t>(r)], 0) << "rank " << r;
+    EXPECT_LT(ring_rows[static_cast<std::size_t>(r)], 4 * (256 / 8)) << "rank " << r;
+    EXPECT_EQ(ring_rows[static_cast<std::size_t>(r)], ring_rows[static_cast<std::size_t>(r / 4 * 4)]);
+    EXPECT_EQ(ulysses_calls, 3 + 2 + 1 + 3) << "rank " << r;  // q k v, o lse; d_out, dq dk dv
+    EXPECT_EQ(everyone, 1) << "rank " << r;                   // the segment ids
   }
 }
 

@@ -188,10 +188,10 @@ inline void expect_matches_single_device(const CpCase& c) {
 // ring: each step's result is merged in step order, not the single-device kernel's key order, so the forward
 // matches within rounding rather than bit for bit; the bounds are harness::tolerances' (the ones `cpattn run
 // --check` applies).
-inline void expect_ring_matches_single_device(const CpCase& c, std::uint32_t seed = 101) {
+// On these inputs (their segment ids may be any: ids that come back to an earlier document).
+inline void expect_ring_matches_single_device(const CpCase& c, const WholeInputs& in) {
   SCOPED_TRACE(c.name());
   const harness::Tolerances tol = harness::tolerances(c.strategy, c.dtype);
-  const auto in = make_whole_inputs(c, seed);
   const auto got = run_context_parallel(c, in);
   const auto single = run_single_device(c, in);
   const auto ref = run_reference(c, in);
@@ -209,6 +209,10 @@ inline void expect_ring_matches_single_device(const CpCase& c, std::uint32_t see
   CPATTN_EXPECT_CLOSE(got.dv, ref.dv, tol.reference_rel, "dv vs reference");
   CPATTN_EXPECT_CLOSE(got.dsinks, single.dsinks, tol.grad_rel, "dsinks vs single device");
   CPATTN_EXPECT_CLOSE(got.dsinks, ref.dsinks, tol.reference_rel, "dsinks vs reference");
+}
+
+inline void expect_ring_matches_single_device(const CpCase& c, std::uint32_t seed = 101) {
+  expect_ring_matches_single_device(c, make_whole_inputs(c, seed));
 }
 
 }  // namespace cpattn::testing

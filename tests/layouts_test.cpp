@@ -361,5 +361,77 @@ TEST(Layouts, AllGatherKeysOnPackedRowsCoverWhatTheQueriesSee) {
   for (const double x : received) EXPECT_LE(x, 1.0);
 }
 
+// The ring on the balance proof's packs (S = 131072, cp 8, causal): its direct route sends each rank, at each
+// step, a span of each of its source's runs holding every row a query of it sees in its own document (a key
+// at or before the rank's last query in the key's document: checked row by row), and the K/V rows the ring
+// moves are printed against the relay's (every shard round the ring): in all, and at each step's slowest
+// rank, which the step waits for (docs/performance.md, "Layouts on packed rows").
+TEST(Layouts, TheRingOnPackedRowsMovesTheRowsItsQueriesSee) {
+  const std::int64_t seq = 131072, cp = 8;
+  std::mt19937 rng(108);
+  double moved[4] = {0, 0, 0, 0}, slowest[4] = {0, 0, 0, 0};
+  int direct[4] = {0, 0, 0, 0};
+  const PositionBand causal{kUnboundedWindow, 0};
+  for (int trial = 0; trial < 20; ++trial) {
+    const V docs = pack(rng, seq, 8192, 1);
+    const auto seg = segment_ids_from_lengths(1, docs);
+    for (std::size_t k = 0; k < 4; ++k) {
+      const SequenceLayout l = make_layout(kLayouts[k], seq, cp, docs, causal);
+      const RankPositions positions = l.rank_positions();
+      const RankRuns runs = l.rank_run_lengths();
+      const RingRoute route = ring_route(positions, runs, causal, false, seg);
+      direct[k] += route.direct ? 1 : 0;
+      if (!route.direct) {
+        moved[k] += 1.0 / 20;
+        slowest[k] += 1.0 / 20;
+        continue;
+      }
+      std::vector<const ReachStep*> at(static_cast<std::size_t>(cp), nullptr);
+      for (const ReachStep& st : route.steps) at[static_cast<std::size_t>(st.distance)] = &st;
+      for (std::int64_t r = 0; r < cp; ++r) {
+        std::vector<std::int64_t> last(docs.size(), -1);  // the rank's last query in each document
+        for (const std::int32_t x : positions[static_cast<std::size_t>(r)]) {
+          const auto d = static_cast<std::size_t>(seg[static_cast<std::size_t>(x)]);
+          last[d] = std::max<std::int64_t>(last[d], x);
+        }
+        for (std::int64_t d = 1; d < cp; ++d) {
+          const auto src = static_cast<std::size_t>((r - d + cp) % cp);
+          const ReachStep* st = at[static_cast<std::size_t>(d)];
+          std::int64_t first = 0;
+          for (std::size_t part = 0; part < runs[src].size(); ++part) {
+            for (std::int64_t t = 0; t < runs[src][part]; ++t) {
+              const std::int32_t x = positions[src][static_cast<std::size_t>(first + t)];
+              if (x > last[static_cast<std::size_t>(seg[static_cast<std::size_t>(x)])]) continue;
+              ASSERT_NE(st, nullptr) << to_string(kLayouts[k]) << " rank " << r << " distance " << d;
+              const RowSpan& span = st->seen[static_cast<std::size_t>(r)][part];
+              ASSERT_TRUE(t >= span.begin && t < span.end)
+                  << to_string(kLayouts[k]) << " rank " << r << " distance " << d << " position " << x;
+            }
+            first += runs[src][part];
+          }
+        }
+      }
+      for (const ReachStep& st : route.steps) {
+        std::int64_t most = 0;
+        for (std::int64_t r = 0; r < cp; ++r) {
+          moved[k] += static_cast<double>(st.rows_received(r)) / static_cast<double>((cp - 1) * seq) / 20;
+          most = std::max(most, st.rows_received(r));
+        }
+        slowest[k] += static_cast<double>(most) / static_cast<double>((cp - 1) * (seq / cp)) / 20;
+      }
+    }
+  }
+  std::printf(
+      "cp 8, 20 packs, the ring's K/V rows against the relay's, in all / at each step's slowest rank (direct "
+      "in n of 20): contiguous %.3f / %.3f (%d), dual_chunk_swap %.3f / %.3f (%d), per_document %.3f / %.3f "
+      "(%d), solver %.3f / %.3f (%d)\n",
+      moved[0], slowest[0], direct[0], moved[1], slowest[1], direct[1], moved[2], slowest[2], direct[2],
+      moved[3], slowest[3], direct[3]);
+  for (std::size_t k = 0; k < 4; ++k) {
+    EXPECT_LE(moved[k], slowest[k]);
+    EXPECT_LE(slowest[k], 1.0);
+  }
+}
+
 }  // namespace
 }  // namespace cpattn

@@ -16,6 +16,13 @@
 namespace cpattn {
 namespace {
 
+// A run's counted collectives as the planner gives them (harness::largest_over_ranks).
+std::vector<CollectiveRecord> largest_over_ranks(const testing::CpRun& run) {
+  std::vector<harness::RankReport> ranks(run.records.size());
+  for (std::size_t r = 0; r < ranks.size(); ++r) ranks[r].collectives = run.records[r];
+  return harness::largest_over_ranks(ranks);
+}
+
 constexpr std::int64_t kMiB = 1 << 20;
 
 // A preset's model at S = 65536, bf16, on h200.
@@ -111,7 +118,8 @@ TEST(Planner, ImpossibleUlyssesIsExplained) {
   EXPECT_THROW(make_plan(r), Error);
 }
 
-// The planner's collectives are the ones the strategies count when they run.
+// The planner's collectives are the ones the strategies count when they run (each field the largest over the
+// ranks: a packed ring's direct messages carry each rank's own rows).
 TEST(Planner, PredictionsEqualWhatRunCounted) {
   auto sorted = [](std::vector<CollectiveRecord> v) {
     std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) {
@@ -149,7 +157,7 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
 #endif
             const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
             const auto predicted = attention_collectives(c.attention(), c.parallel(), remat, c.segments);
-            for (const auto& counted : run.records) EXPECT_EQ(sorted(counted), sorted(predicted));
+            EXPECT_EQ(sorted(largest_over_ranks(run)), sorted(predicted));
           }
         }
       }
@@ -175,7 +183,7 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
       ASSERT_TRUE(validation_errors(c.attention(), c.parallel()).empty());
       const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
       const auto predicted = attention_collectives(c.attention(), c.parallel(), false, c.segments);
-      for (const auto& counted : run.records) EXPECT_EQ(sorted(counted), sorted(predicted));
+      EXPECT_EQ(sorted(largest_over_ranks(run)), sorted(predicted));
     }
   }
 }
@@ -229,16 +237,7 @@ TEST(Planner, WindowedPlansEqualWhatRunCounted) {
       EXPECT_EQ(planned.tiles_per_rank, run.tiles_per_rank);
       // The windowed ring's (ring, hybrid) records differ by rank, as hybrid's do by ulysses rank: the plan
       // gives each field's largest over the ranks.
-      std::vector<CollectiveRecord> largest = run.records.at(0);
-      for (const auto& counted : run.records) {
-        ASSERT_EQ(counted.size(), largest.size());
-        for (std::size_t i = 0; i < counted.size(); ++i) {
-          largest[i].bytes = std::max(largest[i].bytes, counted[i].bytes);
-          largest[i].bytes_sent_per_rank =
-              std::max(largest[i].bytes_sent_per_rank, counted[i].bytes_sent_per_rank);
-        }
-      }
-      EXPECT_EQ(sorted(largest), sorted(planned.collectives));
+      EXPECT_EQ(sorted(largest_over_ranks(run)), sorted(planned.collectives));
     }
   }
 }
@@ -364,7 +363,6 @@ TEST(Planner, PredictionsEqualWhatRunCountedAtAnyHeadCounts) {
 // U = 4 the ulysses ranks' rings move 1, 2, 2, 1 kv heads), with each call's group; its tiles per rank are
 // the ones the ranks computed; one entry per factorisation U x R with 1 < U < cp.
 TEST(Planner, HybridPredictionsEqualWhatRunCounted) {
-  auto key = [](const CollectiveRecord& a) { return std::tie(a.kind, a.phase, a.group); };
   for (const bool packed : {false, true}) {
     for (const bool lb : {false, true}) {
       testing::CpCase c;
@@ -381,17 +379,7 @@ TEST(Planner, HybridPredictionsEqualWhatRunCounted) {
       SCOPED_TRACE(c.name());
       const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
       const auto predicted = attention_collectives(c.attention(), c.parallel(), false, c.segments);
-      std::vector<CollectiveRecord> largest = run.records[0];
-      for (const auto& counted : run.records) {
-        ASSERT_EQ(counted.size(), largest.size());
-        for (std::size_t i = 0; i < counted.size(); ++i) {
-          ASSERT_EQ(key(counted[i]), key(largest[i]));
-          largest[i].bytes = std::max(largest[i].bytes, counted[i].bytes);
-          largest[i].bytes_sent_per_rank =
-              std::max(largest[i].bytes_sent_per_rank, counted[i].bytes_sent_per_rank);
-        }
-      }
-      EXPECT_EQ(predicted, largest);
+      EXPECT_EQ(predicted, largest_over_ranks(run));
       EXPECT_NE(run.records[0], run.records[1])
           << "ulysses ranks 0 and 1 move different kv heads round their rings";
 
@@ -590,7 +578,7 @@ TEST(Planner, ForwardOnlyPredictionsEqualWhatAForwardOnlyRunCounted) {
                                                  harness::random_problem(c.attention(), 5, c.segments));
         const auto predicted = attention_collectives(c.attention(), c.parallel(), false, c.segments, true);
         for (const auto& p : predicted) EXPECT_EQ(p.phase, "forward");
-        for (const auto& rank : run.ranks) EXPECT_EQ(sorted(rank.collectives), sorted(predicted));
+        EXPECT_EQ(sorted(harness::largest_over_ranks(run.ranks)), sorted(predicted));
         const auto full = attention_collectives(c.attention(), c.parallel(), false, c.segments);
         EXPECT_LT(predicted.size(), full.size());  // the backward's calls are gone, and only they
         ++cases;

@@ -40,15 +40,17 @@ struct ScheduleOptions {
   // ulysses_degree), which differ between ulysses ranks when the heads do not split evenly; a windowed ring
   // (ring, hybrid) sends each ring rank's own rows (ring_reach). The other calls are the same on every rank.
   std::int64_t rank = 0;
-  // The windowed ring's steps (ring_reach over the ring's positions) where the caller has them; null: the
-  // schedule finds them itself (the planner computes them once for all ranks).
-  const std::vector<ReachStep>* reach = nullptr;
+  // The ring's route (ring_route over the ring's positions: round the ring, or direct) where the caller has
+  // it; null: the schedule finds it itself from the band and `segments` (the planner computes it once for
+  // all ranks, a run once per forward).
+  const RingRoute* route = nullptr;
   // The kernel's kv block (FlashConfig::block_kv): a windowed all_gather moves the key rows each rank sees in
   // whole blocks of it.
   std::int64_t block = 64;
-  // The row's segment ids ([B, S], natural order; the all_gather gathers them first): a packed all_gather
-  // moves each rank the key blocks of its documents its queries reach (all_gather_keys). Null: packed rows'
-  // keys are planned as the band alone decides (every block without a window).
+  // The row's segment ids ([B, S], natural order; the sequence-sharded strategies gather them first): a
+  // packed all_gather moves each rank the key blocks of its documents its queries reach (all_gather_keys), a
+  // packed ring the rows of them (ring_route). Null: packed rows' keys are planned as the band alone decides
+  // (every block without a window).
   const std::vector<std::int32_t>* segments = nullptr;
 };
 

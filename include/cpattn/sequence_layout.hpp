@@ -162,9 +162,24 @@ struct ReachStep {
 };
 // The steps 1..R-1 (R = positions.size()) at which some rank sees some row of the rank `distance` places
 // before it, in order; a step at which no rank sees anything is left out (nothing moves, nothing computes).
-// The band alone decides (packed documents do not: the segment ids are data).
+// The band decides, and on packed rows (`segments` [batch, S] in natural order, S the positions' total, the
+// same on every rank: the ring gathers them first) the documents too: a row is seen when some query of the
+// rank in the row's document, in some batch row, sees it under the band; each run's span is the hull of the
+// rows seen.
 std::vector<ReachStep> ring_reach(const RankPositions& positions, const RankRuns& runs,
-                                  const PositionBand& band);
+                                  const PositionBand& band, const std::vector<std::int32_t>& segments = {});
+
+// How a ring moves K/V: round the ring (every shard passed one hop per step, the dK/dV accumulator with it),
+// or `direct`: only the steps of ring_reach, each rank's rows straight to the ranks that see them and their
+// dK/dV straight back. Direct with a window, and on packed rows where the documents leave some rank a row it
+// does not see (where they leave none, the relay moves the same bytes in fewer, larger messages).
+struct RingRoute {
+  bool direct = false;
+  std::vector<ReachStep> steps;  // direct: ring_reach's; empty otherwise
+  bool operator==(const RingRoute&) const = default;
+};
+RingRoute ring_route(const RankPositions& positions, const RankRuns& runs, const PositionBand& band,
+                     bool windowed, const std::vector<std::int32_t>& segments);
 
 // The windowed all_gather's keys: the positions some query of a rank (its positions, in runs of these
 // lengths) sees

@@ -294,10 +294,11 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
   seg_local.assign(seg.begin(), seg.end());
   sinks_local.assign(sinks.begin(), sinks.end());
   CollectiveCounters::PhaseScope phase(group.counters(), "forward");
-  // The all_gather on packed rows sends each rank the key blocks of its documents (all_gather_keys): the
-  // segment ids, its schedule's first call, move before the rest of the schedule is made from them.
+  // On packed rows the all_gather sends each rank the key blocks of its documents (all_gather_keys), the ring
+  // the rows of them (ring_route): the segment ids, the schedule's first call, move before the rest of the
+  // schedule is made from them.
   row_segments.clear();
-  const bool segments_first = parallel.strategy == Strategy::all_gather && !seg.empty();
+  const bool segments_first = parallel.strategy != Strategy::ulysses && !seg.empty();
   if (segments_first) {
     const StrategySchedule before =
         strategy_schedule(attention, parallel, {options.remat, true, rank, nullptr, options.kernel.block_kv});
@@ -305,9 +306,12 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
     row_segments = cp::all_gather_segments(comm, seg_local, attention.batch, positions);
     finish();
   }
+  route = {};
+  if (parallel.traits().ring && parallel.ring_degree() > 1)
+    route = ring_route(ring_positions, ring_runs, attention.band(), attention.windowed(), row_segments);
   StrategySchedule schedule =
       strategy_schedule(attention, parallel,
-                        {options.remat, !seg.empty(), rank, nullptr, options.kernel.block_kv,
+                        {options.remat, !seg.empty(), rank, &route, options.kernel.block_kv,
                          segments_first ? &row_segments : nullptr});
   if (segments_first) schedule.forward.erase(schedule.forward.begin());
   expect(schedule.forward, unscheduled());

@@ -41,10 +41,10 @@ class ContextParallelAttention::Impl {
   AttentionGradients ring_backward(const Tensor& d_out);
   AttentionOutput hybrid_forward(const Tensor& q, const Tensor& k, const Tensor& v, bool forward_only);
   AttentionGradients hybrid_backward(const Tensor& d_out);
-  // The ring's passes over `ring` (its ranks' rows at `at`, in runs of these lengths) with these kernel
-  // calls.
+  // The ring's passes over `ring` (its ranks' rows at `at`, in runs of these lengths, moved by `route`)
+  // with these kernel calls.
   cp::RingPass ring_pass(Communicator& ring, const RankPositions& at, const RankRuns& at_runs,
-                         std::vector<cp::KernelCall> calls);
+                         const RingRoute& route, std::vector<cp::KernelCall> calls);
 
   // The calls to expect from now on on each communicator (`unchecked`: any), and the check that all were
   // made.
@@ -96,10 +96,12 @@ class ContextParallelAttention::Impl {
     return static_cast<T&>(*saved);
   }
   std::vector<std::int32_t> seg_local;  // this call's segment ids
-  // The all_gather on packed rows: the row's segment ids ([B, S], natural), gathered before its schedule is
-  // made (the keys each rank receives follow them: all_gather_keys); empty otherwise.
+  // The sequence-sharded strategies on packed rows: the row's segment ids ([B, S], natural), gathered before
+  // the schedule is made (the keys each rank receives follow them: all_gather_keys, ring_route); empty
+  // otherwise.
   std::vector<std::int32_t> row_segments;
-  std::vector<float> sinks_local;             // this call's sinks ([hq]; empty: none)
+  RingRoute route;                 // ring, hybrid: this forward's (ring_route over the ring's rows)
+  std::vector<float> sinks_local;  // this call's sinks ([hq]; empty: none)
   std::vector<std::vector<float>> step_lses;  // ring's negative control ring_step_lse: each step's LSE
 };
 
@@ -131,6 +133,7 @@ struct RingSaved final : ContextParallelAttention::Impl::SavedState {
   Tensor q, k, v, o;                              // [B, rows, heads, D]
   std::vector<float> lse;                         // [B, heads, rows]
   std::vector<std::int32_t> seg_local, seg_full;  // the rows' ids, the whole row's natural (empty: none)
+  RingRoute route;  // the forward's: its steps' spans are a few per rank pair, not counted in bytes()
   std::int64_t bytes() const override {
     return saved_bytes({&q, &k, &v, &o}, lse.size() * 4 + (seg_local.size() + seg_full.size()) * 4);
   }

@@ -102,41 +102,20 @@ AttentionOutput ContextParallelAttention::Impl::hybrid_forward(const Tensor& q, 
   const Tensor& kr = U > 1 ? kh : k;
   const Tensor& vr = U > 1 ? vh : v;
 
-  // Segment ids: the group's rows (gathered in the group, in slot order), then the whole row in natural order
-  // (gathered round the ring).
-  std::vector<std::int32_t> seg_rows = seg_local, seg_full;
-  if (!seg_local.empty() && U > 1) {
-    std::vector<std::int32_t> members(static_cast<std::size_t>(B * L));
-    seg_rows.resize(members.size());
-    ulysses_comm->all_gather(seg_local.data(), members.data(), B * local_seq, CommDType::i32);
-    // [U, B, S/cp] -> [B, U, S/cp] (member order) -> slot order.
-    for (std::int64_t m = 0; m < U; ++m) {
-      for (std::int64_t b = 0; b < B; ++b) {
-        std::copy_n(members.begin() + (m * B + b) * local_seq, local_seq,
-                    seg_rows.begin() + (b * U + m) * local_seq);
-      }
-    }
-    if (reorder) {
-      const std::vector<std::int32_t> by_member = seg_rows;
-      move_chunks(by_member.data(), seg_rows.data(), B, static_cast<std::size_t>(local_seq / 2) * 4,
-                  to_slots(U));
-    }
-  }
-  if (!seg_local.empty() && parallel.ring_degree() > 1) {
-    seg_full = cp::all_gather_segments(*ring_comm, seg_rows, B, ring_positions);
-  } else if (!seg_local.empty()) {
-    // A ring of one rank holds the whole row: its rows in natural order (the members' runs one after another
-    // in the layouts cut by documents).
-    const std::vector<std::int32_t>& at = ring_positions[0];
-    const auto S = static_cast<std::int64_t>(at.size());
-    seg_full.resize(seg_rows.size());
+  // Segment ids: the whole row in natural order (gathered before the schedule: Impl::forward), and the ring
+  // rank's rows of it in slot order.
+  const std::vector<std::int32_t>& seg_full = row_segments;
+  std::vector<std::int32_t> seg_rows;
+  if (!seg_full.empty()) {
+    const std::vector<std::int32_t>& at = ring_positions[static_cast<std::size_t>(ring_comm->rank())];
+    seg_rows.resize(static_cast<std::size_t>(B * L));
     for (std::int64_t b = 0; b < B; ++b) {
-      for (std::int64_t t = 0; t < S; ++t) seg_full[b * S + at[t]] = seg_rows[b * S + t];
+      for (std::int64_t t = 0; t < L; ++t) seg_rows[b * L + t] = seg_full[b * attention.seq_len + at[t]];
     }
   }
 
-  cp::RingPass pass =
-      ring_pass(*ring_comm, ring_positions, ring_runs, cp::kernel_calls(u.q[u_rank], u.kv[u_rank], hq / hkv));
+  cp::RingPass pass = ring_pass(*ring_comm, ring_positions, ring_runs, route,
+                                cp::kernel_calls(u.q[u_rank], u.kv[u_rank], hq / hkv));
   pass.sinks = cp::head_sinks(sinks_local, u.q[u_rank].begin, 0, u.q[u_rank].size());
   AttentionOutput heads = cp::ring_pass_forward(pass, qr, kr, vr, seg_rows, seg_full);
 
@@ -168,7 +147,8 @@ AttentionOutput ContextParallelAttention::Impl::hybrid_forward(const Tensor& q, 
   s.o = std::move(heads.o);
   s.lse = std::move(heads.lse);
   s.seg_local = std::move(seg_rows);
-  s.seg_full = std::move(seg_full);
+  s.seg_full = seg_full;
+  s.route = route;
   saved = std::make_unique<cp::RingSaved>(std::move(s));
   return out;
 }
@@ -180,7 +160,7 @@ AttentionGradients ContextParallelAttention::Impl::hybrid_backward(const Tensor&
   const UlyssesHeads& u = h.heads;
   Tensor do_heads;
   if (U > 1) do_heads = h.in_slots(cp::all_to_all_sequence_to_heads(*ulysses_comm, d_out, u.q));
-  const cp::RingPass pass = ring_pass(*ring_comm, ring_positions, ring_runs,
+  const cp::RingPass pass = ring_pass(*ring_comm, ring_positions, ring_runs, s.route,
                                       cp::kernel_calls(u.q[h.u_rank], u.kv[h.u_rank], hq / hkv));
   cp::RingGradients g = cp::ring_pass_backward(pass, s.q, s.k, s.v, s.o, s.lse, U > 1 ? do_heads : d_out,
                                                s.seg_local, s.seg_full);

@@ -27,6 +27,9 @@ struct RingPass {
   TileCounts* tiles = nullptr;                           // forward: the tiles computed, set
   std::vector<std::vector<float>>* step_lses = nullptr;  // negative control ring_step_lse: each step's LSE
   std::span<const float> sinks = {};  // the sinks of the pass's q heads, folded in after the last step
+  // Direct (a window, or packed documents that leave rows unseen: ring_route over `positions`): only its
+  // steps, each rank's rows straight to the ranks that see them. Null or not direct: round the ring.
+  const RingRoute* route = nullptr;
 };
 
 // q: [B, L, n, D], k, v: [B, L, nkv, D] (L = the ring rank's rows); seg_local [B, L] and seg_full [B, S] in

@@ -470,7 +470,7 @@ void reach_backward(const cp::RingPass& ring, const Tensor& k, const Tensor& v,
   const std::int64_t hkv = k.shape().h;
   const bool swapped = ring.control == NegativeControl::ring_zigzag_swapped;
   Tensor dk_step(DType::f32, k.shape()), dv_step(DType::f32, k.shape());
-  const std::vector<ReachStep> steps = ring_reach(ring.positions, ring.runs, a.band());
+  const std::vector<ReachStep>& steps = ring.route->steps;
   const std::int64_t most_in = most_rows(steps, rank, false), most_out = most_rows(steps, rank, true);
   Rows kv_send[2] = {{a.dtype, B, most_out, hkv, D}, {a.dtype, B, most_out, hkv, D}};
   Rows kv_recv[2] = {{a.dtype, B, most_in, hkv, D}, {a.dtype, B, most_in, hkv, D}};
@@ -582,7 +582,7 @@ AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const T
     }
   };
   const CommDType wire = comm_dtype(a.dtype);
-  if (!a.windowed()) {
+  if (ring.route == nullptr || !ring.route->direct) {
     // Round the ring: at step s the shard of rank src = r - s, passed on one hop per step.
     Pair current = kv_pair(k, v), next(a.dtype, k.shape());
     for (std::int64_t s = 0; s < R; ++s) {
@@ -598,8 +598,8 @@ AttentionOutput ring_pass_forward(const RingPass& ring, const Tensor& q, const T
     }
     return std::move(run).finish(a.dtype, ring.sinks);
   }
-  // Windowed: only the steps some rank's band reaches, each rank's rows straight to the ranks that see them.
-  const std::vector<ReachStep> steps = ring_reach(ring.positions, ring.runs, band);
+  // Direct: only the steps some rank's queries reach, each rank's rows straight to the ranks that see them.
+  const std::vector<ReachStep>& steps = ring.route->steps;
   const std::int64_t hkv = k.shape().h, most_in = most_rows(steps, rank, false),
                      most_out = most_rows(steps, rank, true);
   Rows send[2] = {{a.dtype, B, most_out, hkv, D}, {a.dtype, B, most_out, hkv, D}};
@@ -684,7 +684,7 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
     std::memcpy(g.dv.raw(), acc.second().ptr, bytes);
     return g;
   };
-  if (a.windowed()) {
+  if (ring.route != nullptr && ring.route->direct) {
     reach_backward(ring, k, v, seg_full, acc, step);
   } else {
     relay_backward(ring, k, v, seg_full, acc, step);
@@ -695,7 +695,7 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
 }  // namespace cp
 
 cp::RingPass ContextParallelAttention::Impl::ring_pass(Communicator& ring, const RankPositions& at,
-                                                       const RankRuns& at_runs,
+                                                       const RankRuns& at_runs, const RingRoute& ring_route,
                                                        std::vector<cp::KernelCall> calls) {
   return {ring,
           at,
@@ -706,14 +706,15 @@ cp::RingPass ContextParallelAttention::Impl::ring_pass(Communicator& ring, const
           negative_control,
           &comm_wait_seconds,
           &tiles,
-          &step_lses};
+          &step_lses,
+          {},
+          &ring_route};
 }
 
 AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, const Tensor& k,
                                                              const Tensor& v, bool forward_only) {
-  std::vector<std::int32_t> seg_full;
-  if (!seg_local.empty()) seg_full = cp::all_gather_segments(comm, seg_local, attention.batch, positions);
-  cp::RingPass pass = ring_pass(comm, ring_positions, ring_runs, {{0, hq, 0, hkv}});
+  std::vector<std::int32_t> seg_full = row_segments;  // gathered before the schedule (Impl::forward)
+  cp::RingPass pass = ring_pass(comm, ring_positions, ring_runs, route, {{0, hq, 0, hkv}});
   pass.sinks = sinks_local;
   AttentionOutput out = cp::ring_pass_forward(pass, q, k, v, seg_local, seg_full);
   if (!forward_only) {
@@ -725,6 +726,7 @@ AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, co
     s.lse = out.lse;
     s.seg_local = seg_local;
     s.seg_full = std::move(seg_full);
+    s.route = route;
     saved = std::make_unique<cp::RingSaved>(std::move(s));
   }
   return out;
@@ -732,7 +734,7 @@ AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, co
 
 AttentionGradients ContextParallelAttention::Impl::ring_backward(const Tensor& d_out) {
   const cp::RingSaved& s = saved_as<cp::RingSaved>();
-  const cp::RingPass pass = ring_pass(comm, ring_positions, ring_runs, {{0, hq, 0, hkv}});
+  const cp::RingPass pass = ring_pass(comm, ring_positions, ring_runs, s.route, {{0, hq, 0, hkv}});
   cp::RingGradients g =
       cp::ring_pass_backward(pass, s.q, s.k, s.v, s.o, s.lse, d_out, s.seg_local, s.seg_full);
   AttentionGradients out{g.dq.to(attention.dtype), g.dk.to(attention.dtype), g.dv.to(attention.dtype), {}};

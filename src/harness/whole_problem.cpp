@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <string>
+#include <tuple>
 
 #include "cp/sequence_collectives.hpp"
+#include "cpattn/error.hpp"
 #include "cpattn/inproc.hpp"
 #include "cpattn/sequence_layout.hpp"
 #include "cpattn/shard.hpp"
@@ -187,8 +190,30 @@ void share_whole_result(Communicator& comm, const AttentionSpec& a, const Parall
   values[3 * p.cp + rank] = result.ranks[rank].saved_bytes;
   values[4 * p.cp + rank] = static_cast<std::int64_t>(result.ranks[rank].forward_kernel_cpu_seconds * 1e9);
   values[5 * p.cp + rank] = static_cast<std::int64_t>(result.ranks[rank].backward_kernel_cpu_seconds * 1e9);
+  // Each rank's bytes of each call (the calls are the same on every rank: the schedule checks them).
+  const std::vector<CollectiveRecord>& counted = result.ranks[rank].collectives;
+  const auto calls = static_cast<std::int64_t>(counted.size());
+  std::int64_t agree[2] = {calls, -calls};
+  comm.all_reduce(agree, 2, ReduceOp::max);
+  if (agree[0] != -agree[1])
+    throw Error(ErrorKind::communication, "collectives", std::to_string(calls),
+                "the ranks counted " + std::to_string(-agree[1]) + " to " + std::to_string(agree[0]) +
+                    " kinds of collectives; every rank makes the same calls");
+  values.resize(static_cast<std::size_t>(6 * p.cp + 2 * p.cp * calls), 0);
+  for (std::int64_t i = 0; i < calls; ++i) {
+    values[static_cast<std::size_t>(6 * p.cp + 2 * (rank * calls + i))] = counted[i].bytes;
+    values[static_cast<std::size_t>(6 * p.cp + 2 * (rank * calls + i) + 1)] = counted[i].bytes_sent_per_rank;
+  }
   comm.all_reduce(values.data(), static_cast<int>(values.size()), ReduceOp::sum);
   for (std::int64_t r = 0; r < p.cp; ++r) {
+    if (r != rank) {
+      result.ranks[r].collectives = counted;
+      for (std::int64_t i = 0; i < calls; ++i) {
+        CollectiveRecord& x = result.ranks[r].collectives[static_cast<std::size_t>(i)];
+        x.bytes = values[static_cast<std::size_t>(6 * p.cp + 2 * (r * calls + i))];
+        x.bytes_sent_per_rank = values[static_cast<std::size_t>(6 * p.cp + 2 * (r * calls + i) + 1)];
+      }
+    }
     result.ranks[r].tiles = values[r];
     result.ranks[r].forward_seconds = static_cast<double>(values[p.cp + r]) * 1e-9;
     result.ranks[r].backward_seconds = static_cast<double>(values[2 * p.cp + r]) * 1e-9;
@@ -196,6 +221,22 @@ void share_whole_result(Communicator& comm, const AttentionSpec& a, const Parall
     result.ranks[r].forward_kernel_cpu_seconds = static_cast<double>(values[4 * p.cp + r]) * 1e-9;
     result.ranks[r].backward_kernel_cpu_seconds = static_cast<double>(values[5 * p.cp + r]) * 1e-9;
   }
+}
+
+std::vector<CollectiveRecord> largest_over_ranks(const std::vector<RankReport>& ranks) {
+  CPATTN_ASSERT(!ranks.empty());
+  std::vector<CollectiveRecord> largest = ranks.front().collectives;
+  for (const RankReport& r : ranks) {
+    CPATTN_ASSERT(r.collectives.size() == largest.size());
+    for (std::size_t i = 0; i < largest.size(); ++i) {
+      const CollectiveRecord& x = r.collectives[i];
+      CPATTN_ASSERT(std::tie(x.kind, x.phase, x.group, x.count) ==
+                    std::tie(largest[i].kind, largest[i].phase, largest[i].group, largest[i].count));
+      largest[i].bytes = std::max(largest[i].bytes, x.bytes);
+      largest[i].bytes_sent_per_rank = std::max(largest[i].bytes_sent_per_rank, x.bytes_sent_per_rank);
+    }
+  }
+  return largest;
 }
 
 WholeResult run_in_process(const AttentionSpec& a, const ParallelSpec& p, const RunSettings& settings,

@@ -63,6 +63,11 @@ struct RunSettings {
   NegativeControl negative_control = NegativeControl::none;  // tests only
 };
 
+// The ranks' collectives as the planner gives them (attention_collectives): the calls (kind, phase, group,
+// count: the same on every rank) with each one's bytes the largest any rank counted (a direct ring's
+// messages carry each rank's own rows; hybrid's rings differ by ulysses rank), across hosts rank 0's.
+std::vector<CollectiveRecord> largest_over_ranks(const std::vector<RankReport>& ranks);
+
 // Every rank's events on every rank (each rank passes its own): how an MPI run's trace reaches rank 0.
 std::vector<trace::Event> gather_trace(Communicator& comm, const std::vector<trace::Event>& mine);
 
@@ -75,7 +80,8 @@ void run_rank(Communicator& comm, const AttentionSpec& attention, const Parallel
               const RunSettings& settings, const WholeProblem& problem, WholeResult& result);
 
 // After run_rank on every rank of a group whose ranks each hold their own result (separate processes): gives
-// every rank the whole outputs and every rank's tiles and timings. Its collectives are not in the reports.
+// every rank the whole outputs and every rank's tiles, timings and counted bytes (each rank's collectives: its
+// own calls, which every rank makes alike, with the other ranks' bytes; across hosts its own).
 void share_whole_result(Communicator& comm, const AttentionSpec& attention, const ParallelSpec& parallel,
                         bool forward_only, WholeResult& result);
 

@@ -75,11 +75,12 @@ StrategySchedule ulysses_schedule(const AttentionSpec& a, const ParallelSpec& p,
 // The shifts of a ring of R ranks (ring: every rank; hybrid: its ring group) holding `rows` rows each, a row
 // `row` elements of K (V alike), as ring rank `me` issues them (ring_strategy.cpp). Round the ring: per step
 // but the last, K||V of one shard to the next rank; backward per step K||V again (but the last step) and the
-// fp32 dK||dV accumulator that travels with them, its last hop going home. Windowed (ring_reach): only the
-// steps some band reaches, each K||V message holding the rows its receiver sees, sent `distance` ranks on;
-// backward the same K||V messages, and after each step its fp32 dK||dV rows back to their owner.
+// fp32 dK||dV accumulator that travels with them, its last hop going home. Direct (ring_route: a window, or
+// packed documents that leave rows unseen): only the steps some query reaches, each K||V message holding the
+// rows its receiver sees, sent `distance` ranks on; backward the same K||V messages, and after each step its
+// fp32 dK||dV rows back to their owner.
 void ring_shifts(StrategySchedule& s, const AttentionSpec& a, const ParallelSpec& p, std::int64_t rows,
-                 std::int64_t row, std::int64_t me, const char* group, const std::vector<ReachStep>* reach) {
+                 std::int64_t row, std::int64_t me, const char* group, const ScheduleOptions& o) {
   const std::int64_t R = p.ring_degree();
   const CommDType e = comm_dtype(a.dtype), f32 = CommDType::f32;
   const std::int64_t ranks = *group != 0 ? R : 0;
@@ -88,7 +89,14 @@ void ring_shifts(StrategySchedule& s, const AttentionSpec& a, const ParallelSpec
         CollectiveKind::collective_permute, phase, tensor, count, t, {}, group, ranks, d};
   };
   if (R <= 1) return;
-  if (!a.windowed()) {
+  RingRoute found;
+  if (o.route == nullptr) {
+    const SequenceLayout ring = ring_layout_of(a, p);
+    found = ring_route(ring.rank_positions(), ring.rank_run_lengths(), a.band(), a.windowed(),
+                       o.segments != nullptr ? *o.segments : std::vector<std::int32_t>{});
+  }
+  const RingRoute& route = o.route != nullptr ? *o.route : found;
+  if (!route.direct) {
     const std::int64_t kv = 2 * a.batch * rows * row;
     for (std::int64_t step = 0; step + 1 < R; ++step) s.forward.push_back(shift("forward", "kv", kv, e, 1));
     for (std::int64_t step = 0; step < R; ++step) {
@@ -97,12 +105,7 @@ void ring_shifts(StrategySchedule& s, const AttentionSpec& a, const ParallelSpec
     }
     return;
   }
-  std::vector<ReachStep> found;
-  if (reach == nullptr) {
-    const SequenceLayout ring = ring_layout_of(a, p);
-    found = ring_reach(ring.rank_positions(), ring.rank_run_lengths(), a.band());
-  }
-  const std::vector<ReachStep>& steps = reach != nullptr ? *reach : found;
+  const std::vector<ReachStep>& steps = route.steps;
   auto kv = [&](const char* phase, const ReachStep& st) {
     return shift(phase, "kv", 2 * a.batch * st.rows_sent(me) * row, e, st.distance);
   };
@@ -115,29 +118,24 @@ void ring_shifts(StrategySchedule& s, const AttentionSpec& a, const ParallelSpec
   }
 }
 
-// hybrid (U x R): the ulysses swaps inside the rank's group of U (none at U = 1), the packed segment ids
-// gathered in the group and then around the ring, and between the swaps the ring over R ranks holding the
-// rank's ulysses heads for U*S/cp tokens: per step but the last, K||V [2, B, U*S/cp, nkv_u, D]; backward
-// K||V again and the fp32 dK||dV accumulator (none at R = 1).
+// hybrid (U x R): the packed segment ids gathered first over all cp ranks (the ring's route follows them),
+// the ulysses swaps inside the rank's group of U (none at U = 1), and between the swaps the ring over R ranks
+// holding the rank's ulysses heads for U*S/cp tokens: per step but the last, K||V [2, B, U*S/cp, nkv_u, D];
+// backward K||V again and the fp32 dK||dV accumulator (none at R = 1).
 StrategySchedule hybrid_schedule(const AttentionSpec& a, const ParallelSpec& p, const ScheduleOptions& o) {
-  const std::int64_t U = p.ulysses_degree, R = p.cp / U, B = a.batch, D = a.head_dim, sl = a.seq_len / p.cp;
+  const std::int64_t U = p.ulysses_degree, B = a.batch, D = a.head_dim, sl = a.seq_len / p.cp;
   const Swaps w{U, B, sl, D, ulysses_heads(a.num_q_heads / p.tp, a.num_kv_heads / p.tp, U), kUlyssesGroup};
   const CommDType e = comm_dtype(a.dtype), f32 = CommDType::f32;
   using K = CollectiveKind;
   StrategySchedule s;
+  if (o.packed)
+    s.forward.push_back({K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "", 0});
   if (U > 1) {
-    s.forward = {w.to_heads("forward", "q", e, false), w.to_heads("forward", "k", e, true),
-                 w.to_heads("forward", "v", e, true)};
+    for (const char* t : {"q", "k", "v"}) s.forward.push_back(w.to_heads("forward", t, e, *t != 'q'));
   }
-  if (o.packed && U > 1)
-    s.forward.push_back(
-        {K::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, kUlyssesGroup, U});
-  if (o.packed && R > 1)
-    s.forward.push_back(
-        {K::all_gather, "forward", "segment_ids", B * U * sl, CommDType::i32, {}, kRingGroup, R});
   StrategySchedule ring;
   ring_shifts(ring, a, p, U * sl, w.heads.kv[p.ulysses_rank(o.rank)].size() * D, p.ring_rank(o.rank),
-              kRingGroup, o.reach);
+              kRingGroup, o);
   s.forward.insert(s.forward.end(), ring.forward.begin(), ring.forward.end());
   if (U > 1) {
     s.forward.push_back(w.to_sequence("forward", "o", e, false, D));
@@ -210,7 +208,7 @@ StrategySchedule ring_schedule(const AttentionSpec& a, const ParallelSpec& p, co
   if (o.packed)
     s.forward.push_back(
         {CollectiveKind::all_gather, "forward", "segment_ids", B * sl, CommDType::i32, {}, "", 0});
-  ring_shifts(s, a, p, sl, (a.num_kv_heads / p.tp) * a.head_dim, o.rank, "", o.reach);
+  ring_shifts(s, a, p, sl, (a.num_kv_heads / p.tp) * a.head_dim, o.rank, "", o);
   return s;
 }
 

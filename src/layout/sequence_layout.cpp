@@ -378,11 +378,76 @@ std::int64_t overlap(const std::vector<PositionRange>& a, const std::vector<Posi
   return n;
 }
 
+namespace {
+
+// Each rank's queries by document, per batch row: (document, position) sorted ([rank][batch row]).
+using DocumentQueries = std::vector<std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>>>;
+
+DocumentQueries document_queries(const std::vector<RowDocuments>& rows, const RankPositions& positions) {
+  DocumentQueries out(positions.size());
+  for (std::size_t r = 0; r < positions.size(); ++r) {
+    for (const RowDocuments& row : rows) {
+      std::vector<std::pair<std::int64_t, std::int64_t>> q;
+      q.reserve(positions[r].size());
+      for (const std::int32_t x : positions[r]) q.emplace_back(row.index[static_cast<std::size_t>(x)], x);
+      std::sort(q.begin(), q.end());
+      out[r].push_back(std::move(q));
+    }
+  }
+  return out;
+}
+
+// The band's span of the rows of `kv` narrowed to the hull of those some query of the rank (`mine`) sees in
+// its own document, in some batch row: a query at q in [x - right, x + left] of the key's document.
+RowSpan document_span(RowSpan span, const Run& kv, const std::vector<std::int32_t>& kv_positions,
+                      const std::vector<RowDocuments>& rows,
+                      const std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>>& mine,
+                      const PositionBand& band) {
+  auto seen = [&](std::int64_t t) {
+    const std::int64_t x = kv_positions[static_cast<std::size_t>(kv.first + t)];
+    for (std::size_t b = 0; b < rows.size(); ++b) {
+      const std::int64_t doc = rows[b].index[static_cast<std::size_t>(x)];
+      const auto it = std::lower_bound(mine[b].begin(), mine[b].end(), std::pair{doc, x - band.right});
+      if (it != mine[b].end() && it->first == doc && it->second <= x + band.left) return true;
+    }
+    return false;
+  };
+  std::int64_t begin = span.begin, end = span.end;
+  while (begin < end && !seen(begin)) ++begin;
+  while (end > begin && !seen(end - 1)) --end;
+  return begin < end ? RowSpan{begin, end} : RowSpan{};
+}
+
+// Whether the steps move every row of every rank to every other (the relay's traffic).
+bool every_row_moves(const std::vector<ReachStep>& steps, const RankRuns& runs) {
+  const auto ranks = static_cast<std::int64_t>(runs.size());
+  if (static_cast<std::int64_t>(steps.size()) + 1 != ranks) return false;
+  for (const ReachStep& st : steps) {
+    for (std::int64_t r = 0; r < ranks; ++r) {
+      const auto& lengths = runs[static_cast<std::size_t>((r - st.distance + ranks) % ranks)];
+      const auto& seen = st.seen[static_cast<std::size_t>(r)];
+      for (std::size_t k = 0; k < lengths.size(); ++k) {
+        if (seen[k].size() != lengths[k]) return false;
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 std::vector<ReachStep> ring_reach(const RankPositions& positions, const RankRuns& lengths,
-                                  const PositionBand& band) {
+                                  const PositionBand& band, const std::vector<std::int32_t>& segments) {
   const auto ranks = static_cast<std::int64_t>(positions.size());
   std::vector<std::vector<Run>> runs;
-  for (std::size_t p = 0; p < positions.size(); ++p) runs.push_back(runs_of(positions[p], lengths[p]));
+  std::int64_t seq_len = 0;
+  for (std::size_t p = 0; p < positions.size(); ++p) {
+    runs.push_back(runs_of(positions[p], lengths[p]));
+    seq_len += static_cast<std::int64_t>(positions[p].size());
+  }
+  const std::vector<RowDocuments> rows =
+      segments.empty() ? std::vector<RowDocuments>{} : row_documents(segments, seq_len);
+  const DocumentQueries queries = document_queries(rows, positions);
   std::vector<ReachStep> steps;
   for (std::int64_t d = 1; d < ranks; ++d) {
     ReachStep step{d, {}};
@@ -391,13 +456,24 @@ std::vector<ReachStep> ring_reach(const RankPositions& positions, const RankRuns
       const auto src = static_cast<std::size_t>((r - d + ranks) % ranks);
       step.seen.emplace_back();
       for (const Run& kv : runs[src]) {
-        step.seen.back().push_back(seen_span(runs[static_cast<std::size_t>(r)], kv, positions[src], band));
-        any = any || step.seen.back().back().size() > 0;
+        RowSpan span = seen_span(runs[static_cast<std::size_t>(r)], kv, positions[src], band);
+        if (!rows.empty() && span.size() > 0)
+          span = document_span(span, kv, positions[src], rows, queries[static_cast<std::size_t>(r)], band);
+        step.seen.back().push_back(span);
+        any = any || span.size() > 0;
       }
     }
     if (any) steps.push_back(std::move(step));
   }
   return steps;
+}
+
+RingRoute ring_route(const RankPositions& positions, const RankRuns& runs, const PositionBand& band,
+                     bool windowed, const std::vector<std::int32_t>& segments) {
+  if (!windowed && segments.empty()) return {};
+  std::vector<ReachStep> steps = ring_reach(positions, runs, band, segments);
+  if (!windowed && every_row_moves(steps, runs)) return {};
+  return {true, std::move(steps)};
 }
 
 }  // namespace cpattn

@@ -84,23 +84,21 @@ std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, cons
                                                     const std::vector<std::int64_t>& documents,
                                                     bool forward_only, std::int64_t block) {
   const bool packed = !documents.empty();
-  // The all_gather's keys follow the row's documents (all_gather_keys; one row: every batch row alike).
-  const std::vector<std::int32_t> row_segments = packed && p.strategy == Strategy::all_gather
-                                                     ? segment_ids_from_lengths(1, documents)
-                                                     : std::vector<std::int32_t>{};
-  // The calls differ between ranks in hybrid's ring (by ulysses rank) and in a windowed ring (each ring rank
-  // sends the rows its receivers see); each field's largest over the ranks.
-  const bool windowed_ring = p.traits().ring && a.windowed() && p.ring_degree() > 1;
-  const std::int64_t ranks = windowed_ring ? p.cp : p.traits().sub_groups ? p.head_group_size() : 1;
-  std::vector<ReachStep> reach;
-  if (windowed_ring) {
+  // The all_gather's keys and the ring's route follow the row's documents (all_gather_keys, ring_route; one
+  // row: every batch row alike).
+  const std::vector<std::int32_t> row_segments =
+      packed ? segment_ids_from_lengths(1, documents) : std::vector<std::int32_t>{};
+  RingRoute route;
+  if (p.traits().ring && p.ring_degree() > 1) {
     const SequenceLayout ring = ring_layout_of(a, p);
-    reach = ring_reach(ring.rank_positions(), ring.rank_run_lengths(), a.band());
+    route = ring_route(ring.rank_positions(), ring.rank_run_lengths(), a.band(), a.windowed(), row_segments);
   }
+  // The calls differ between ranks in hybrid's ring (by ulysses rank) and in a direct ring (each ring rank
+  // sends the rows its receivers see); each field's largest over the ranks.
+  const std::int64_t ranks = route.direct ? p.cp : p.traits().sub_groups ? p.head_group_size() : 1;
   std::vector<CollectiveRecord> out;
   for (std::int64_t r = 0; r < ranks; ++r) {
-    StrategySchedule schedule =
-        strategy_schedule(a, p, {remat, packed, r, windowed_ring ? &reach : nullptr, block, &row_segments});
+    StrategySchedule schedule = strategy_schedule(a, p, {remat, packed, r, &route, block, &row_segments});
     if (forward_only) schedule.backward.clear();
     const auto records = scheduled_records(schedule, p.cp);
     if (out.empty()) {
@@ -209,14 +207,16 @@ struct PlanContext {
   Links links;
   std::int64_t threads = 1;  // kernel threads per rank where ranks share cores (run's default), else 1
   std::vector<KernelFit> forward_fits, backward_fits;  // the profile's kernel entries, fitted
-  // A windowed ring (ring, hybrid, R > 1 and a window): its steps (ring_reach), each rank's rows straight to
-  // the ranks that see them.
-  bool windowed_ring = false;
+  // The ring's route (ring, hybrid, R > 1: ring_route); direct (a window, or documents that leave rows
+  // unseen): its steps (`reach`), each rank's rows straight to the ranks that see them.
+  RingRoute route;
+  bool direct_ring = false;
   std::vector<ReachStep> reach;
   std::vector<std::int64_t> reach_at;  // reach_at[d]: the index in reach of distance d, or -1
   // all_gather's key rows per rank: S, or with a window or on packed rows the rows it sees (all_gather_keys).
   std::vector<std::int64_t> gathered_rows;
-  // The all_gather on packed rows: one row's segment ids ([1, S]), whose documents decide its keys.
+  // Packed rows: one row's segment ids ([1, S]), whose documents decide the all_gather's keys and the ring's
+  // route.
   std::vector<std::int32_t> row_segments;
   // Ranks sharing cores whose kernel threads occupy every one of them.
   bool cores_saturated() const { return req.hardware.cores > 0 && cp * threads >= req.hardware.cores; }
@@ -324,7 +324,7 @@ using CallPlan = std::vector<std::vector<std::vector<KernelCall>>>;
 
 // The ring's kernel calls (ring_strategy.cpp): each ring rank's rows cut into the calls' pieces (its
 // layout's runs, each on a grid of its own), made once; per step the rank's pieces
-// against the visiting ones (a windowed ring's: the arrived spans), the calls the band hides whole skipped.
+// against the visiting ones (a direct ring's: the arrived spans), the calls the band hides whole skipped.
 struct RingTiles {
   struct Piece {
     std::vector<kernels::BlockMeta> blocks;
@@ -370,13 +370,13 @@ struct RingTiles {
     }
     return piece;
   }
-  // The pieces of src's rows a step's calls take: all of them, or (windowed, step > 0) each run's seen span
-  // (a whole run: its piece as made once; `cut` keeps the others). Empty where no band reaches.
+  // The pieces of src's rows a step's calls take: all of them, or (direct, step > 0) each run's seen span
+  // (a whole run: its piece as made once; `cut` keeps the others). Empty where no query reaches.
   std::vector<const Piece*> visiting(std::int64_t ring_rank, std::int64_t step,
                                      std::vector<Piece>& cut) const {
     const std::int64_t src = (ring_rank - step + c.R) % c.R;
     std::vector<const Piece*> theirs;
-    if (!c.windowed_ring || step == 0) {
+    if (!c.direct_ring || step == 0) {
       for (const Piece& p : pieces[static_cast<std::size_t>(src)]) theirs.push_back(&p);
       return theirs;
     }
@@ -509,7 +509,7 @@ void plan_memory(const PlanContext& c, StrategyPlan& s) {
     // a step receives and sends, and in backward as many rows of fp32 dK/dV going back and coming back).
     const std::int64_t rows = S / c.R;
     std::int64_t in_flight = 2 * rows, partial_rows = 0;
-    if (c.windowed_ring) {
+    if (c.direct_ring) {
       in_flight = 0;
       for (std::int64_t rr = 0; rr < c.R; ++rr) {
         std::int64_t most_in = 0, most_out = 0;
@@ -550,27 +550,26 @@ struct CommModel {
   double hops = 0;                        // the ring's shifts end to end (reported, not added)
   std::vector<double> kv_hop, dkv_hop;    // per rank
   std::vector<std::int64_t> inter_bytes;  // per rank
-  // A windowed ring: each step's K||V shift and its dK||dV shift back, at the slowest rank, by the step's
+  // A direct ring: each step's K||V shift and its dK||dV shift back, at the slowest rank, by the step's
   // distance.
   std::map<std::int64_t, double> kv_step, dkv_step;
 };
 
 CommModel plan_communication(const PlanContext& c) {
   const std::int64_t U = c.U;
-  // The schedules ranks differ by: hybrid's by ulysses rank; a windowed ring's by rank (made as they are
+  // The schedules ranks differ by: hybrid's by ulysses rank; a direct ring's by rank (made as they are
   // needed: a ring of many ranks has many).
   auto schedule_of = [&](std::int64_t r) {
-    StrategySchedule s = strategy_schedule(
-        c.a, c.p,
-        {c.req.remat, c.packed, r, c.windowed_ring ? &c.reach : nullptr, c.req.block, &c.row_segments});
+    StrategySchedule s =
+        strategy_schedule(c.a, c.p, {c.req.remat, c.packed, r, &c.route, c.req.block, &c.row_segments});
     if (c.req.forward_only) s.backward.clear();
     return s;
   };
   std::vector<StrategySchedule> by_u;
-  if (!c.windowed_ring) {
+  if (!c.direct_ring) {
     for (std::int64_t u = 0; u < U; ++u) by_u.push_back(schedule_of(u));
   }
-  const StrategySchedule first = c.windowed_ring ? schedule_of(0) : by_u[0];
+  const StrategySchedule first = c.direct_ring ? schedule_of(0) : by_u[0];
   const std::size_t calls = first.forward.size() + first.backward.size();
   // traffic[k][rank]: what the rank sends in the k-th call of its schedule.
   std::vector<std::vector<Traffic>> traffic(calls, std::vector<Traffic>(static_cast<std::size_t>(c.cp)));
@@ -581,8 +580,8 @@ CommModel plan_communication(const PlanContext& c) {
   m.inter_bytes.assign(static_cast<std::size_t>(c.cp), 0);
   std::vector<std::int64_t> distance(calls, 1);
   for (std::int64_t rank = 0; rank < c.cp; ++rank) {
-    const StrategySchedule own = c.windowed_ring ? schedule_of(rank) : StrategySchedule{};
-    const StrategySchedule& sch = c.windowed_ring ? own : by_u[static_cast<std::size_t>(c.u_of(rank))];
+    const StrategySchedule own = c.direct_ring ? schedule_of(rank) : StrategySchedule{};
+    const StrategySchedule& sch = c.direct_ring ? own : by_u[static_cast<std::size_t>(c.u_of(rank))];
     std::size_t k = 0;
     for (const auto* list : {&sch.forward, &sch.backward}) {
       for (const ScheduledCollective& call : *list) {
@@ -600,7 +599,7 @@ CommModel plan_communication(const PlanContext& c) {
         }
         const std::int64_t e = static_cast<std::int64_t>(comm_dtype_size(call.dtype));
         // A permute (a shift) sends to one rank alone, `distance` places on: one peer, not n (a ring of 1024
-        // ranks has 2046 of them); a windowed ring's empty shift sends nothing.
+        // ranks has 2046 of them); a direct ring's empty shift sends nothing.
         const bool permute = call.kind == CollectiveKind::collective_permute;
         hop[k] = c.ring_like() && permute;
         traffic[k][rank].all_to_all = call.kind == CollectiveKind::all_to_all;
@@ -629,7 +628,7 @@ CommModel plan_communication(const PlanContext& c) {
     const double slowest = *std::max_element(t.begin(), t.end());
     (hop[k] ? m.hops : m.collectives) += slowest;
     if (hop[k]) (kv[k] ? kv_send : dkv_send) = t;
-    if (hop[k] && c.windowed_ring) (kv[k] ? m.kv_step : m.dkv_step)[distance[k]] = slowest;
+    if (hop[k] && c.direct_ring) (kv[k] ? m.kv_step : m.dkv_step)[distance[k]] = slowest;
   }
   // A ring moves at its slowest link.
   for (std::int64_t rank = 0; rank < c.cp; ++rank) {
@@ -814,10 +813,10 @@ double kernel_seconds(const PlanContext& c, std::int64_t rank, const std::vector
 }
 
 // The rows of dK/dV a ring rank adds into its accumulator at `step`: the whole shard as it travels (or, in a
-// windowed ring, its own step 0), else the windowed ring's rows that come back at that distance (none where
+// direct ring, its own step 0), else the direct ring's rows that come back at that distance (none where
 // no band reaches).
 double accumulated_rows(const PlanContext& c, std::int64_t rank, std::int64_t step) {
-  if (!c.windowed_ring || step == 0) return static_cast<double>(c.S / c.R);
+  if (!c.direct_ring || step == 0) return static_cast<double>(c.S / c.R);
   const std::int64_t at = c.reach_at[static_cast<std::size_t>(step)];
   return at < 0 ? 0.0
                 : static_cast<double>(c.reach[static_cast<std::size_t>(at)].rows_sent(c.p.ring_rank(rank)));
@@ -870,10 +869,10 @@ double phase_seconds(const PlanContext& c, const std::vector<double>& per_rank) 
 // previous dK/dV hop flies, then its own dK/dV hop home is exposed. The forward: each step but the last
 // against its K/V hop. Every step of a ring of more than one rank adds the profile's ring_step_seconds (its
 // synchronisation). `fixed`: what does not overlap (hybrid's all-to-alls, the segment ids, the reorder).
-double windowed_ring_seconds(const PlanContext& c, const CallPlan& calls, double fixed, const CommModel& m);
+double direct_ring_seconds(const PlanContext& c, const CallPlan& calls, double fixed, const CommModel& m);
 
 double ring_layer_seconds(const PlanContext& c, const CallPlan& calls, double fixed, const CommModel& m) {
-  if (c.windowed_ring) return windowed_ring_seconds(c, calls, fixed, m);
+  if (c.direct_ring) return direct_ring_seconds(c, calls, fixed, m);
   const double kv_hop = *std::max_element(m.kv_hop.begin(), m.kv_hop.end());
   const double dkv_hop = *std::max_element(m.dkv_hop.begin(), m.dkv_hop.end());
   const double sync = c.R > 1 ? c.req.hardware.ring_step_seconds : 0.0;
@@ -905,10 +904,10 @@ double ring_layer_seconds(const PlanContext& c, const CallPlan& calls, double fi
   return t;
 }
 
-// The windowed ring's layer time: only step 0 and the steps some band reaches (c.reach), each while the next
+// The direct ring's layer time: only step 0 and the steps some query reaches (c.reach), each while the next
 // step's K||V shift flies and (backward) the previous step's dK||dV shift back; the last step's shift back
 // is exposed. Each such step adds ring_step_seconds; a ring whose band reaches no other rank moves nothing.
-double windowed_ring_seconds(const PlanContext& c, const CallPlan& calls, double fixed, const CommModel& m) {
+double direct_ring_seconds(const PlanContext& c, const CallPlan& calls, double fixed, const CommModel& m) {
   std::vector<std::int64_t> active{0};
   for (const ReachStep& st : c.reach) active.push_back(st.distance);
   const double sync = active.size() > 1 ? c.req.hardware.ring_step_seconds : 0.0;
@@ -986,8 +985,8 @@ using KernelFits = std::pair<std::vector<KernelFit>, std::vector<KernelFit>>;
 StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const std::string& name,
                            Strategy strategy, ShardLayout layout, std::int64_t ulysses_degree = 0) {
   const bool load_balance = layout == ShardLayout::dual_chunk_swap;
-  PlanContext c{req, req.attention, req.parallel, 1,  1, 1,  1,  1,     1,  1,  4,  1,
-                1,   false,         {},           {}, 1, {}, {}, false, {}, {}, {}, {}};
+  PlanContext c{req, req.attention, req.parallel, 1,  1,  1, 1, 1, 1, 1, 4, 1, 1, false, {}, {}, 1, {}, {},
+                {},  false,         {},           {}, {}, {}};
   c.p.strategy = strategy;
   c.p.load_balance = load_balance;
   c.p.layout = layout;
@@ -1032,11 +1031,9 @@ StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const
   c.packed = !req.segments.empty();
   c.U = c.ring_like() ? c.p.head_group_size() : 1;
   c.R = c.p.ring_degree();
-  c.windowed_ring = c.ring_like() && c.a.windowed() && c.R > 1;
   c.gathered_rows.assign(static_cast<std::size_t>(c.cp), c.S);
   // One row's ids: every batch row is packed alike, and the keys are the union over the rows.
-  if (c.p.strategy == Strategy::all_gather && c.packed)
-    c.row_segments = segment_ids_from_lengths(1, req.segments);
+  if (c.packed) c.row_segments = segment_ids_from_lengths(1, req.segments);
   if (c.p.strategy == Strategy::all_gather && (c.a.windowed() || c.packed)) {
     const SequenceLayout shards = layout_of(c.a, c.p);
     const auto seen = all_gather_keys(shards.rank_positions(), shards.rank_run_lengths(), c.S, c.a.band(),
@@ -1047,9 +1044,14 @@ StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const
       c.gathered_rows[static_cast<std::size_t>(r)] = rows;
     }
   }
-  if (c.windowed_ring) {
+  if (c.ring_like() && c.R > 1) {
     const SequenceLayout ring = ring_layout_of(c.a, c.p);
-    c.reach = ring_reach(ring.rank_positions(), ring.rank_run_lengths(), c.a.band());
+    c.route = ring_route(ring.rank_positions(), ring.rank_run_lengths(), c.a.band(), c.a.windowed(),
+                         c.row_segments);
+  }
+  c.direct_ring = c.route.direct;
+  if (c.direct_ring) {
+    c.reach = c.route.steps;
     c.reach_at.assign(static_cast<std::size_t>(c.R), -1);
     for (std::size_t i = 0; i < c.reach.size(); ++i)
       c.reach_at[static_cast<std::size_t>(c.reach[i].distance)] = static_cast<std::int64_t>(i);

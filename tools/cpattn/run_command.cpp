@@ -359,12 +359,14 @@ nlohmann::ordered_json run_report(const RunOptions& opt, const AttentionSpec& a,
   out["seconds"] = {{"forward", fwd_s},
                     {"backward", opt.forward_only ? nlohmann::ordered_json() : nlohmann::ordered_json(bwd_s)},
                     {"comm_wait", wait_s}};
-  // Hosts as the backend tells them apart; bytes across hosts are rank 0's, like the rest of the table.
+  // Hosts as the backend tells them apart; bytes across hosts are rank 0's, each call's bytes the largest
+  // over the ranks (what the planner predicts: a direct ring's messages carry each rank's own rows).
   const bool hosts = !result.hosts.empty();
   out["hosts"] = {{"count", hosts ? *std::max_element(result.hosts.begin(), result.hosts.end()) + 1 : 1},
                   {"of_rank", hosts ? result.hosts : std::vector<int>(static_cast<std::size_t>(p.cp), 0)}};
   out["collectives"] = nlohmann::ordered_json::array();
-  for (const auto& c : result.ranks.front().collectives) out["collectives"].push_back(record_json(c, hosts));
+  for (const auto& c : harness::largest_over_ranks(result.ranks))
+    out["collectives"].push_back(record_json(c, hosts));
   out["tiles_per_rank"] = tiles;
   // The CPU time of each rank's kernel calls (its threads' and their workers'), forward and backward: what
   // the layout balances, measurable where ranks share cores and wall time is not.
