@@ -52,6 +52,10 @@ struct ScheduleOptions {
   // packed ring the rows of them (ring_route). Null: packed rows' keys are planned as the band alone decides
   // (every block without a window).
   const std::vector<std::int32_t>* segments = nullptr;
+  // The all_gather's keys (all_gather_keys over the layout's ranks with `block` and `segments`; empty: the
+  // whole row to every rank) where the caller has them (a run works them out once per forward, the planner
+  // once per plan); null: the schedule works them out itself.
+  const std::vector<std::vector<PositionRange>>* keys = nullptr;
 };
 
 // One attention layer's calls: those of a forward, and those of the backward after it (remat calls included),

@@ -57,12 +57,6 @@ SeenKeys keys_of(const AttentionSpec& a, std::vector<std::vector<PositionRange>>
   return k;
 }
 
-SeenKeys seen_keys(const AttentionSpec& a, const RankPositions& positions, const RankRuns& runs,
-                   std::int64_t rank, std::int64_t block, const std::vector<std::int32_t>& row_segments) {
-  return keys_of(a, all_gather_keys(positions, runs, a.seq_len, a.band(), a.windowed(), block, row_segments),
-                 rank);
-}
-
 // This rank's positions, repeated for each of B rows: [B, S/cp].
 std::vector<std::int32_t> rank_rows(const RankPositions& positions, std::int64_t rank, std::int64_t batch) {
   const std::vector<std::int32_t>& mine = positions[static_cast<std::size_t>(rank)];
@@ -87,7 +81,7 @@ std::vector<std::int32_t> segments_at(const std::vector<std::int32_t>& seg_full,
 AttentionOutput ContextParallelAttention::Impl::all_gather_forward(const Tensor& q, const Tensor& k,
                                                                    const Tensor& v, bool forward_only) {
   const std::int64_t B = attention.batch;
-  SeenKeys keys = seen_keys(attention, positions, runs, rank, kernel_config().block_kv, row_segments);
+  SeenKeys keys = keys_of(attention, std::move(gather_keys), rank);  // worked out for the schedule
   // k, v: [B, S/cp, Hkv, D] -> [B, S, Hkv, D] natural order, or the rows this rank sees
   auto gather = [&](const Tensor& x) {
     return keys.seen.empty() ? cp::all_gather_sequence(comm, x, positions)

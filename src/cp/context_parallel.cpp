@@ -309,10 +309,16 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
   route = {};
   if (parallel.traits().ring && parallel.ring_degree() > 1)
     route = ring_route(ring_positions, ring_runs, attention.band(), attention.windowed(), row_segments);
+  gather_keys.clear();
+  if (parallel.strategy == Strategy::all_gather) {
+    gather_keys = all_gather_keys(positions, runs, attention.seq_len, attention.band(), attention.windowed(),
+                                  options.kernel.block_kv, row_segments);
+  }
   StrategySchedule schedule =
       strategy_schedule(attention, parallel,
                         {options.remat, !seg.empty(), rank, &route, options.kernel.block_kv,
-                         segments_first ? &row_segments : nullptr});
+                         segments_first ? &row_segments : nullptr,
+                         parallel.strategy == Strategy::all_gather ? &gather_keys : nullptr});
   if (segments_first) schedule.forward.erase(schedule.forward.begin());
   expect(schedule.forward, unscheduled());
   AttentionOutput out = run_forward(q, k, v, forward_only);

@@ -100,8 +100,10 @@ class ContextParallelAttention::Impl {
   // the schedule is made (the keys each rank receives follow them: all_gather_keys, ring_route); empty
   // otherwise.
   std::vector<std::int32_t> row_segments;
-  RingRoute route;                 // ring, hybrid: this forward's (ring_route over the ring's rows)
-  std::vector<float> sinks_local;  // this call's sinks ([hq]; empty: none)
+  RingRoute route;  // ring, hybrid: this forward's (ring_route over the ring's rows)
+  // all_gather: this forward's keys (all_gather_keys; empty: the whole row), for its schedule and its gather.
+  std::vector<std::vector<PositionRange>> gather_keys;
+  std::vector<float> sinks_local;             // this call's sinks ([hq]; empty: none)
   std::vector<std::vector<float>> step_lses;  // ring's negative control ring_step_lse: each step's LSE
 };
 

@@ -162,11 +162,14 @@ StrategySchedule all_gather_schedule(const AttentionSpec& a, const ParallelSpec&
   const CommDType e = comm_dtype(a.dtype);
   using K = CollectiveKind;
   std::vector<std::vector<std::int64_t>> seen_rows;  // [r][p]: what rank r sends rank p
-  if (a.windowed() || (o.segments && !o.segments->empty())) {
+  if (o.keys != nullptr || a.windowed() || (o.segments && !o.segments->empty())) {
     const SequenceLayout layout = layout_of(a, p);
-    const auto seen =
-        all_gather_keys(layout.rank_positions(), layout.rank_run_lengths(), a.seq_len, a.band(), a.windowed(),
-                        o.block, o.segments ? *o.segments : std::vector<std::int32_t>{});
+    std::vector<std::vector<PositionRange>> found;
+    if (o.keys == nullptr) {
+      found = all_gather_keys(layout.rank_positions(), layout.rank_run_lengths(), a.seq_len, a.band(),
+                              a.windowed(), o.block, o.segments ? *o.segments : std::vector<std::int32_t>{});
+    }
+    const std::vector<std::vector<PositionRange>>& seen = o.keys != nullptr ? *o.keys : found;
     for (std::int64_t r = 0; r < p.cp && !seen.empty(); ++r) {
       const std::vector<PositionRange>& mine = layout.runs[static_cast<std::size_t>(r)];
       seen_rows.emplace_back();

@@ -218,6 +218,9 @@ struct PlanContext {
   // Packed rows: one row's segment ids ([1, S]), whose documents decide the all_gather's keys and the ring's
   // route.
   std::vector<std::int32_t> row_segments;
+  // all_gather's keys (all_gather_keys; empty: the whole row to every rank), for gathered_rows and its
+  // schedule.
+  std::vector<std::vector<PositionRange>> gather_keys;
   // Ranks sharing cores whose kernel threads occupy every one of them.
   bool cores_saturated() const { return req.hardware.cores > 0 && cp * threads >= req.hardware.cores; }
 
@@ -560,8 +563,9 @@ CommModel plan_communication(const PlanContext& c) {
   // The schedules ranks differ by: hybrid's by ulysses rank; a direct ring's by rank (made as they are
   // needed: a ring of many ranks has many).
   auto schedule_of = [&](std::int64_t r) {
-    StrategySchedule s =
-        strategy_schedule(c.a, c.p, {c.req.remat, c.packed, r, &c.route, c.req.block, &c.row_segments});
+    StrategySchedule s = strategy_schedule(c.a, c.p,
+                                           {c.req.remat, c.packed, r, &c.route, c.req.block, &c.row_segments,
+                                            c.p.strategy == Strategy::all_gather ? &c.gather_keys : nullptr});
     if (c.req.forward_only) s.backward.clear();
     return s;
   };
@@ -985,8 +989,8 @@ using KernelFits = std::pair<std::vector<KernelFit>, std::vector<KernelFit>>;
 StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const std::string& name,
                            Strategy strategy, ShardLayout layout, std::int64_t ulysses_degree = 0) {
   const bool load_balance = layout == ShardLayout::dual_chunk_swap;
-  PlanContext c{req, req.attention, req.parallel, 1,  1,  1, 1, 1, 1, 1, 4, 1, 1, false, {}, {}, 1, {}, {},
-                {},  false,         {},           {}, {}, {}};
+  PlanContext c{req, req.attention, req.parallel, 1,  1,  1,  1, 1, 1, 1, 4, 1, 1, false, {}, {}, 1, {}, {},
+                {},  false,         {},           {}, {}, {}, {}};
   c.p.strategy = strategy;
   c.p.load_balance = load_balance;
   c.p.layout = layout;
@@ -1036,11 +1040,11 @@ StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const
   if (c.packed) c.row_segments = segment_ids_from_lengths(1, req.segments);
   if (c.p.strategy == Strategy::all_gather && (c.a.windowed() || c.packed)) {
     const SequenceLayout shards = layout_of(c.a, c.p);
-    const auto seen = all_gather_keys(shards.rank_positions(), shards.rank_run_lengths(), c.S, c.a.band(),
-                                      c.a.windowed(), req.block, c.row_segments);
-    for (std::int64_t r = 0; r < c.cp && !seen.empty(); ++r) {
+    c.gather_keys = all_gather_keys(shards.rank_positions(), shards.rank_run_lengths(), c.S, c.a.band(),
+                                    c.a.windowed(), req.block, c.row_segments);
+    for (std::int64_t r = 0; r < c.cp && !c.gather_keys.empty(); ++r) {
       std::int64_t rows = 0;
-      for (const PositionRange& x : seen[static_cast<std::size_t>(r)]) rows += x.size();
+      for (const PositionRange& x : c.gather_keys[static_cast<std::size_t>(r)]) rows += x.size();
       c.gathered_rows[static_cast<std::size_t>(r)] = rows;
     }
   }
