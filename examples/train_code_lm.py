@@ -18,8 +18,8 @@ step (--dp x --batch).
 
 Per step it prints the loss, tokens/s and attention's share of the step; every --eval-every steps the held-out
 loss by position within the document (0-1k, 1k-4k, 4k-16k bytes) with the full context and with the context
-cut to 1k-byte blocks (each byte sees only its own block: 0-1023 bytes before it), so that what the long
-context buys shows, against the unigram baseline (the bytes' entropy). --out DIR gets the numbers as JSON and,
+cut to the last 1k bytes (a sliding window at evaluation: each byte sees itself and the 1023 before it, the
+attention's window=1023), so that what the long context buys shows, against the unigram baseline (the bytes' entropy). --out DIR gets the numbers as JSON and,
 where matplotlib imports, the loss curves and the by-position losses as a PNG.
 """
 
@@ -109,9 +109,8 @@ def eval_rows(files, seq, count):
     return rows
 
 
-def cut_segments(seg, block):
-    """Segment ids that cut every document into blocks of `block` bytes: each byte sees only its block."""
-    return seg * 65536 + torch.arange(seg.numel(), dtype=torch.int32) // block
+# The evaluation's cut context: each byte sees itself and the WINDOW bytes before it.
+WINDOW = 1023
 
 
 class RMSNorm(torch.nn.Module):
@@ -177,9 +176,9 @@ class AttentionClock:
     def __init__(self, attend):
         self.attend, self.seconds = attend, 0.0
 
-    def __call__(self, q, k, v, seg):
+    def __call__(self, q, k, v, seg, window=None):
         t0 = time.perf_counter()
-        o = self.attend(q, k, v, seg)
+        o = self.attend(q, k, v, seg, window)
         self.seconds += time.perf_counter() - t0
         if o.requires_grad:
             mark = {}
@@ -233,12 +232,13 @@ def main(argv=None):
     options = dict(strategy=a.strategy, layout=a.layout, load_balance=a.layout == "dual_chunk_swap",
                    ulysses_degree=a.ulysses_degree, threads=threads)
     if a.cp > 1:
-        def attend(q, k, v, seg):
-            return ct.context_parallel_sdpa(q, k, v, is_causal=True, segment_ids=seg, group=group, **options)
+        def attend(q, k, v, seg, window):
+            return ct.context_parallel_sdpa(q, k, v, is_causal=True, segment_ids=seg, group=group, window=window,
+                                            **options)
     else:
-        def attend(q, k, v, seg):
+        def attend(q, k, v, seg, window):
             o = ct.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
-                             segment_ids=seg, threads=threads)
+                             segment_ids=seg, threads=threads, window=window)
             return o.transpose(1, 2)
     clock = AttentionClock(attend)
     positions = torch.from_numpy(cpattn.local_positions(a.seq, a.cp, cp_rank, a.layout)).long()
@@ -306,7 +306,7 @@ def main(argv=None):
             if rank == 0:
                 e = history["eval"][-1]
                 print("held out, nats/byte by position:  " + "  ".join(
-                    f"{lo // 1024}k-{hi // 1024}k full {e['full'][i]:.4f} cut {e['cut'][i]:.4f}"
+                    f"{lo // 1024}k-{hi // 1024}k full {e['full'][i]:.4f} window {e['window'][i]:.4f}"
                     for i, (lo, hi) in enumerate(BUCKETS)) + f"  all {e['full_all']:.4f}", flush=True)
     if rank == 0:
         history.update(unigram=unigram, seconds=time.perf_counter() - start, args=vars(a))
@@ -318,13 +318,17 @@ def main(argv=None):
 
 @torch.no_grad()
 def evaluate(model, held_rows, positions, clock, a, world, rank):
-    """Held-out loss by position within the file, with the full context and with it cut to 1k-byte blocks;
-    every process its shard, summed over the context-parallel group (each replica evaluates the same rows)."""
+    """Held-out loss by position within the file, with the full context and with it cut to the last 1k bytes (a
+    sliding window of WINDOW); every process its shard, summed over the context-parallel group (each replica
+    evaluates the same rows)."""
     sums = torch.zeros(2, len(BUCKETS) + 1, dtype=torch.float64)
     counts = torch.zeros(len(BUCKETS) + 1, dtype=torch.float64)
+    def windowed(q, k, v, seg):
+        return clock(q, k, v, seg, WINDOW)
+
     for x, s, y, pos in held_rows:
-        for which, seg in enumerate((s, cut_segments(s, 1024))):
-            logits = model(x[positions][None], positions, seg[positions][None], clock)
+        for which, attend in enumerate((clock, windowed)):
+            logits = model(x[positions][None], positions, s[positions][None], attend)
             ce = F.cross_entropy(logits[0], y[positions].clamp(min=0), reduction="none").double()
             ok = y[positions] >= 0
             for i, (lo, hi) in enumerate(BUCKETS + ((0, a.seq),)):
@@ -338,7 +342,7 @@ def evaluate(model, held_rows, positions, clock, a, world, rank):
         sums /= a.dp
         counts /= a.dp
     mean = (sums / counts.clamp(min=1)).tolist()
-    return {"full": mean[0][:-1], "cut": mean[1][:-1], "full_all": mean[0][-1], "cut_all": mean[1][-1],
+    return {"full": mean[0][:-1], "window": mean[1][:-1], "full_all": mean[0][-1], "window_all": mean[1][-1],
             "bytes": counts.tolist()[:-1]}
 
 
@@ -358,7 +362,7 @@ def write_out(out, history):
     left.plot(history["step"], history["loss"], label="training loss (its rows)")
     ev = history["eval"]
     left.plot([e["step"] for e in ev], [e["full_all"] for e in ev], "o-", label="held out, full context")
-    left.plot([e["step"] for e in ev], [e["cut_all"] for e in ev], "s--", label="held out, 1k-byte blocks")
+    left.plot([e["step"] for e in ev], [e["window_all"] for e in ev], "s--", label="held out, last 1k bytes")
     left.axhline(history["unigram"], color="grey", linestyle=":", label="unigram baseline")
     left.set_xlabel("step")
     left.set_ylabel("nats per byte")
@@ -367,11 +371,11 @@ def write_out(out, history):
     labels = [f"{lo // 1024}k-{hi // 1024}k" for lo, hi in BUCKETS]
     xs = range(len(labels))
     right.bar([i - 0.2 for i in xs], last["full"], width=0.4, label="full context")
-    right.bar([i + 0.2 for i in xs], last["cut"], width=0.4, label="context cut to 1k-byte blocks")
-    low = min(last["full"] + last["cut"])
-    right.set_ylim(0.9 * low, 1.02 * max(last["full"] + last["cut"]))  # the gap, not the bars' height, matters
+    right.bar([i + 0.2 for i in xs], last["window"], width=0.4, label="context cut to the last 1k bytes")
+    low = min(last["full"] + last["window"])
+    right.set_ylim(0.9 * low, 1.02 * max(last["full"] + last["window"]))  # the gap, not the bars' height, matters
     for i in xs:
-        right.annotate(f"{last['cut'][i] - last['full'][i]:+.3f}", (i + 0.2, last["cut"][i]), ha="center",
+        right.annotate(f"{last['window'][i] - last['full'][i]:+.3f}", (i + 0.2, last["window"][i]), ha="center",
                        va="bottom", fontsize=8)
     right.set_xticks(list(xs))
     right.set_xticklabels(labels)

@@ -263,6 +263,24 @@ TEST(RingReach, SpansAreTheHullOfWhatSomeQuerySees) {
   }
 }
 
+// A packed row without a window whose route would be too large goes round the ring: per_document at cp 64
+// holds two runs per rank and document, 80 documents 10240 runs (past kMostRunPairs' 8192), 40 documents
+// 5120.
+TEST(RingReach, APackedRouteOfTooManyRunsGoesRoundTheRing) {
+  for (const std::int64_t docs : {40, 80}) {
+    const std::int64_t seq = docs * 1024;
+    const V lengths(static_cast<std::size_t>(docs), 1024);
+    const SequenceLayout l = make_layout(ShardLayout::per_document, seq, 64, lengths, {kUnboundedWindow, 0});
+    std::int64_t runs = 0;
+    for (const auto& r : l.rank_run_lengths()) runs += static_cast<std::int64_t>(r.size());
+    EXPECT_EQ(runs, 2 * 64 * docs - (2 * docs - 1)) << "adjacent pieces merge";
+    const RingRoute route = ring_route(l.rank_positions(), l.rank_run_lengths(), {kUnboundedWindow, 0}, false,
+                                       segment_ids_from_lengths(1, lengths));
+    EXPECT_EQ(route.direct, runs * runs <= kMostRunPairs) << docs << " documents";
+    EXPECT_EQ(route.steps.empty(), !route.direct);
+  }
+}
+
 // A window shorter than a chunk: the contiguous ring's one step (rank r - 1's last w rows), the zigzag's two
 // (its first chunk's predecessor on rank r - 1, its second's on rank r + 1).
 TEST(RingReach, AShortWindowReachesTheNeighboursTails) {

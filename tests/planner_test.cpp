@@ -11,15 +11,26 @@
 #include "cp_harness.hpp"
 #include "cpattn/placement.hpp"
 #include "cpattn/planner.hpp"
+#include "cpattn/schedule.hpp"
 #include "harness/whole_problem.hpp"
 
 namespace cpattn {
 namespace {
 
-// A run's counted collectives as the planner gives them (harness::largest_over_ranks).
-std::vector<CollectiveRecord> largest_over_ranks(const testing::CpRun& run) {
+// A run's counted collectives as the planner gives them (harness::largest_over_ranks), after each rank's
+// against the schedule made for that rank from the row's segment ids (its own route and keys).
+std::vector<CollectiveRecord> largest_over_ranks(const testing::CpCase& c, const testing::CpRun& run) {
+  const std::vector<std::int32_t> ids =
+      c.segments.empty() ? std::vector<std::int32_t>{} : segment_ids_from_lengths(c.batch, c.segments);
   std::vector<harness::RankReport> ranks(run.records.size());
-  for (std::size_t r = 0; r < ranks.size(); ++r) ranks[r].collectives = run.records[r];
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    ScheduleOptions o{c.remat, !c.segments.empty(), static_cast<std::int64_t>(r)};
+    o.block = c.kernel.block_kv;
+    o.segments = &ids;
+    EXPECT_EQ(run.records[r], scheduled_records(strategy_schedule(c.attention(), c.parallel(), o), c.cp))
+        << "rank " << r;
+    ranks[r].collectives = run.records[r];
+  }
   return harness::largest_over_ranks(ranks);
 }
 
@@ -157,7 +168,7 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
 #endif
             const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
             const auto predicted = attention_collectives(c.attention(), c.parallel(), remat, c.segments);
-            EXPECT_EQ(sorted(largest_over_ranks(run)), sorted(predicted));
+            EXPECT_EQ(sorted(largest_over_ranks(c, run)), sorted(predicted));
           }
         }
       }
@@ -183,7 +194,7 @@ TEST(Planner, PredictionsEqualWhatRunCounted) {
       ASSERT_TRUE(validation_errors(c.attention(), c.parallel()).empty());
       const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
       const auto predicted = attention_collectives(c.attention(), c.parallel(), false, c.segments);
-      EXPECT_EQ(sorted(largest_over_ranks(run)), sorted(predicted));
+      EXPECT_EQ(sorted(largest_over_ranks(c, run)), sorted(predicted));
     }
   }
 }
@@ -237,7 +248,7 @@ TEST(Planner, WindowedPlansEqualWhatRunCounted) {
       EXPECT_EQ(planned.tiles_per_rank, run.tiles_per_rank);
       // The windowed ring's (ring, hybrid) records differ by rank, as hybrid's do by ulysses rank: the plan
       // gives each field's largest over the ranks.
-      EXPECT_EQ(sorted(largest_over_ranks(run)), sorted(planned.collectives));
+      EXPECT_EQ(sorted(largest_over_ranks(c, run)), sorted(planned.collectives));
     }
   }
 }
@@ -379,7 +390,7 @@ TEST(Planner, HybridPredictionsEqualWhatRunCounted) {
       SCOPED_TRACE(c.name());
       const auto run = testing::run_context_parallel(c, testing::make_whole_inputs(c, 3));
       const auto predicted = attention_collectives(c.attention(), c.parallel(), false, c.segments);
-      EXPECT_EQ(predicted, largest_over_ranks(run));
+      EXPECT_EQ(predicted, largest_over_ranks(c, run));
       EXPECT_NE(run.records[0], run.records[1])
           << "ulysses ranks 0 and 1 move different kv heads round their rings";
 

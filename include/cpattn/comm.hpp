@@ -106,7 +106,7 @@ class Communicator {
   }
   // A shift by any distance with counts of this rank's own: send_count elements of send go to rank
   // (r + distance) mod size() and recv_count elements from rank (r - distance) mod size() arrive in recv (a
-  // negative distance shifts backwards; the windowed ring sends each rank only the rows it can see). Every
+  // negative distance shifts backwards; the direct ring sends each rank only the rows it can see). Every
   // rank starts the same shifts (same distance) in the same order, empty ones included; what rank r sends
   // must be what its receiver expects. A count that disagrees with the peer's, a failed peer or a timeout is
   // an Error(communication) naming the rank (under MPI a count mismatch is known to the receiver only: its

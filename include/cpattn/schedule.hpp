@@ -27,7 +27,7 @@ struct ScheduledCollective {
   // the single-group strategies (over all cp ranks).
   std::string group;
   std::int64_t ranks = 0;
-  // A ring shift's distance (Communicator::start_shift_v): rank r sends rank r + distance. The windowed ring
+  // A ring shift's distance (Communicator::start_shift_v): rank r sends rank r + distance. The direct ring
   // sends each source's rows straight to the ranks that see them; every other shift goes one place on.
   std::int64_t distance = 1;
   bool operator==(const ScheduledCollective&) const = default;
@@ -37,7 +37,7 @@ struct ScheduleOptions {
   bool remat = false;   // backward re-gathers (all_gather) or re-exchanges (ulysses) its inputs
   bool packed = false;  // segment ids travel too
   // Whose calls (the rank in cp): hybrid's ring moves the kv heads of the rank's ulysses rank (rank %
-  // ulysses_degree), which differ between ulysses ranks when the heads do not split evenly; a windowed ring
+  // ulysses_degree), which differ between ulysses ranks when the heads do not split evenly; a direct ring
   // (ring, hybrid) sends each ring rank's own rows (ring_reach). The other calls are the same on every rank.
   std::int64_t rank = 0;
   // The ring's route (ring_route over the ring's positions: round the ring, or direct) where the caller has
@@ -49,8 +49,8 @@ struct ScheduleOptions {
   std::int64_t block = 64;
   // The row's segment ids ([B, S], natural order; the sequence-sharded strategies gather them first): a
   // packed all_gather moves each rank the key blocks of its documents its queries reach (all_gather_keys), a
-  // packed ring the rows of them (ring_route). Null: packed rows' keys are planned as the band alone decides
-  // (every block without a window).
+  // packed ring the rows of them (ring_route). Null: packed rows' keys and route are planned as the band
+  // alone decides (every block without a window).
   const std::vector<std::int32_t>* segments = nullptr;
   // The all_gather's keys (all_gather_keys over the layout's ranks with `block` and `segments`; empty: the
   // whole row to every rank) where the caller has them (a run works them out once per forward, the planner

@@ -141,16 +141,17 @@ using RankPositions = std::vector<std::vector<std::int32_t>>;
 using RankRuns = std::vector<std::vector<std::int64_t>>;
 RankPositions rank_positions(ShardLayout layout, std::int64_t seq_len, std::int64_t cp);
 
-// The windowed ring's transfers (docs/design.md, "Ring"). With a sliding window a ring rank's queries see
-// only the rows near the ends of a few other ranks' runs, so instead of sending every shard round the ring,
-// each rank sends each other rank the rows it sees, straight there. Rows are local to one run of a ring
+// The direct ring's transfers (docs/design.md, "Ring"). With a sliding window a ring rank's queries see
+// only the rows near the ends of a few other ranks' runs, on a packed row only their own documents' rows, so
+// instead of sending every shard round the ring, each rank sends each other rank the rows it sees, straight
+// there. Rows are local to one run of a ring
 // rank's rows (its layout's runs: the whole shard, the zigzag's two chunks, a document's pieces).
 struct RowSpan {
   std::int64_t begin = 0, end = 0;
   std::int64_t size() const { return end - begin; }
   bool operator==(const RowSpan&) const = default;
 };
-// One step of the windowed ring: rank r receives from rank (r - distance) mod R, per run of that rank's
+// One step of the direct ring: rank r receives from rank (r - distance) mod R, per run of that rank's
 // rows, the hull of the rows some query of rank r sees under the band (seen[r][part]; empty: none).
 struct ReachStep {
   std::int64_t distance = 0;
@@ -171,8 +172,14 @@ std::vector<ReachStep> ring_reach(const RankPositions& positions, const RankRuns
 
 // How a ring moves K/V: round the ring (every shard passed one hop per step, the dK/dV accumulator with it),
 // or `direct`: only the steps of ring_reach, each rank's rows straight to the ranks that see them and their
-// dK/dV straight back. Direct with a window, and on packed rows where the documents leave some rank a row it
-// does not see (where they leave none, the relay moves the same bytes in fewer, larger messages).
+// dK/dV straight back. Direct with a window, and on packed rows where some rank does not see some row of
+// another (under the band and the documents; where it sees every one, the relay moves the same bytes in
+// fewer, larger messages). A packed row without a window whose route would hold more than kMostRouteSpans
+// spans ((R - 1) x the ranks' runs) or compare more than kMostRunPairs pairs of runs goes round the ring: the
+// same results, every row moved, so that a route (worked out by every rank, once per forward, and by the
+// planner per entry) stays small and quick at many ranks and runs.
+inline constexpr std::int64_t kMostRouteSpans = std::int64_t{1} << 20;
+inline constexpr std::int64_t kMostRunPairs = std::int64_t{1} << 26;
 struct RingRoute {
   bool direct = false;
   std::vector<ReachStep> steps;  // direct: ring_reach's; empty otherwise

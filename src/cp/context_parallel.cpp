@@ -306,9 +306,10 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
     row_segments = cp::all_gather_segments(comm, seg_local, attention.batch, positions);
     finish();
   }
-  route = {};
+  auto found = std::make_shared<RingRoute>();
   if (parallel.traits().ring && parallel.ring_degree() > 1)
-    route = ring_route(ring_positions, ring_runs, attention.band(), attention.windowed(), row_segments);
+    *found = ring_route(ring_positions, ring_runs, attention.band(), attention.windowed(), row_segments);
+  route = std::move(found);
   gather_keys.clear();
   if (parallel.strategy == Strategy::all_gather) {
     gather_keys = all_gather_keys(positions, runs, attention.seq_len, attention.band(), attention.windowed(),
@@ -316,7 +317,7 @@ AttentionOutput ContextParallelAttention::Impl::forward(const Tensor& q, const T
   }
   StrategySchedule schedule =
       strategy_schedule(attention, parallel,
-                        {options.remat, !seg.empty(), rank, &route, options.kernel.block_kv,
+                        {options.remat, !seg.empty(), rank, route.get(), options.kernel.block_kv,
                          segments_first ? &row_segments : nullptr,
                          parallel.strategy == Strategy::all_gather ? &gather_keys : nullptr});
   if (segments_first) schedule.forward.erase(schedule.forward.begin());

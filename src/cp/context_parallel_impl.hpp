@@ -44,7 +44,9 @@ class ContextParallelAttention::Impl {
   // The ring's passes over `ring` (its ranks' rows at `at`, in runs of these lengths, moved by `route`)
   // with these kernel calls.
   cp::RingPass ring_pass(Communicator& ring, const RankPositions& at, const RankRuns& at_runs,
-                         const RingRoute& route, std::vector<cp::KernelCall> calls);
+                         const RingRoute& moves, std::vector<cp::KernelCall> calls);
+  cp::RingPass ring_pass(Communicator&, const RankPositions&, const RankRuns&, RingRoute&&,
+                         std::vector<cp::KernelCall>) = delete;  // the pass keeps a pointer to the route
 
   // The calls to expect from now on on each communicator (`unchecked`: any), and the check that all were
   // made.
@@ -100,7 +102,8 @@ class ContextParallelAttention::Impl {
   // the schedule is made (the keys each rank receives follow them: all_gather_keys, ring_route); empty
   // otherwise.
   std::vector<std::int32_t> row_segments;
-  RingRoute route;  // ring, hybrid: this forward's (ring_route over the ring's rows)
+  // ring, hybrid: this forward's route (ring_route over the ring's rows), shared with its saved state.
+  std::shared_ptr<const RingRoute> route;
   // all_gather: this forward's keys (all_gather_keys; empty: the whole row), for its schedule and its gather.
   std::vector<std::vector<PositionRange>> gather_keys;
   std::vector<float> sinks_local;             // this call's sinks ([hq]; empty: none)
@@ -135,7 +138,7 @@ struct RingSaved final : ContextParallelAttention::Impl::SavedState {
   Tensor q, k, v, o;                              // [B, rows, heads, D]
   std::vector<float> lse;                         // [B, heads, rows]
   std::vector<std::int32_t> seg_local, seg_full;  // the rows' ids, the whole row's natural (empty: none)
-  RingRoute route;  // the forward's: its steps' spans are a few per rank pair, not counted in bytes()
+  std::shared_ptr<const RingRoute> route;         // the forward's (Impl::route: not counted in bytes())
   std::int64_t bytes() const override {
     return saved_bytes({&q, &k, &v, &o}, lse.size() * 4 + (seg_local.size() + seg_full.size()) * 4);
   }

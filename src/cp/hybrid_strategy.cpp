@@ -114,7 +114,7 @@ AttentionOutput ContextParallelAttention::Impl::hybrid_forward(const Tensor& q, 
     }
   }
 
-  cp::RingPass pass = ring_pass(*ring_comm, ring_positions, ring_runs, route,
+  cp::RingPass pass = ring_pass(*ring_comm, ring_positions, ring_runs, *route,
                                 cp::kernel_calls(u.q[u_rank], u.kv[u_rank], hq / hkv));
   pass.sinks = cp::head_sinks(sinks_local, u.q[u_rank].begin, 0, u.q[u_rank].size());
   AttentionOutput heads = cp::ring_pass_forward(pass, qr, kr, vr, seg_rows, seg_full);
@@ -160,7 +160,7 @@ AttentionGradients ContextParallelAttention::Impl::hybrid_backward(const Tensor&
   const UlyssesHeads& u = h.heads;
   Tensor do_heads;
   if (U > 1) do_heads = h.in_slots(cp::all_to_all_sequence_to_heads(*ulysses_comm, d_out, u.q));
-  const cp::RingPass pass = ring_pass(*ring_comm, ring_positions, ring_runs, s.route,
+  const cp::RingPass pass = ring_pass(*ring_comm, ring_positions, ring_runs, *s.route,
                                       cp::kernel_calls(u.q[h.u_rank], u.kv[h.u_rank], hq / hkv));
   cp::RingGradients g = cp::ring_pass_backward(pass, s.q, s.k, s.v, s.o, s.lse, U > 1 ? do_heads : d_out,
                                                s.seg_local, s.seg_full);

@@ -276,7 +276,7 @@ std::vector<Piece> visiting(const RankPositions& positions, std::int64_t src, co
                 [&](std::int64_t b, std::int64_t t) { return seg_full[b * seq + theirs[t]]; });
 }
 
-// The windowed ring's pieces of src's rows that arrived: the seen span of each run, one after another in the
+// The direct ring's pieces of src's rows that arrived: the seen span of each run, one after another in the
 // message (first: the span's first row there).
 std::vector<Piece> arrived(const RankPositions& positions, const RankRuns& runs, std::int64_t src,
                            const std::vector<RowSpan>& spans, std::int64_t batch, std::int64_t seq,
@@ -308,7 +308,7 @@ std::vector<Piece> arrived(const RankPositions& positions, const RankRuns& runs,
   return out;
 }
 
-// A windowed ring's message: rows of K and V (or of their fp32 dK and dV), [2, B, rows, H, D] in one buffer
+// A direct ring's message: rows of K and V (or of their fp32 dK and dV), [2, B, rows, H, D] in one buffer
 // sized once for the step with the most rows and reused (fresh pages are slow to touch on some machines).
 class Rows {
  public:
@@ -401,7 +401,7 @@ std::int64_t most_rows(const std::vector<ReachStep>& steps, std::int64_t rank, b
   return most;
 }
 
-// Starts a windowed ring's K||V message of `step`: this rank's rows its receiver (rank + distance) sees, into
+// Starts a direct ring's K||V message of `step`: this rank's rows its receiver (rank + distance) sees, into
 // `out`; what it sees of rank - distance's rows arrives in `in`.
 std::unique_ptr<PendingShift> start_rows(const cp::RingPass& ring, const Tensor& k, const Tensor& v,
                                          const ReachStep& step, Rows& out, Rows& in) {
@@ -457,9 +457,9 @@ void relay_backward(const cp::RingPass& ring, const Tensor& k, const Tensor& v,
   }
 }
 
-// Windowed: K/V rows arrive straight from the ranks whose rows this rank sees (as in the forward); the dK/dV
-// of those rows go straight back, and each rank adds what comes back into its accumulator in step order (the
-// order round the ring).
+// Direct (ring_route): K/V rows arrive straight from the ranks whose rows this rank sees (as in the forward);
+// the dK/dV of those rows go straight back, and each rank adds what comes back into its accumulator in step
+// order (the order round the ring).
 template <class Step>
 void reach_backward(const cp::RingPass& ring, const Tensor& k, const Tensor& v,
                     const std::vector<std::int32_t>& seg_full, Pair& acc, Step& step) {
@@ -695,7 +695,7 @@ RingGradients ring_pass_backward(const RingPass& ring, const Tensor& q, const Te
 }  // namespace cp
 
 cp::RingPass ContextParallelAttention::Impl::ring_pass(Communicator& ring, const RankPositions& at,
-                                                       const RankRuns& at_runs, const RingRoute& ring_route,
+                                                       const RankRuns& at_runs, const RingRoute& moves,
                                                        std::vector<cp::KernelCall> calls) {
   return {ring,
           at,
@@ -708,13 +708,13 @@ cp::RingPass ContextParallelAttention::Impl::ring_pass(Communicator& ring, const
           &tiles,
           &step_lses,
           {},
-          &ring_route};
+          &moves};
 }
 
 AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, const Tensor& k,
                                                              const Tensor& v, bool forward_only) {
   std::vector<std::int32_t> seg_full = row_segments;  // gathered before the schedule (Impl::forward)
-  cp::RingPass pass = ring_pass(comm, ring_positions, ring_runs, route, {{0, hq, 0, hkv}});
+  cp::RingPass pass = ring_pass(comm, ring_positions, ring_runs, *route, {{0, hq, 0, hkv}});
   pass.sinks = sinks_local;
   AttentionOutput out = cp::ring_pass_forward(pass, q, k, v, seg_local, seg_full);
   if (!forward_only) {
@@ -734,7 +734,7 @@ AttentionOutput ContextParallelAttention::Impl::ring_forward(const Tensor& q, co
 
 AttentionGradients ContextParallelAttention::Impl::ring_backward(const Tensor& d_out) {
   const cp::RingSaved& s = saved_as<cp::RingSaved>();
-  const cp::RingPass pass = ring_pass(comm, ring_positions, ring_runs, s.route, {{0, hq, 0, hkv}});
+  const cp::RingPass pass = ring_pass(comm, ring_positions, ring_runs, *s.route, {{0, hq, 0, hkv}});
   cp::RingGradients g =
       cp::ring_pass_backward(pass, s.q, s.k, s.v, s.o, s.lse, d_out, s.seg_local, s.seg_full);
   AttentionGradients out{g.dq.to(attention.dtype), g.dk.to(attention.dtype), g.dv.to(attention.dtype), {}};

@@ -243,8 +243,10 @@ std::vector<RowDocuments> row_documents(const std::vector<std::int32_t>& segment
   std::vector<RowDocuments> rows;
   const auto n = static_cast<std::size_t>(seq_len);
   for (std::size_t at = 0; at + n <= segments.size(); at += n) {
-    std::vector<std::int32_t> ids(segments.begin() + static_cast<std::ptrdiff_t>(at),
-                                  segments.begin() + static_cast<std::ptrdiff_t>(at + n));
+    std::vector<std::int32_t> ids;  // one per run of equal ids, then sorted and made unique
+    for (std::size_t k = 0; k < n; ++k) {
+      if (k == 0 || segments[at + k] != segments[at + k - 1]) ids.push_back(segments[at + k]);
+    }
     std::sort(ids.begin(), ids.end());
     ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
     RowDocuments row;
@@ -386,11 +388,13 @@ using DocumentQueries = std::vector<std::vector<std::vector<std::pair<std::int64
 DocumentQueries document_queries(const std::vector<RowDocuments>& rows, const RankPositions& positions) {
   DocumentQueries out(positions.size());
   for (std::size_t r = 0; r < positions.size(); ++r) {
+    std::vector<std::int32_t> sorted = positions[r];
+    if (!std::is_sorted(sorted.begin(), sorted.end())) std::sort(sorted.begin(), sorted.end());
     for (const RowDocuments& row : rows) {
       std::vector<std::pair<std::int64_t, std::int64_t>> q;
-      q.reserve(positions[r].size());
-      for (const std::int32_t x : positions[r]) q.emplace_back(row.index[static_cast<std::size_t>(x)], x);
-      std::sort(q.begin(), q.end());
+      q.reserve(sorted.size());
+      for (const std::int32_t x : sorted) q.emplace_back(row.index[static_cast<std::size_t>(x)], x);
+      if (!std::is_sorted(q.begin(), q.end())) std::sort(q.begin(), q.end());  // ids out of position order
       out[r].push_back(std::move(q));
     }
   }
@@ -398,23 +402,45 @@ DocumentQueries document_queries(const std::vector<RowDocuments>& rows, const Ra
 }
 
 // The band's span of the rows of `kv` narrowed to the hull of those some query of the rank (`mine`) sees in
-// its own document, in some batch row: a query at q in [x - right, x + left] of the key's document.
+// its own document, in some batch row: a key at x is seen by a query at q of its document in [x - right,
+// x + left]. A run of consecutive positions is taken piece by piece, a piece the keys of one document: its
+// first key seen is max(a, q - left) for the first query q >= a - right (none where that is past the piece's
+// end z), its last min(z, q + right) for the last q <= z + left, each one binary search; other runs row by
+// row.
 RowSpan document_span(RowSpan span, const Run& kv, const std::vector<std::int32_t>& kv_positions,
                       const std::vector<RowDocuments>& rows,
                       const std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>>& mine,
                       const PositionBand& band) {
-  auto seen = [&](std::int64_t t) {
-    const std::int64_t x = kv_positions[static_cast<std::size_t>(kv.first + t)];
-    for (std::size_t b = 0; b < rows.size(); ++b) {
-      const std::int64_t doc = rows[b].index[static_cast<std::size_t>(x)];
-      const auto it = std::lower_bound(mine[b].begin(), mine[b].end(), std::pair{doc, x - band.right});
-      if (it != mine[b].end() && it->first == doc && it->second <= x + band.left) return true;
+  std::int64_t begin = span.end, end = span.begin;
+  for (std::size_t b = 0; b < rows.size(); ++b) {
+    const auto& q = mine[b];
+    if (!kv.consecutive) {
+      for (std::int64_t t = span.begin; t < span.end; ++t) {
+        const std::int64_t x = kv_positions[static_cast<std::size_t>(kv.first + t)];
+        const std::int64_t doc = rows[b].index[static_cast<std::size_t>(x)];
+        const auto it = std::lower_bound(q.begin(), q.end(), std::pair{doc, x - band.right});
+        if (it != q.end() && it->first == doc && it->second <= x + band.left) {
+          begin = std::min(begin, t);
+          end = std::max(end, t + 1);
+        }
+      }
+      continue;
     }
-    return false;
-  };
-  std::int64_t begin = span.begin, end = span.end;
-  while (begin < end && !seen(begin)) ++begin;
-  while (end > begin && !seen(end - 1)) --end;
+    for (std::int64_t a = kv.lo + span.begin, hi = kv.lo + span.end - 1; a <= hi;) {
+      const std::int64_t doc = rows[b].index[static_cast<std::size_t>(a)];
+      const auto& pieces = rows[b].runs[static_cast<std::size_t>(doc)];
+      const auto piece = std::upper_bound(pieces.begin(), pieces.end(), a,
+                                          [](std::int64_t v, const PositionRange& r) { return v < r.end; });
+      const std::int64_t z = std::min(hi, piece->end - 1);
+      const auto first = std::lower_bound(q.begin(), q.end(), std::pair{doc, a - band.right});
+      if (first != q.end() && first->first == doc && first->second - band.left <= z) {
+        const auto last = std::prev(std::upper_bound(q.begin(), q.end(), std::pair{doc, z + band.left}));
+        begin = std::min(begin, std::max(a, first->second - band.left) - kv.lo);
+        end = std::max(end, std::min(z, last->second + band.right) - kv.lo + 1);
+      }
+      a = z + 1;
+    }
+  }
   return begin < end ? RowSpan{begin, end} : RowSpan{};
 }
 
@@ -471,6 +497,15 @@ std::vector<ReachStep> ring_reach(const RankPositions& positions, const RankRuns
 RingRoute ring_route(const RankPositions& positions, const RankRuns& runs, const PositionBand& band,
                      bool windowed, const std::vector<std::int32_t>& segments) {
   if (!windowed && segments.empty()) return {};
+  if (!windowed) {
+    // Every (rank, run of another rank) pair has a span, and each is found against the rank's runs: past
+    // kMostRouteSpans spans or kMostRunPairs pairs of runs the packed ring goes round instead.
+    std::int64_t total = 0;
+    for (const auto& r : runs) total += static_cast<std::int64_t>(r.size());
+    const auto ranks = static_cast<std::int64_t>(runs.size());
+    if (total > kMostRouteSpans / std::max<std::int64_t>(ranks - 1, 1) || total * total > kMostRunPairs)
+      return {};
+  }
   std::vector<ReachStep> steps = ring_reach(positions, runs, band, segments);
   if (!windowed && every_row_moves(steps, runs)) return {};
   return {true, std::move(steps)};

@@ -78,27 +78,28 @@ std::pair<std::int64_t, std::int64_t> count_tiles(const std::vector<std::int32_t
           kernels::count_full_tiles(qb, kb, band, segments, block)};
 }
 
-}  // namespace
+// The ring's route (ring, hybrid: over the ring's rows; round the ring otherwise) on one row's segment ids.
+RingRoute plan_route(const AttentionSpec& a, const ParallelSpec& p,
+                     const std::vector<std::int32_t>& row_segments) {
+  if (!p.traits().ring || p.ring_degree() <= 1) return {};
+  const SequenceLayout ring = ring_layout_of(a, p);
+  return ring_route(ring.rank_positions(), ring.rank_run_lengths(), a.band(), a.windowed(), row_segments);
+}
 
-std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, const ParallelSpec& p, bool remat,
-                                                    const std::vector<std::int64_t>& documents,
-                                                    bool forward_only, std::int64_t block) {
-  const bool packed = !documents.empty();
-  // The all_gather's keys and the ring's route follow the row's documents (all_gather_keys, ring_route; one
-  // row: every batch row alike).
-  const std::vector<std::int32_t> row_segments =
-      packed ? segment_ids_from_lengths(1, documents) : std::vector<std::int32_t>{};
-  RingRoute route;
-  if (p.traits().ring && p.ring_degree() > 1) {
-    const SequenceLayout ring = ring_layout_of(a, p);
-    route = ring_route(ring.rank_positions(), ring.rank_run_lengths(), a.band(), a.windowed(), row_segments);
-  }
+// attention_collectives on the route (and the all_gather's keys, null: worked out) of these segment ids.
+std::vector<CollectiveRecord> collectives_of(const AttentionSpec& a, const ParallelSpec& p, bool remat,
+                                             const std::vector<std::int32_t>& row_segments,
+                                             const RingRoute& route,
+                                             const std::vector<std::vector<PositionRange>>* keys,
+                                             bool forward_only, std::int64_t block) {
+  const bool packed = !row_segments.empty();
   // The calls differ between ranks in hybrid's ring (by ulysses rank) and in a direct ring (each ring rank
   // sends the rows its receivers see); each field's largest over the ranks.
   const std::int64_t ranks = route.direct ? p.cp : p.traits().sub_groups ? p.head_group_size() : 1;
   std::vector<CollectiveRecord> out;
   for (std::int64_t r = 0; r < ranks; ++r) {
-    StrategySchedule schedule = strategy_schedule(a, p, {remat, packed, r, &route, block, &row_segments});
+    StrategySchedule schedule =
+        strategy_schedule(a, p, {remat, packed, r, &route, block, &row_segments, keys});
     if (forward_only) schedule.backward.clear();
     const auto records = scheduled_records(schedule, p.cp);
     if (out.empty()) {
@@ -111,6 +112,19 @@ std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, cons
     }
   }
   return out;
+}
+
+}  // namespace
+
+std::vector<CollectiveRecord> attention_collectives(const AttentionSpec& a, const ParallelSpec& p, bool remat,
+                                                    const std::vector<std::int64_t>& documents,
+                                                    bool forward_only, std::int64_t block) {
+  // The all_gather's keys and the ring's route follow the row's documents (all_gather_keys, ring_route; one
+  // row: every batch row alike).
+  const std::vector<std::int32_t> row_segments =
+      documents.empty() ? std::vector<std::int32_t>{} : segment_ids_from_lengths(1, documents);
+  return collectives_of(a, p, remat, row_segments, plan_route(a, p, row_segments), nullptr, forward_only,
+                        block);
 }
 
 namespace {
@@ -208,11 +222,10 @@ struct PlanContext {
   std::int64_t threads = 1;  // kernel threads per rank where ranks share cores (run's default), else 1
   std::vector<KernelFit> forward_fits, backward_fits;  // the profile's kernel entries, fitted
   // The ring's route (ring, hybrid, R > 1: ring_route); direct (a window, or documents that leave rows
-  // unseen): its steps (`reach`), each rank's rows straight to the ranks that see them.
+  // unseen): its steps (`route.steps`), each rank's rows straight to the ranks that see them.
   RingRoute route;
   bool direct_ring = false;
-  std::vector<ReachStep> reach;
-  std::vector<std::int64_t> reach_at;  // reach_at[d]: the index in reach of distance d, or -1
+  std::vector<std::int64_t> reach_at;  // reach_at[d]: the index in route.steps of distance d, or -1
   // all_gather's key rows per rank: S, or with a window or on packed rows the rows it sees (all_gather_keys).
   std::vector<std::int64_t> gathered_rows;
   // Packed rows: one row's segment ids ([1, S]), whose documents decide the all_gather's keys and the ring's
@@ -385,7 +398,7 @@ struct RingTiles {
     }
     const std::int64_t at = c.reach_at[static_cast<std::size_t>(step)];
     if (at < 0) return theirs;
-    const auto& seen = c.reach[static_cast<std::size_t>(at)].seen[static_cast<std::size_t>(ring_rank)];
+    const auto& seen = c.route.steps[static_cast<std::size_t>(at)].seen[static_cast<std::size_t>(ring_rank)];
     cut.reserve(seen.size());
     const auto& src_pieces = pieces[static_cast<std::size_t>(src)];
     for (std::size_t part = 0; part < seen.size(); ++part) {
@@ -508,7 +521,7 @@ void plan_memory(const PlanContext& c, StrategyPlan& s) {
     }
   } else if (c.ring_like()) {
     // Saved: the ring rank's rows of q, O, LSE and K/V (hybrid: its ulysses heads; the largest over ranks);
-    // in flight: the visiting K/V and the next one (windowed: two messages in and two out, of the most rows
+    // in flight: the visiting K/V and the next one (direct: two messages in and two out, of the most rows
     // a step receives and sends, and in backward as many rows of fp32 dK/dV going back and coming back).
     const std::int64_t rows = S / c.R;
     std::int64_t in_flight = 2 * rows, partial_rows = 0;
@@ -516,7 +529,7 @@ void plan_memory(const PlanContext& c, StrategyPlan& s) {
       in_flight = 0;
       for (std::int64_t rr = 0; rr < c.R; ++rr) {
         std::int64_t most_in = 0, most_out = 0;
-        for (const ReachStep& st : c.reach) {
+        for (const ReachStep& st : c.route.steps) {
           most_in = std::max(most_in, st.rows_received(rr));
           most_out = std::max(most_out, st.rows_sent(rr));
         }
@@ -823,7 +836,8 @@ double accumulated_rows(const PlanContext& c, std::int64_t rank, std::int64_t st
   if (!c.direct_ring || step == 0) return static_cast<double>(c.S / c.R);
   const std::int64_t at = c.reach_at[static_cast<std::size_t>(step)];
   return at < 0 ? 0.0
-                : static_cast<double>(c.reach[static_cast<std::size_t>(at)].rows_sent(c.p.ring_rank(rank)));
+                : static_cast<double>(
+                      c.route.steps[static_cast<std::size_t>(at)].rows_sent(c.p.ring_rank(rank)));
 }
 
 // The memory traffic of a ring step outside its kernel calls (ring, hybrid), at the profile's
@@ -908,12 +922,13 @@ double ring_layer_seconds(const PlanContext& c, const CallPlan& calls, double fi
   return t;
 }
 
-// The direct ring's layer time: only step 0 and the steps some query reaches (c.reach), each while the next
-// step's K||V shift flies and (backward) the previous step's dK||dV shift back; the last step's shift back
-// is exposed. Each such step adds ring_step_seconds; a ring whose band reaches no other rank moves nothing.
+// The direct ring's layer time: only step 0 and the steps some query reaches (c.route.steps), each while the
+// next step's K||V shift flies and (backward) the previous step's dK||dV shift back; the last step's shift
+// back is exposed. Each such step adds ring_step_seconds; a ring whose band reaches no other rank moves
+// nothing.
 double direct_ring_seconds(const PlanContext& c, const CallPlan& calls, double fixed, const CommModel& m) {
   std::vector<std::int64_t> active{0};
-  for (const ReachStep& st : c.reach) active.push_back(st.distance);
+  for (const ReachStep& st : c.route.steps) active.push_back(st.distance);
   const double sync = active.size() > 1 ? c.req.hardware.ring_step_seconds : 0.0;
   auto hop = [](const std::map<std::int64_t, double>& by, std::int64_t d) {
     const auto it = by.find(d);
@@ -989,8 +1004,8 @@ using KernelFits = std::pair<std::vector<KernelFit>, std::vector<KernelFit>>;
 StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const std::string& name,
                            Strategy strategy, ShardLayout layout, std::int64_t ulysses_degree = 0) {
   const bool load_balance = layout == ShardLayout::dual_chunk_swap;
-  PlanContext c{req, req.attention, req.parallel, 1,  1,  1,  1, 1, 1, 1, 4, 1, 1, false, {}, {}, 1, {}, {},
-                {},  false,         {},           {}, {}, {}, {}};
+  PlanContext c{req, req.attention, req.parallel, 1,  1,  1, 1, 1, 1, 1, 4, 1, 1, false, {}, {}, 1, {}, {},
+                {},  false,         {},           {}, {}, {}};
   c.p.strategy = strategy;
   c.p.load_balance = load_balance;
   c.p.layout = layout;
@@ -1048,17 +1063,12 @@ StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const
       c.gathered_rows[static_cast<std::size_t>(r)] = rows;
     }
   }
-  if (c.ring_like() && c.R > 1) {
-    const SequenceLayout ring = ring_layout_of(c.a, c.p);
-    c.route = ring_route(ring.rank_positions(), ring.rank_run_lengths(), c.a.band(), c.a.windowed(),
-                         c.row_segments);
-  }
+  c.route = plan_route(c.a, c.p, c.row_segments);
   c.direct_ring = c.route.direct;
   if (c.direct_ring) {
-    c.reach = c.route.steps;
     c.reach_at.assign(static_cast<std::size_t>(c.R), -1);
-    for (std::size_t i = 0; i < c.reach.size(); ++i)
-      c.reach_at[static_cast<std::size_t>(c.reach[i].distance)] = static_cast<std::int64_t>(i);
+    for (std::size_t i = 0; i < c.route.steps.size(); ++i)
+      c.reach_at[static_cast<std::size_t>(c.route.steps[i].distance)] = static_cast<std::int64_t>(i);
   }
   if (c.heads_split()) c.heads = ulysses_heads(c.hq, c.hkv, c.p.head_group_size());
   const HardwareProfile& hw = req.hardware;
@@ -1080,7 +1090,9 @@ StrategyPlan plan_strategy(const PlanRequest& req, const KernelFits& fits, const
              hw.socket_bandwidth,
              hw.socket_all_to_all_bandwidth > 0 ? hw.socket_all_to_all_bandwidth : hw.socket_bandwidth,
              hw.socket_latency > 0 ? hw.socket_latency : hw.latency};
-  s.collectives = attention_collectives(c.a, c.p, req.remat, req.segments, req.forward_only, req.block);
+  s.collectives = collectives_of(c.a, c.p, req.remat, c.row_segments, c.route,
+                                 c.p.strategy == Strategy::all_gather ? &c.gather_keys : nullptr,
+                                 req.forward_only, req.block);
   CommModel m = plan_communication(c);
   const double reorder_seconds = plan_reorder(c, s, m.inter_bytes);
   s.inter_host_bytes_sent_per_rank = *std::max_element(m.inter_bytes.begin(), m.inter_bytes.end());
