@@ -856,6 +856,9 @@ class ContextParallel {
 
   int rank() const { return comm_->rank(); }
   int size() const { return comm_->size(); }
+  // The ring's (ring, hybrid) seconds waiting on its shifts, of the object that ran last, since its last
+  // forward began (after a backward: that forward's and the backward's).
+  double comm_wait_seconds() const { return last_wait_; }
 
   // (o, lse, saved): saved goes back to backward.
   py::tuple forward(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
@@ -898,6 +901,7 @@ class ContextParallel {
     try {
       const KernelCall call;  // the GIL released, Ctrl-C an interrupt
       out = cp->forward(qt, kt, vt, seg, forward_only, sinks);
+      last_wait_ = cp->comm_wait_seconds();
       if (!forward_only) saved = cp->take_saved();
     } catch (const Error&) {
       if (copy_failed) throw *copy_failed;
@@ -933,6 +937,7 @@ class ContextParallel {
     try {
       const KernelCall call;  // the GIL released, Ctrl-C an interrupt
       g = saved.object->backward(dt, *saved.saved);
+      last_wait_ = saved.object->comm_wait_seconds();
     } catch (const Error&) {
       problems.raise();  // this rank's own reason first
       throw;
@@ -1050,6 +1055,7 @@ class ContextParallel {
   static constexpr std::size_t kept_shapes = 8;
   std::vector<std::pair<std::string, std::shared_ptr<ContextParallelAttention>>>
       objects_;  // most recent first
+  double last_wait_ = 0;
 };
 
 }  // namespace
@@ -1109,6 +1115,7 @@ PYBIND11_MODULE(_cpattn, m) {
       .def(py::init<const py::object&, const py::dict&>(), py::arg("comm"), py::arg("options"))
       .def_property_readonly("rank", &ContextParallel::rank)
       .def_property_readonly("size", &ContextParallel::size)
+      .def_property_readonly("comm_wait_seconds", &ContextParallel::comm_wait_seconds)
       .def("forward", &ContextParallel::forward)
       .def("backward", &ContextParallel::backward)
       .def("local_positions", &ContextParallel::local_positions);

@@ -310,6 +310,13 @@ class ContextParallelAttention(_torch.nn.Module):
     def cp(self):
         return self._impl.size
 
+    @property
+    def comm_wait_seconds(self):
+        """The ring's (ring, hybrid) seconds waiting on its K/V and dK/dV transfers, of the shape that ran
+        last, since its last forward began (after a backward: that forward's and the backward's); 0 for the
+        strategies without a ring."""
+        return self._impl.comm_wait_seconds
+
     def local_positions(self, seq_len):
         """The global positions of this rank's tokens (for RoPE, and to cut its shard out of a whole row)."""
         return _torch.from_numpy(self._impl.local_positions(seq_len))

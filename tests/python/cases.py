@@ -64,12 +64,14 @@ def check_strategy(make_attn, strategy, seed, bitwise, Hq=8, Hkv=2, S=256, causa
 
 def case_strategies():
     # KV replication: Hq 8 on Hkv 2 at cp 4 puts each kv head on two ranks.
-    check_strategy(make, "ulysses", 1, bitwise=True)
+    ulysses = check_strategy(make, "ulysses", 1, bitwise=True)
+    assert ulysses.comm_wait_seconds == 0.0  # no ring: nothing waited on
     check_strategy(make, "ulysses", 2, bitwise=True, packed=True)
     check_strategy(make, "all_gather", 3, bitwise=True, load_balance=True)
     check_strategy(make, "all_gather", 4, bitwise=True, load_balance=True, packed=True, causal=False)
     # The ring and the hybrid merge partial softmaxes: close, not bitwise.
-    check_strategy(make, "ring", 5, bitwise=False, load_balance=True)
+    ring = check_strategy(make, "ring", 5, bitwise=False, load_balance=True)
+    assert 0.0 < ring.comm_wait_seconds < 600.0, ring.comm_wait_seconds  # its shifts' waits, forward and backward
     check_strategy(make, "hybrid", 6, bitwise=False, ulysses_degree=2, load_balance=True)
     # Sliding windows: one rank's chunk is 64 tokens, the windows reach one or two chunks back.
     check_strategy(make, "ulysses", 8, bitwise=True, causal=False, window=(16, 8))
