@@ -123,7 +123,7 @@ def main():
                  f"{g['forward_backward'] / m['forward_backward']:.3f}" if m else "-",
                  wait if s in ("ring", "hybrid") else "-"]
         print(f"| {s} | " + " | ".join(cells) + " |")
-    print("\nring's wait: the slowest rank's seconds in its K/V and dK/dV transfers' wait() after its compute, in "
+    print("\nring's wait (ms): the slowest rank's time in its K/V and dK/dV transfers' wait() after its compute, in "
           "the best forward + backward (ContextParallelAttention.comm_wait_seconds): what the transfers did not "
           "hide behind the kernels.")
 
