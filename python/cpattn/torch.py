@@ -199,16 +199,26 @@ class _GroupPending:
             if done is False:
                 raise RuntimeError(f"{what} rank {peer[0]} (global rank {peer[1]}): no progress within "
                                    f"{timeout_seconds:g} s (a peer is stopped or gone)")
-        for view, tensor in self._landed:
-            _torch.frombuffer(view, dtype=_torch.uint8).copy_(tensor)
+        for (view, tensor), peer in self._landed:
+            sent = int.from_bytes(tensor[:_HEADER].numpy().tobytes(), "little")
+            if sent != len(view):
+                raise RuntimeError(f"receiving from rank {peer[0]} (global rank {peer[1]}): a message of {sent} "
+                                   f"bytes where {len(view)} were expected (the ranks disagree on a call's size)")
+            if len(view):
+                _torch.frombuffer(view, dtype=_torch.uint8).copy_(tensor[_HEADER:])
         self._works, self._landed = [], []
+
+
+_HEADER = 8  # each message's length in bytes, little-endian, before its bytes
 
 
 class _GroupTransport:
     """Point-to-point bytes over a torch.distributed process group (isend/irecv, which gloo has), the one thing
     cpattn's transport backend needs: its collectives, and every strategy, run on it. Each message travels in
     a tensor of its own (sends copied out of cpattn's buffers, receives copied in once complete), so that a
-    failing rank's buffers are never touched after it gave them up."""
+    failing rank's buffers are never touched after it gave them up, behind its length (_HEADER bytes): a
+    message shorter than its receiver expects, which gloo would deliver without a word, is an error naming
+    both sizes (a longer one is gloo's own error)."""
 
     def __init__(self, group):
         dist = _torch.distributed
@@ -222,12 +232,15 @@ class _GroupTransport:
         dist = _torch.distributed
         works, landed = [], []
         for peer, view in recvs:
-            t = _torch.empty(len(view), dtype=_torch.uint8)
+            t = _torch.empty(_HEADER + len(view), dtype=_torch.uint8)
             work = dist.irecv(t, src=self._global[peer], group=self.group, tag=tag)
             works.append((work, (peer, self._global[peer]), "receiving from"))
-            landed.append((view, t))
+            landed.append(((view, t), (peer, self._global[peer])))
         for peer, view in sends:
-            t = _torch.frombuffer(view, dtype=_torch.uint8).clone()
+            t = _torch.empty(_HEADER + len(view), dtype=_torch.uint8)
+            t[:_HEADER] = _torch.frombuffer(bytearray(len(view).to_bytes(_HEADER, "little")), dtype=_torch.uint8)
+            if len(view):
+                t[_HEADER:] = _torch.frombuffer(view, dtype=_torch.uint8)
             work = dist.isend(t, dst=self._global[peer], group=self.group, tag=tag)
             works.append((work, (peer, self._global[peer]), "sending to"))
         return _GroupPending(works, landed)

@@ -77,6 +77,26 @@ def case_bad_groups():
                  "not both")
 
 
+def case_transport_sizes():
+    # A message shorter than its receiver expects is an error naming both sizes, not a silent short read (the
+    # strategies agree on shapes before data moves; this is the transport's own check, under every collective).
+    transport = ct._GroupTransport(dist.group.WORLD)
+    if RANK == 0:
+        transport.start([(1, memoryview(bytearray(b"abcd")))], [], 4242).wait(30)
+    elif RANK == 1:
+        pending = transport.start([], [(0, memoryview(bytearray(8)))], 4242)
+        msg = expect_error(RuntimeError, lambda: pending.wait(30), "4 bytes where 8 were expected", "rank 0")
+        print(f"transport_sizes rank 1: {msg}", flush=True)
+    # and one of the expected size arrives whole
+    if RANK == 0:
+        transport.start([(1, memoryview(bytearray(b"abcdefgh")))], [], 4243).wait(30)
+    elif RANK == 1:
+        got = bytearray(8)
+        transport.start([], [(0, memoryview(got))], 4243).wait(30)
+        assert got == bytearray(b"abcdefgh"), got
+    dist.barrier()
+
+
 def _problem_and_object(timeout):
     q, k, v, _, _ = problem(1, 256, 8, 2, 32, 40)
     attn = ct.ContextParallelAttention(strategy="ring", threads=1, timeout=timeout)

@@ -26,7 +26,8 @@ def launch(*names, nproc=4, timeout=300):
     return out.returncode, out.stdout + out.stderr, time.monotonic() - start
 
 
-CASES = ["strategies", "bfloat16", "side_by_side", "errors", "disagree", "many_shapes", "dp_cp", "bad_groups", "sdpa"]
+CASES = ["strategies", "bfloat16", "side_by_side", "errors", "disagree", "many_shapes", "dp_cp", "bad_groups", "sdpa",
+         "transport_sizes"]
 
 
 @pytest.fixture(scope="module")
