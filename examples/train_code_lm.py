@@ -19,8 +19,9 @@ step (--dp x --batch).
 Per step it prints the loss, tokens/s and attention's share of the step; every --eval-every steps the held-out
 loss by position within the document (0-1k, 1k-4k, 4k-16k bytes) with the full context and with the context
 cut to the last 1k bytes (a sliding window at evaluation: each byte sees itself and the 1023 before it, the
-attention's window=1023), so that what the long context buys shows, against the unigram baseline (the bytes' entropy). --out DIR gets the numbers as JSON and,
-where matplotlib imports, the loss curves and the by-position losses as a PNG.
+attention's window=1023), so that what the long context buys shows, against the unigram baseline (the bytes'
+entropy). --out DIR gets the numbers as JSON and, where matplotlib imports, the loss curves and the
+by-position losses as a PNG.
 """
 
 import argparse

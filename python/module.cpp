@@ -856,8 +856,8 @@ class ContextParallel {
 
   int rank() const { return comm_->rank(); }
   int size() const { return comm_->size(); }
-  // The ring's (ring, hybrid) seconds waiting on its shifts, of the object that ran last, since its last
-  // forward began (after a backward: that forward's and the backward's).
+  // The ring's (ring, hybrid) seconds waiting on its shifts, of the object that ran last, since that object's
+  // last forward began.
   double comm_wait_seconds() const { return last_wait_; }
 
   // (o, lse, saved): saved goes back to backward.

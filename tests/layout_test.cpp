@@ -264,8 +264,8 @@ TEST(RingReach, SpansAreTheHullOfWhatSomeQuerySees) {
 }
 
 // A packed row without a window whose route would be too large goes round the ring: per_document at cp 64
-// holds two runs per rank and document, 80 documents 10240 runs (past kMostRunPairs' 8192), 40 documents
-// 5120.
+// holds two runs per rank and document but where adjacent pieces merge: 80 documents 10081 runs (past the
+// 8192 that kMostRunPairs allows), 40 documents 5041.
 TEST(RingReach, APackedRouteOfTooManyRunsGoesRoundTheRing) {
   for (const std::int64_t docs : {40, 80}) {
     const std::int64_t seq = docs * 1024;

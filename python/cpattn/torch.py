@@ -326,8 +326,8 @@ class ContextParallelAttention(_torch.nn.Module):
     @property
     def comm_wait_seconds(self):
         """The ring's (ring, hybrid) seconds waiting on its K/V and dK/dV transfers, of the shape that ran
-        last, since its last forward began (after a backward: that forward's and the backward's); 0 for the
-        strategies without a ring."""
+        last, since that shape's last forward began (after a forward and its backward: both; a second forward
+        before the backward starts the count again); 0 for the strategies without a ring."""
         return self._impl.comm_wait_seconds
 
     def local_positions(self, seq_len):

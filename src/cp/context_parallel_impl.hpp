@@ -47,6 +47,8 @@ class ContextParallelAttention::Impl {
                          const RingRoute& moves, std::vector<cp::KernelCall> calls);
   cp::RingPass ring_pass(Communicator&, const RankPositions&, const RankRuns&, RingRoute&&,
                          std::vector<cp::KernelCall>) = delete;  // the pass keeps a pointer to the route
+  cp::RingPass ring_pass(Communicator&, const RankPositions&, const RankRuns&, const RingRoute&&,
+                         std::vector<cp::KernelCall>) = delete;
 
   // The calls to expect from now on on each communicator (`unchecked`: any), and the check that all were
   // made.
