@@ -80,8 +80,8 @@ void run_rank(Communicator& comm, const AttentionSpec& attention, const Parallel
               const RunSettings& settings, const WholeProblem& problem, WholeResult& result);
 
 // After run_rank on every rank of a group whose ranks each hold their own result (separate processes): gives
-// every rank the whole outputs and every rank's tiles, timings and counted bytes (each rank's collectives: its
-// own calls, which every rank makes alike, with the other ranks' bytes; across hosts its own).
+// every rank the whole outputs and every rank's tiles, timings and counted bytes (each rank's collectives:
+// its own calls, which every rank makes alike, with the other ranks' bytes; across hosts its own).
 void share_whole_result(Communicator& comm, const AttentionSpec& attention, const ParallelSpec& parallel,
                         bool forward_only, WholeResult& result);
 
